@@ -1,0 +1,31 @@
+"""Build zonefs-py: the Python package plus the cffi extension from native/.
+
+The extension is compiled in cffi's API (out-of-line) mode by
+native/build_native.py; it needs gcc, the Python headers and liburing's
+headers (Debian: build-essential python3-dev liburing-dev).
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="zonefs-py",
+    version="0.1.0",
+    description="A FUSE log-structured filesystem for zoned SSDs, built for AI training storage",
+    python_requires=">=3.11",
+    packages=find_packages(include=["zonefs_py", "zonefs_py.*"]),
+    setup_requires=["cffi>=1.15"],
+    cffi_modules=["native/build_native.py:ffibuilder"],
+    install_requires=[
+        "cffi>=1.15",
+        "pyfuse3>=3.2",
+        "trio>=0.22",
+        "xxhash>=3.0",
+    ],
+    extras_require={
+        "test": ["pytest>=7", "pytest-trio>=0.8", "hypothesis>=6"],
+        "bench": ["matplotlib>=3.6"],
+    },
+    entry_points={"console_scripts": ["zonefs-py = zonefs_py.cli.main:main"]},
+    scripts=["mount_helpers/mount.fuse.zonefs-py"],
+    zip_safe=False,
+)

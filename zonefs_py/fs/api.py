@@ -1,0 +1,221 @@
+"""The namespace API that the FUSE adapter calls: inode-based, async, errno-free.
+
+`zonefs_py.fs.filesystem.ZoneFS` implements `FileSystemAPI`. The methods mirror
+the FUSE low-level operations so that `fuse_ops.py` stays a thin translation
+layer: it converts `Attr` to `pyfuse3.EntryAttributes` and the domain errors of
+`zonefs_py.errors` to errno. Names are `bytes` (any bytes but b"/" and NUL,
+at most 255). Times are integer nanoseconds since the epoch.
+
+Lookup counting follows FUSE: every method that returns an `Attr` for a
+directory entry (lookup, mknod, mkdir, symlink, link, create, readdir entries
+that the adapter hands to the kernel) increments the inode's lookup count by
+one; `forget` decrements it. An inode with nlink == 0 lives on while its lookup
+count or an open handle holds it.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+ROOT_INO = 1
+NAME_MAX = 255
+XATTR_NAME_MAX = 255
+XATTR_SIZE_MAX = 65536
+#: Largest file size (offsets at or past it are EFBIG): 2**63 - 1 like ext4's s_maxbytes.
+FILE_SIZE_MAX = (1 << 63) - 1
+
+
+class RenameFlags(enum.IntFlag):
+    """renameat2(2) flags."""
+
+    NONE = 0
+    NOREPLACE = 1
+    EXCHANGE = 2
+
+
+class XattrFlags(enum.IntFlag):
+    """setxattr(2) flags."""
+
+    NONE = 0
+    CREATE = 1
+    REPLACE = 2
+
+
+@dataclass(slots=True)
+class Attr:
+    """Attributes of one inode, as stat(2) shows them."""
+
+    ino: int
+    mode: int
+    nlink: int
+    uid: int
+    gid: int
+    rdev: int
+    size: int
+    blocks: int  # 512-byte units actually stored
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+    blksize: int = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Ctx:
+    """Who is asking: from the FUSE request context."""
+
+    uid: int = 0
+    gid: int = 0
+    pid: int = 0
+    umask: int = 0o022
+    groups: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class StatFs:
+    """statfs(2) figures; the over-provisioning reserve is excluded."""
+
+    block_size: int
+    total_blocks: int
+    free_blocks: int
+    avail_blocks: int
+    total_inodes: int
+    free_inodes: int
+    name_max: int = NAME_MAX
+
+
+@dataclass(slots=True)
+class DirEntry:
+    name: bytes
+    attr: Attr
+    next_offset: int
+
+
+@dataclass(slots=True)
+class SetAttrRequest:
+    """Fields to change; None leaves a field unchanged."""
+
+    size: int | None = None
+    mode: int | None = None
+    uid: int | None = None
+    gid: int | None = None
+    atime_ns: int | None = None
+    mtime_ns: int | None = None
+    ctime_ns: int | None = None
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+class FileSystemAPI(abc.ABC):
+    """Inode-level operations. Every method may raise a `zonefs_py.errors` class."""
+
+    # -- lookups and attributes ------------------------------------------
+    @abc.abstractmethod
+    async def lookup(self, parent_ino: int, name: bytes) -> Attr: ...
+
+    @abc.abstractmethod
+    def forget(self, forgets: Sequence[tuple[int, int]]) -> None:
+        """Drop lookup counts: a list of (ino, nlookup). Never awaits, never raises."""
+
+    @abc.abstractmethod
+    async def getattr(self, ino: int) -> Attr: ...
+
+    @abc.abstractmethod
+    async def setattr(self, ino: int, req: SetAttrRequest, ctx: Ctx) -> Attr: ...
+
+    @abc.abstractmethod
+    async def readlink(self, ino: int) -> bytes: ...
+
+    @abc.abstractmethod
+    async def access(self, ino: int, mode: int, ctx: Ctx) -> None:
+        """Raise PermissionDenied unless ctx may access ino with mode (R_OK|W_OK|X_OK)."""
+
+    # -- namespace changes --------------------------------------------------
+    @abc.abstractmethod
+    async def mknod(self, parent_ino: int, name: bytes, mode: int, rdev: int, ctx: Ctx) -> Attr:
+        ...
+
+    @abc.abstractmethod
+    async def mkdir(self, parent_ino: int, name: bytes, mode: int, ctx: Ctx) -> Attr: ...
+
+    @abc.abstractmethod
+    async def symlink(self, parent_ino: int, name: bytes, target: bytes, ctx: Ctx) -> Attr: ...
+
+    @abc.abstractmethod
+    async def link(self, ino: int, new_parent_ino: int, new_name: bytes) -> Attr: ...
+
+    @abc.abstractmethod
+    async def unlink(self, parent_ino: int, name: bytes) -> None: ...
+
+    @abc.abstractmethod
+    async def rmdir(self, parent_ino: int, name: bytes) -> None: ...
+
+    @abc.abstractmethod
+    async def rename(self, old_parent_ino: int, old_name: bytes, new_parent_ino: int,
+                     new_name: bytes, flags: RenameFlags) -> None: ...
+
+    # -- files ---------------------------------------------------------------
+    @abc.abstractmethod
+    async def open(self, ino: int, flags: int) -> int:
+        """Open ino (O_TRUNC truncates); return a file handle."""
+
+    @abc.abstractmethod
+    async def create(self, parent_ino: int, name: bytes, mode: int, flags: int,
+                     ctx: Ctx) -> tuple[int, Attr]: ...
+
+    @abc.abstractmethod
+    async def read(self, fh: int, offset: int, length: int) -> bytes: ...
+
+    @abc.abstractmethod
+    async def write(self, fh: int, offset: int, data: bytes) -> int: ...
+
+    @abc.abstractmethod
+    async def flush(self, fh: int) -> None: ...
+
+    @abc.abstractmethod
+    async def release(self, fh: int) -> None: ...
+
+    @abc.abstractmethod
+    async def fsync(self, fh: int, datasync: bool) -> None: ...
+
+    # -- directories ---------------------------------------------------------
+    @abc.abstractmethod
+    async def opendir(self, ino: int) -> int: ...
+
+    @abc.abstractmethod
+    async def readdir(self, dh: int, offset: int) -> list[DirEntry]:
+        """Entries after `offset` (0 = start). Offsets stay valid while the directory changes."""
+
+    @abc.abstractmethod
+    async def releasedir(self, dh: int) -> None: ...
+
+    @abc.abstractmethod
+    async def fsyncdir(self, dh: int, datasync: bool) -> None: ...
+
+    # -- extended attributes ------------------------------------------------
+    @abc.abstractmethod
+    async def getxattr(self, ino: int, name: bytes) -> bytes: ...
+
+    @abc.abstractmethod
+    async def setxattr(self, ino: int, name: bytes, value: bytes, flags: XattrFlags,
+                       ctx: Ctx) -> None: ...
+
+    @abc.abstractmethod
+    async def listxattr(self, ino: int) -> list[bytes]: ...
+
+    @abc.abstractmethod
+    async def removexattr(self, ino: int, name: bytes, ctx: Ctx) -> None: ...
+
+    # -- whole filesystem ------------------------------------------------------
+    @abc.abstractmethod
+    async def statfs(self) -> StatFs: ...
+
+    @abc.abstractmethod
+    async def sync(self) -> None:
+        """Make everything acknowledged so far durable (journal commit + device flush)."""
+
+    @abc.abstractmethod
+    def status(self) -> dict[str, object]:
+        """Figures for `zonefs-py stat`: zones by condition, space, write amplification,
+        streams, journal state. JSON-serialisable."""

@@ -1,0 +1,65 @@
+"""Mount-time options of the engine (the filesystem's own `-o` options).
+
+`zonefs-py mount -o` parses `name=value` pairs into `FsOptions` with
+`FsOptions.from_mount_options`; unknown names are left for FUSE.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class FsOptions:
+    #: Seconds between background journal commits (like ext4's commit=).
+    commit_interval_s: float = 5.0
+    #: Mount read-only: no device writes at all (recovery must not need to write).
+    read_only: bool = False
+    #: Journal bytes since the last checkpoint that trigger a new checkpoint.
+    checkpoint_journal_bytes: int = 64 << 20
+    #: Most device calls in flight from worker threads at once.
+    max_device_threads: int = 16
+    #: Cleaner rate limit, MB/s (token bucket); 0 disables background cleaning.
+    cleaner_rate_mb_s: float = 64.0
+    #: Cleaner victim policy: "cost-benefit" or "greedy".
+    cleaner_policy: str = "cost-benefit"
+
+    _MOUNT_NAMES = {
+        "commit": ("commit_interval_s", float),
+        "checkpoint_mb": ("checkpoint_journal_bytes", lambda v: int(v) << 20),
+        "io_threads": ("max_device_threads", int),
+        "cleaner_rate": ("cleaner_rate_mb_s", float),
+        "cleaner_policy": ("cleaner_policy", str),
+    }
+
+    @classmethod
+    def from_mount_options(cls, opts: dict[str, str | None]) -> tuple[FsOptions, dict[str, str | None]]:
+        """Split -o options into ours (parsed) and the rest (for FUSE).
+
+        Raises ValueError with a one-line message for a bad value.
+        """
+        result = cls()
+        rest: dict[str, str | None] = {}
+        for name, value in opts.items():
+            if name == "ro":
+                result.read_only = True
+                rest[name] = value
+                continue
+            spec = cls._MOUNT_NAMES.get(name)
+            if spec is None:
+                rest[name] = value
+                continue
+            field_name, conv = spec
+            if value is None:
+                raise ValueError(f"mount option {name} needs a value ({name}=...)")
+            try:
+                setattr(result, field_name, conv(value))
+            except ValueError:
+                raise ValueError(f"bad value for mount option {name}: {value!r}") from None
+        if result.cleaner_policy not in ("cost-benefit", "greedy"):
+            raise ValueError("cleaner_policy must be cost-benefit or greedy")
+        return result, rest
+
+    def replace(self, **changes: object) -> FsOptions:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
