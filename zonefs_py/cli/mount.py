@@ -1,0 +1,152 @@
+"""`zonefs-py mount`: mount a zonefs-py filesystem (and the mount(8) helper).
+
+    zonefs-py mount DEVICE MOUNTPOINT [-f] [-o opt,...] [--log-level L] [--log-file P]
+    zonefs-py mount --install-helper [DIR]
+
+By default the command daemonizes and returns once the filesystem is mounted
+(exit 0) or with the daemon's one-line error (exit 1). `-f` stays in the
+foreground and logs to stderr. The heavy lifting is in `zonefs_py.daemon`.
+
+`mount -t fuse.zonefs-py DEVICE MOUNTPOINT -o ...` and fstab lines such as
+
+    /srv/zns.img  /mnt/zns  fuse.zonefs-py  defaults,noauto,commit=5  0 0
+
+work once the helper is installed: util-linux mount(8) runs
+`/sbin/mount.fuse.zonefs-py DEVICE MOUNTPOINT -o OPTIONS` for the type
+`fuse.zonefs-py` (its helper search path is /sbin, /sbin/fs.d, /sbin/fs).
+`--install-helper` writes that file, bound to this Python interpreter.
+`helper_main` is what the helper runs: it drops mount(8)-only options and
+calls the same code as `zonefs-py mount`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import textwrap
+
+from zonefs_py.daemon import DAEMON_OPTIONS, MountConfig, MountError, run_mount
+
+HELPER_NAME = "mount.fuse.zonefs-py"
+DEFAULT_HELPER_DIR = "/sbin"
+
+OPTIONS_HELP = textwrap.dedent(f"""\
+    mount options (-o, comma separated, may repeat):
+      FUSE:   ro, allow_other, allow_root, fsname=NAME (default: DEVICE),
+              subtype=NAME (default: zonefs-py), noatime/relatime/..., nodev, nosuid, noexec;
+              default_permissions is always on (the kernel checks modes).
+      engine: commit=S (journal commit interval, default 5),
+              checkpoint_mb=N (journal MiB between checkpoints, default 64),
+              io_threads=N (device calls in flight, default 16),
+              cleaner_rate=MB/s (0 disables background cleaning, default 64),
+              cleaner_policy=cost-benefit|greedy.
+      daemon: {chr(10).join(f"{k}={v}" for k, v in DAEMON_OPTIONS.items())}
+      ignored (fstab): rw, defaults, auto, noauto, _netdev, user, users, nofail, x-*, comment=*.
+    """)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `mount` subcommand."""
+    p = subparsers.add_parser(
+        "mount", help="mount a zonefs-py filesystem",
+        description="Mount the zonefs-py filesystem on DEVICE (a zoned block device or an "
+                    "emulator image) at MOUNTPOINT. Unmount with `fusermount3 -u MOUNTPOINT`, "
+                    "`umount MOUNTPOINT` or SIGTERM to the daemon.",
+        epilog=OPTIONS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("device", nargs="?", metavar="DEVICE")
+    p.add_argument("mountpoint", nargs="?", metavar="MOUNTPOINT")
+    p.add_argument("-f", "--foreground", action="store_true",
+                   help="do not daemonize; log to stderr")
+    p.add_argument("-o", dest="options", action="append", default=[], metavar="OPT[,OPT...]",
+                   help="mount options (see below)")
+    p.add_argument("--log-level", default="INFO",
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper)
+    p.add_argument("--log-file", metavar="PATH",
+                   help="log here (default: stderr with -f, else syslog)")
+    p.add_argument("--install-helper", nargs="?", const=DEFAULT_HELPER_DIR, metavar="DIR",
+                   help=f"install {HELPER_NAME} into DIR (default {DEFAULT_HELPER_DIR}) so that "
+                        "mount -t fuse.zonefs-py and fstab work, then exit")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of `zonefs-py mount`."""
+    if args.install_helper:
+        return install_helper(args.install_helper)
+    if not args.device or not args.mountpoint:
+        print("zonefs-py mount: DEVICE and MOUNTPOINT are required", file=sys.stderr)
+        return 2
+    try:
+        cfg = MountConfig.build(args.device, args.mountpoint, args.options,
+                                foreground=args.foreground, log_level=args.log_level,
+                                log_file=os.path.abspath(args.log_file) if args.log_file
+                                else None)
+    except MountError as exc:
+        print(f"zonefs-py: {exc}", file=sys.stderr)
+        return 1
+    return run_mount(cfg)
+
+
+def helper_script() -> str:
+    """The text of /sbin/mount.fuse.zonefs-py, bound to the running interpreter."""
+    return (f"#!{sys.executable}\n"
+            "# mount(8) helper for fuse.zonefs-py, from `zonefs-py mount --install-helper`.\n"
+            "import sys\n"
+            "from zonefs_py.cli.mount import helper_main\n"
+            "sys.exit(helper_main(sys.argv[1:]))\n")
+
+
+def install_helper(directory: str) -> int:
+    """Write the mount(8) helper into `directory`; return an exit status."""
+    path = os.path.join(directory, HELPER_NAME)
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w") as f:
+            f.write(helper_script())
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, path)
+    except OSError as exc:
+        print(f"zonefs-py: cannot install {path}: {exc.strerror}", file=sys.stderr)
+        return 1
+    print(f"installed {path}")
+    return 0
+
+
+def helper_main(argv: list[str]) -> int:
+    """Run as mount(8)'s helper: `mount.fuse.zonefs-py DEVICE MOUNTPOINT [-o OPTS] [-snfvrw]`.
+
+    mount(8) passes `-o` with the fstab options, `-t fuse.zonefs-py`, and may
+    pass -s (sloppy), -n (no mtab), -f (fake), -v (verbose), -r/-w. Options
+    meaningless to the daemon are dropped by `MountConfig.build`.
+    """
+    p = argparse.ArgumentParser(prog=HELPER_NAME, add_help=True)
+    p.add_argument("device")
+    p.add_argument("mountpoint")
+    p.add_argument("-o", dest="options", action="append", default=[])
+    p.add_argument("-t", dest="fstype")
+    for flag in ("-s", "-n", "-v", "-f", "-w"):
+        p.add_argument(flag, action="store_true")
+    p.add_argument("-r", action="store_true", dest="read_only")
+    args = p.parse_args(argv)
+    if args.f:  # "fake": do everything but the mount
+        return 0
+    options = list(args.options) + (["ro"] if args.read_only else [])
+    log_file = None
+    rest = []
+    for opt_string in options:
+        kept = []
+        for item in opt_string.split(","):
+            if item.startswith("log_file="):
+                log_file = item.partition("=")[2]
+            else:
+                kept.append(item)
+        rest.append(",".join(kept))
+    try:
+        cfg = MountConfig.build(args.device, args.mountpoint, rest, foreground=False,
+                                log_file=log_file)
+    except MountError as exc:
+        print(f"{HELPER_NAME}: {exc}", file=sys.stderr)
+        return 32  # mount(8): "mount failure"
+    status = run_mount(cfg)
+    return 0 if status == 0 else 32

@@ -1,0 +1,91 @@
+"""The control interface: virtual `trusted.zonefs.*` xattrs on the mount root.
+
+A mounted zonefs-py answers two extended attributes on its root directory
+that are not stored anywhere:
+
+  * ``trusted.zonefs.status`` (read): compact JSON of `fs.status()` plus a
+    ``"daemon"`` object (pid, failsafe reason, cache mode). `zonefs-py stat`
+    reads it with getxattr(2).
+  * ``trusted.zonefs.ctl`` (write): a command, one ASCII word:
+      - ``sync``        make everything acknowledged so far durable (`fs.sync()`).
+      - ``checkpoint``  write a journal checkpoint now (`fs.checkpoint()`, when
+                        the engine offers it; EOPNOTSUPP otherwise).
+      - ``failsafe``    switch the mount to read-only failsafe (for drills and
+                        tests; a remount clears it).
+    Reading it gives ENODATA; unknown commands give EINVAL.
+
+Why xattrs: no extra socket, no daemon lookup by pid file, works through
+the mount point alone, and the kernel already limits the ``trusted.``
+namespace to CAP_SYS_ADMIN (non-root getxattr sees ENODATA, setxattr EPERM).
+We also check ``ctx.uid == 0`` ourselves, so an unprivileged caller in a user
+namespace cannot reach it either.
+
+Caveats: neither name is listed by listxattr (so `cp -a` / `getfattr -d` do not
+copy them); the status JSON must fit the kernel's 64 KiB xattr limit, so
+`fs.status()` must stay a summary (E2BIG otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from zonefs_py import errors
+from zonefs_py.fs.api import XATTR_SIZE_MAX, Ctx, FileSystemAPI
+
+STATUS_XATTR = b"trusted.zonefs.status"
+CTL_XATTR = b"trusted.zonefs.ctl"
+CONTROL_NAMES = frozenset({STATUS_XATTR, CTL_XATTR})
+COMMANDS = ("sync", "checkpoint", "failsafe")
+
+
+def is_control_name(name: bytes) -> bool:
+    """True for the names this module answers on the root inode."""
+    return name in CONTROL_NAMES
+
+
+def _require_root(ctx: Ctx) -> None:
+    if ctx.uid != 0:
+        raise errors.NotPermitted("the zonefs-py control xattrs are for root only")
+
+
+def status_document(fs: FileSystemAPI, failsafe_reason: str | None) -> dict[str, Any]:
+    """Return the status JSON object: the engine's figures plus the daemon's own."""
+    doc: dict[str, Any] = dict(fs.status())
+    daemon = dict(doc.get("daemon", {})) if isinstance(doc.get("daemon"), dict) else {}
+    daemon.update({"pid": os.getpid(), "failsafe": failsafe_reason})
+    doc["daemon"] = daemon
+    return doc
+
+
+def get(fs: FileSystemAPI, name: bytes, ctx: Ctx, failsafe_reason: str | None) -> bytes:
+    """Answer getxattr of a control name. Raises NotPermitted, NoAttribute, ValueTooLarge."""
+    _require_root(ctx)
+    if name != STATUS_XATTR:
+        raise errors.NoAttribute(name.decode(errors="replace"))
+    blob = json.dumps(status_document(fs, failsafe_reason), separators=(",", ":"),
+                      sort_keys=True, default=str).encode()
+    if len(blob) > XATTR_SIZE_MAX:
+        raise errors.ValueTooLarge(f"status is {len(blob)} bytes, over the xattr limit")
+    return blob
+
+
+async def command(fs: FileSystemAPI, name: bytes, value: bytes, ctx: Ctx) -> None:
+    """Run a command written to `trusted.zonefs.ctl`. Raises NotPermitted, InvalidArgument,
+    NotSupported and whatever the engine raises for the command."""
+    _require_root(ctx)
+    if name != CTL_XATTR:
+        raise errors.NotPermitted(f"{name.decode(errors='replace')} is read-only")
+    word = value.strip(b"\0 \n").decode("ascii", errors="replace")
+    if word == "sync":
+        await fs.sync()
+    elif word == "checkpoint":
+        checkpoint = getattr(fs, "checkpoint", None)
+        if checkpoint is None:
+            raise errors.NotSupported("this engine has no explicit checkpoint")
+        await checkpoint()
+    elif word == "failsafe":
+        fs.enter_failsafe("requested through trusted.zonefs.ctl")  # type: ignore[attr-defined]
+    else:
+        raise errors.InvalidArgument(f"unknown control command {word!r}; known: {COMMANDS}")

@@ -1,0 +1,455 @@
+"""The pyfuse3 adapter: FUSE requests in, `FileSystemAPI` calls out.
+
+This is the only module that knows errno. Every handler converts pyfuse3's
+arguments to the engine's (`Ctx`, `SetAttrRequest`, `RenameFlags`), awaits the
+engine, and converts the result back (`EntryAttributes`, `FileInfo`,
+`StatvfsData`). Domain errors become `pyfuse3.FUSEError` through `ERRNO_OF`.
+
+Failsafe: any exception that is not a `ZoneFSError` (a bug, or a corrupt
+structure the engine did not expect) is logged once with its traceback,
+answered with EIO, and switches the mount to read-only failsafe
+(`fs.enter_failsafe`), as s3ql does. The daemon never dies from a request;
+reads keep working so that data can be copied off, and a remount (which runs
+recovery) clears the failsafe. `CorruptionError` is treated the same way.
+
+Lookup counting: the kernel holds one reference per successful entry reply
+(lookup, mknod, mkdir, symlink, link, create) and one per entry it *accepts*
+from READDIRPLUS. The engine counts the first kind itself; for readdir the
+adapter calls `fs.add_lookup(ino)` only for entries that
+`pyfuse3.readdir_reply` accepted, never for "." and "..". The reply reaches
+the kernel only when the handler returns, so no FORGET can overtake it.
+
+Caching (measured; see docs/DESIGN.md section 4): the writeback cache is on
+by default, attribute and entry timeouts are long (the daemon is the only
+writer, and the kernel invalidates its own caches on every change it makes),
+negative lookups are cached, and `keep_cache` is set on open when the file has
+not changed since the kernel last cached its pages. `direct_io` is never set,
+so mmap works.
+
+Concurrency: pyfuse3 runs every request in its own trio task (up to
+`max_tasks`); nothing here takes a lock, so requests are never serialised by
+the adapter. Device concurrency is bounded by the engine.
+
+Caveats:
+  * pyfuse3 implements XATTR_CREATE / XATTR_REPLACE itself by calling
+    `getxattr` before `setxattr` (the flags never reach us), so two racing
+    `setxattr(XATTR_CREATE)` calls on the same name may both succeed.
+  * The control xattrs (`trusted.zonefs.*`, root inode only) are answered
+    here, not stored: see `zonefs_py.control`.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, ParamSpec, TypeVar
+
+import pyfuse3
+
+from zonefs_py import control, errors
+from zonefs_py.fs.api import (
+    ROOT_INO,
+    Attr,
+    Ctx,
+    FileSystemAPI,
+    RenameFlags,
+    SetAttrRequest,
+    XattrFlags,
+)
+
+log = logging.getLogger(__name__)
+
+#: Domain error class -> errno. Looked up along the exception's MRO, so a
+#: subclass the engine adds later maps like its base.
+ERRNO_OF: dict[type[errors.ZoneFSError], int] = {
+    errors.NotFound: errno.ENOENT,
+    errors.Exists: errno.EEXIST,
+    errors.NotEmpty: errno.ENOTEMPTY,
+    errors.IsDirectory: errno.EISDIR,
+    errors.NotDirectory: errno.ENOTDIR,
+    errors.NameTooLong: errno.ENAMETOOLONG,
+    errors.InvalidArgument: errno.EINVAL,
+    errors.LoopDetected: errno.EINVAL,
+    errors.NoSpace: errno.ENOSPC,
+    errors.QuotaExceeded: errno.EDQUOT,
+    errors.PermissionDenied: errno.EACCES,
+    errors.NotPermitted: errno.EPERM,
+    errors.NoAttribute: errno.ENODATA,
+    # getxattr/listxattr return whole values; pyfuse3 itself answers ERANGE
+    # when the caller's buffer is too small, so the engine's error is E2BIG.
+    errors.ValueTooLarge: errno.E2BIG,
+    errors.TooManyLinks: errno.EMLINK,
+    errors.ReadOnly: errno.EROFS,
+    errors.FileTooBig: errno.EFBIG,
+    errors.NotSupported: errno.EOPNOTSUPP,
+    errors.IOFailure: errno.EIO,
+    errors.CorruptionError: errno.EIO,
+    errors.NotAFilesystem: errno.EINVAL,
+    errors.DeviceRefused: errno.ENODEV,
+    errors.Busy: errno.EBUSY,
+}
+
+#: Errors that mean the in-memory state can no longer be trusted for writing.
+FAILSAFE_ERRORS: tuple[type[errors.ZoneFSError], ...] = (errors.CorruptionError,)
+
+
+def errno_of(exc: errors.ZoneFSError) -> int:
+    """Return the errno for a domain error (EIO for a class missing from ERRNO_OF)."""
+    for cls in type(exc).__mro__:
+        code = ERRNO_OF.get(cls)
+        if code is not None:
+            return code
+    return errno.EIO
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _handler(fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:
+    """Wrap a request handler: domain errors -> FUSEError, anything else -> EIO + failsafe."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return await fn(*args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except FAILSAFE_ERRORS as exc:
+            self = args[0]
+            assert isinstance(self, Operations)
+            self.failsafe(f"{fn.__name__}: {exc}", exc)
+            raise pyfuse3.FUSEError(errno_of(exc)) from None
+        except errors.ZoneFSError as exc:
+            raise pyfuse3.FUSEError(errno_of(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - the failsafe boundary
+            self = args[0]
+            assert isinstance(self, Operations)
+            self.failsafe(f"unexpected {type(exc).__name__} in {fn.__name__}: {exc}", exc)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return wrapper
+
+
+def ctx_of(rctx: pyfuse3.RequestContext) -> Ctx:
+    """Convert pyfuse3's request context (supplementary groups are not sent by FUSE)."""
+    return Ctx(uid=rctx.uid, gid=rctx.gid, pid=rctx.pid, umask=rctx.umask)
+
+
+class Operations(pyfuse3.Operations):
+    """pyfuse3 request handlers over one mounted `FileSystemAPI`."""
+
+    supports_dot_lookup = False  # no NFS export: the kernel never looks up "." / ".."
+    enable_acl = False
+
+    def __init__(self, fs: FileSystemAPI, *, writeback_cache: bool = True,
+                 attr_timeout_s: float = 60.0, entry_timeout_s: float = 60.0,
+                 negative_timeout_s: float = 60.0) -> None:
+        super().__init__()
+        self.fs = fs
+        self.enable_writeback_cache = writeback_cache
+        self.attr_timeout_s = attr_timeout_s
+        self.entry_timeout_s = entry_timeout_s
+        self.negative_timeout_s = negative_timeout_s
+        #: Set once the first unexpected error switched the mount to failsafe.
+        self.failsafe_reason: str | None = None
+        #: mtime_ns and size of each inode when the kernel last had it open, for keep_cache.
+        self._cached_version: dict[int, tuple[int, int]] = {}
+        #: Open file handle -> inode, to record the version on release.
+        self._fh_ino: dict[int, int] = {}
+
+    # -- helpers -----------------------------------------------------------------------
+    def failsafe(self, reason: str, exc: BaseException) -> None:
+        """Log `exc` with its traceback and put the filesystem into read-only failsafe."""
+        if self.failsafe_reason is None:
+            self.failsafe_reason = reason
+            log.error("switching to read-only failsafe: %s", reason, exc_info=exc)
+        else:
+            # Already read-only: one line, no traceback flood.
+            log.warning("error while in failsafe: %s", reason)
+        enter = getattr(self.fs, "enter_failsafe", None)
+        if enter is not None:
+            try:
+                enter(reason)
+            except Exception:  # noqa: BLE001 - never let the failsafe itself fail a request
+                log.exception("enter_failsafe failed")
+
+    def entry(self, attr: Attr) -> pyfuse3.EntryAttributes:
+        """Convert an engine `Attr` to pyfuse3's EntryAttributes with our timeouts."""
+        entry = pyfuse3.EntryAttributes()
+        entry.st_ino = attr.ino
+        entry.generation = 0
+        entry.entry_timeout = self.entry_timeout_s
+        entry.attr_timeout = self.attr_timeout_s
+        entry.st_mode = attr.mode
+        entry.st_nlink = attr.nlink
+        entry.st_uid = attr.uid
+        entry.st_gid = attr.gid
+        entry.st_rdev = attr.rdev
+        entry.st_size = attr.size
+        entry.st_blksize = attr.blksize
+        entry.st_blocks = attr.blocks
+        entry.st_atime_ns = attr.atime_ns
+        entry.st_mtime_ns = attr.mtime_ns
+        entry.st_ctime_ns = attr.ctime_ns
+        return entry
+
+    def _negative_entry(self) -> pyfuse3.EntryAttributes:
+        """An entry with inode 0: the kernel caches the absence of the name."""
+        entry = pyfuse3.EntryAttributes()
+        entry.st_ino = 0
+        entry.entry_timeout = self.negative_timeout_s
+        return entry
+
+    def _add_lookup(self, ino: int) -> None:
+        """Count one kernel reference to `ino` taken through READDIRPLUS."""
+        self.fs.add_lookup(ino)  # type: ignore[attr-defined]
+
+    # -- lookups and attributes ------------------------------------------------------
+    @_handler
+    async def lookup(self, parent_inode: int, name: bytes,
+                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        try:
+            attr = await self.fs.lookup(parent_inode, name)
+        except errors.NotFound:
+            if self.negative_timeout_s > 0:
+                return self._negative_entry()
+            raise
+        return self.entry(attr)
+
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
+        for ino, _ in inode_list:
+            # The kernel evicted the inode, and its page cache with it.
+            self._cached_version.pop(ino, None)
+        try:
+            self.fs.forget(inode_list)
+        except Exception as exc:  # noqa: BLE001 - forget cannot report errors
+            self.failsafe(f"unexpected {type(exc).__name__} in forget: {exc}", exc)
+
+    @_handler
+    async def getattr(self, inode: int,
+                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self.entry(await self.fs.getattr(inode))
+
+    @_handler
+    async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes,
+                      fields: pyfuse3.SetattrFields, fh: int | None,
+                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        req = SetAttrRequest()
+        if fields.update_size:
+            req.size = attr.st_size
+        if fields.update_mode:
+            req.mode = attr.st_mode
+        if fields.update_uid:
+            req.uid = attr.st_uid
+        if fields.update_gid:
+            req.gid = attr.st_gid
+        # UTIME_NOW already carries the current time here (pyfuse3 fills it in);
+        # UTIME_OMIT leaves the update_* flag false.
+        if fields.update_atime:
+            req.atime_ns = attr.st_atime_ns
+        if fields.update_mtime:
+            req.mtime_ns = attr.st_mtime_ns
+        if fields.update_ctime:
+            req.ctime_ns = attr.st_ctime_ns
+        return self.entry(await self.fs.setattr(inode, req, ctx_of(ctx)))
+
+    @_handler
+    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
+        return await self.fs.readlink(inode)
+
+    @_handler
+    async def access(self, inode: int, mode: int,
+                     ctx: pyfuse3.RequestContext) -> bool:
+        try:
+            await self.fs.access(inode, mode, ctx_of(ctx))
+        except errors.PermissionDenied:
+            return False
+        return True
+
+    # -- namespace changes ------------------------------------------------------------
+    @_handler
+    async def mknod(self, parent_inode: int, name: bytes, mode: int,
+                    rdev: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self.entry(await self.fs.mknod(parent_inode, name, mode, rdev, ctx_of(ctx)))
+
+    @_handler
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int,
+                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self.entry(await self.fs.mkdir(parent_inode, name, mode, ctx_of(ctx)))
+
+    @_handler
+    async def symlink(self, parent_inode: int, name: bytes, target: bytes,
+                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self.entry(await self.fs.symlink(parent_inode, name, target, ctx_of(ctx)))
+
+    @_handler
+    async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
+                   ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self.entry(await self.fs.link(inode, new_parent_inode, new_name))
+
+    @_handler
+    async def unlink(self, parent_inode: int, name: bytes,
+                     ctx: pyfuse3.RequestContext) -> None:
+        await self.fs.unlink(parent_inode, name)
+
+    @_handler
+    async def rmdir(self, parent_inode: int, name: bytes,
+                    ctx: pyfuse3.RequestContext) -> None:
+        await self.fs.rmdir(parent_inode, name)
+
+    @_handler
+    async def rename(self, parent_inode_old: int, name_old: bytes,
+                     parent_inode_new: int, name_new: bytes, flags: int,
+                     ctx: pyfuse3.RequestContext) -> None:
+        known = RenameFlags.NOREPLACE | RenameFlags.EXCHANGE
+        if flags & ~int(known):
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        await self.fs.rename(parent_inode_old, name_old, parent_inode_new, name_new,
+                             RenameFlags(flags))
+
+    # -- files ---------------------------------------------------------------------------
+    def _file_info(self, fh: int, attr: Attr | None) -> pyfuse3.FileInfo:
+        """Build the open reply: keep the page cache when the file is unchanged since last time."""
+        keep = False
+        if attr is not None:
+            keep = self._cached_version.get(attr.ino) == (attr.mtime_ns, attr.size)
+            self._fh_ino[fh] = attr.ino
+        return pyfuse3.FileInfo(fh=fh, keep_cache=keep, direct_io=False)
+
+    @_handler
+    async def open(self, inode: int, flags: int,
+                   ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        if self.enable_writeback_cache and flags & os.O_ACCMODE == os.O_WRONLY:
+            # With the writeback cache the kernel reads partial pages of
+            # write-only files to fill them (libfuse's passthrough does the same).
+            flags = (flags & ~os.O_ACCMODE) | os.O_RDWR
+        if self.enable_writeback_cache:
+            # The kernel computes append offsets itself and may write back any
+            # page through any writable handle: the engine must use offsets as given.
+            flags &= ~os.O_APPEND
+        fh = await self.fs.open(inode, flags)
+        attr = None if flags & os.O_TRUNC else await self.fs.getattr(inode)
+        return self._file_info(fh, attr)
+
+    @_handler
+    async def create(self, parent_inode: int, name: bytes, mode: int,
+                     flags: int, ctx: pyfuse3.RequestContext
+                     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        if self.enable_writeback_cache and flags & os.O_ACCMODE == os.O_WRONLY:
+            flags = (flags & ~os.O_ACCMODE) | os.O_RDWR
+        if self.enable_writeback_cache:
+            flags &= ~os.O_APPEND
+        fh, attr = await self.fs.create(parent_inode, name, mode, flags, ctx_of(ctx))
+        self._cached_version.pop(attr.ino, None)
+        return self._file_info(fh, None), self.entry(attr)
+
+    @_handler
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        return await self.fs.read(fh, off, size)
+
+    @_handler
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        return await self.fs.write(fh, off, buf)
+
+    @_handler
+    async def flush(self, fh: int) -> None:
+        await self.fs.flush(fh)
+
+    @_handler
+    async def release(self, fh: int) -> None:
+        ino = self._fh_ino.pop(fh, None)
+        await self.fs.release(fh)
+        if ino is not None:
+            # Whatever the kernel has cached for ino now matches this version
+            # (all writes went through the kernel's page cache).
+            try:
+                attr = await self.fs.getattr(ino)
+            except errors.NotFound:
+                self._cached_version.pop(ino, None)
+            else:
+                self._cached_version[ino] = (attr.mtime_ns, attr.size)
+
+    @_handler
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        await self.fs.fsync(fh, datasync)
+
+    # -- directories ----------------------------------------------------------------------
+    @_handler
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        return await self.fs.opendir(inode)
+
+    @_handler
+    async def readdir(self, fh: int, start_id: int,
+                      token: pyfuse3.ReaddirToken) -> None:
+        offset = start_id
+        while True:
+            batch = await self.fs.readdir(fh, offset)
+            if not batch:
+                return
+            for ent in batch:
+                if not pyfuse3.readdir_reply(token, ent.name, self.entry(ent.attr),
+                                             ent.next_offset):
+                    return
+                if ent.name not in (b".", b".."):
+                    self._add_lookup(ent.attr.ino)
+                offset = ent.next_offset
+
+    @_handler
+    async def releasedir(self, fh: int) -> None:
+        await self.fs.releasedir(fh)
+
+    @_handler
+    async def fsyncdir(self, fh: int, datasync: bool) -> None:
+        await self.fs.fsyncdir(fh, datasync)
+
+    # -- whole filesystem -----------------------------------------------------------------
+    @_handler
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        st = await self.fs.statfs()
+        out = pyfuse3.StatvfsData()
+        out.f_bsize = st.block_size
+        out.f_frsize = st.block_size
+        out.f_blocks = st.total_blocks
+        out.f_bfree = st.free_blocks
+        out.f_bavail = st.avail_blocks
+        out.f_files = st.total_inodes
+        out.f_ffree = st.free_inodes
+        out.f_favail = st.free_inodes
+        out.f_namemax = st.name_max
+        return out
+
+    # -- extended attributes ---------------------------------------------------------------
+    @_handler
+    async def getxattr(self, inode: int, name: bytes,
+                       ctx: pyfuse3.RequestContext) -> bytes:
+        if inode == ROOT_INO and control.is_control_name(name):
+            return control.get(self.fs, name, ctx_of(ctx), self.failsafe_reason)
+        return await self.fs.getxattr(inode, name)
+
+    @_handler
+    async def setxattr(self, inode: int, name: bytes, value: bytes,
+                       ctx: pyfuse3.RequestContext) -> None:
+        if inode == ROOT_INO and control.is_control_name(name):
+            await control.command(self.fs, name, value, ctx_of(ctx))
+            return
+        # pyfuse3 has already enforced XATTR_CREATE / XATTR_REPLACE (module caveats).
+        await self.fs.setxattr(inode, name, value, XattrFlags.NONE, ctx_of(ctx))
+
+    @_handler
+    async def listxattr(self, inode: int,
+                        ctx: pyfuse3.RequestContext) -> list[bytes]:
+        return await self.fs.listxattr(inode)
+
+    @_handler
+    async def removexattr(self, inode: int, name: bytes,
+                          ctx: pyfuse3.RequestContext) -> None:
+        if inode == ROOT_INO and control.is_control_name(name):
+            raise errors.NotPermitted(f"{name!r} cannot be removed")
+        await self.fs.removexattr(inode, name, ctx_of(ctx))
+
+
+__all__ = ["ERRNO_OF", "Operations", "ctx_of", "errno_of"]
