@@ -186,7 +186,8 @@ def main() -> None:
     obs("close IMP_OPEN zone 3", lambda: mgmt(fd, BLKCLOSEZONE, 3, zsz))
     obs("write to EMPTY zone 6 (1 IMP_OPEN, 1 CLOSED)", lambda: pw(fd, 6 * zsz, 4096))
     obs("  -> states", states)
-    obs("write to CLOSED zone 3 at WP (2 IMP_OPEN, max_open 2)", lambda: pw(fd, 3 * zsz + 4096, 4096))
+    obs("write to CLOSED zone 3 at WP (2 IMP_OPEN, max_open 2)",
+        lambda: pw(fd, 3 * zsz + 4096, 4096))
     obs("  -> states", states)
     obs("explicit open CLOSED zone (2 IMP_OPEN)", lambda: mgmt(fd, BLKOPENZONE, 4, zsz))
     obs("  -> states", states)
