@@ -150,7 +150,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     if isinstance(dev, str):
         return _fail(dev)
     with dev:
-        rows = [
+        rows: list[dict[str, Any]] = [
             {"zone": z.index, "start": z.start_bytes, "size": z.size_bytes,
              "capacity": z.capacity_bytes, "wp": z.wp_bytes, "type": z.type.name,
              "cond": z.cond.name, "resets": dev.reset_count(z.index)}
