@@ -1,0 +1,1 @@
+"""Benchmark suite for zonefs-py (issue 6): contenders, workloads, report."""

@@ -1,0 +1,324 @@
+"""The five contenders: what zonefs-py is measured against, and zonefs-py itself.
+
+A contender is set up fresh for each repetition (`with contender.mounted(...)`),
+gives workloads a directory (`root`) or, for the physical limit, byte ranges of
+the backing file (`fio_target`), and can make caches cold (`make_cold`). Every
+backing file lives under the scratch directory on /work's disk, never tmpfs.
+
+Caveats:
+- The loop device runs with `--direct-io=on`, so ext4's reads reach the disk
+  rather than the host page cache of the backing file.
+- zonefs-py is remounted by `make_cold` (it may cache in its own process);
+  the other FUSE contenders keep nothing of their own, so dropping the kernel
+  caches is enough for them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from .util import BenchError, drop_caches, fuse_unmount, run, wait_for_mount
+
+BENCH_DIR = Path(__file__).resolve().parent.parent
+REPO_DIR = BENCH_DIR.parent
+MiB = 1 << 20
+
+
+class Contender:
+    """Base class: a directory to run workloads in, set up and torn down per repetition."""
+
+    #: Short key used in the JSON and for ratios ("ceiling", "peer", "ext4", ...).
+    key = ""
+    #: Human label for the report.
+    label = ""
+    #: False for the raw backing file (no files, no torch, no metadata).
+    is_filesystem = True
+    #: Workloads this contender cannot run, with the reason.
+    unsupported: dict[str, str] = {}
+
+    def __init__(self, work_dir: Path) -> None:
+        self.work_dir = work_dir / self.key
+        self.root = self.work_dir / "mnt"
+
+    def unavailable_reason(self) -> str | None:
+        """Return why this contender cannot run on this machine, or None."""
+        return None
+
+    @contextmanager
+    def mounted(self, size_bytes: int) -> Iterator[None]:
+        """Create a fresh backing store of `size_bytes`, mount it, always tear down."""
+        raise NotImplementedError
+        yield  # pragma: no cover
+
+    def make_cold(self) -> bool:
+        """Empty every cache between the workload and the disk; False if caches stay warm."""
+        return drop_caches()
+
+    def fio_target(self, name: str, size_bytes: int) -> dict[str, str]:
+        """Return fio options that place the file `name` of `size_bytes` on this contender."""
+        return {"filename": str(self.root / name), "size": str(size_bytes),
+                "fallocate": "none"}
+
+    def fio_direct_writes(self) -> bool:
+        """Return True when sequential writes should bypass the page cache (physical only)."""
+        return False
+
+    def fs_stats(self) -> dict[str, object] | None:
+        """Return the filesystem's own counters (zonefs-py: write amplification), if any."""
+        return None
+
+    def _reset_dir(self) -> None:
+        if self.work_dir.exists():
+            shutil.rmtree(self.work_dir)
+        self.root.mkdir(parents=True)
+
+
+class PhysicalLimit(Contender):
+    """fio with O_DIRECT on a preallocated backing file on the scratch disk."""
+
+    key = "physical"
+    label = "physical limit (fio O_DIRECT on backing file)"
+    is_filesystem = False
+    unsupported = {w: "no filesystem: raw backing file" for w in (
+        "torch_save", "torch_load", "dataloader_shards", "dataloader_files",
+        "meta_create", "meta_stat", "meta_unlink")}
+
+    def __init__(self, work_dir: Path) -> None:
+        super().__init__(work_dir)
+        self.backing = self.work_dir / "backing.img"
+        self._offsets: dict[str, int] = {}
+        self._next_offset = 0
+
+    @contextmanager
+    def mounted(self, size_bytes: int) -> Iterator[None]:
+        self._reset_dir()
+        with open(self.backing, "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, size_bytes)
+        self._offsets.clear()
+        self._next_offset = 0
+        self._size_bytes = size_bytes
+        try:
+            yield
+        finally:
+            self.backing.unlink(missing_ok=True)
+
+    def fio_target(self, name: str, size_bytes: int) -> dict[str, str]:
+        if name not in self._offsets:
+            if self._next_offset + size_bytes > self._size_bytes:
+                raise BenchError(f"physical backing file too small for {name}")
+            self._offsets[name] = self._next_offset
+            self._next_offset += -(-size_bytes // MiB) * MiB
+        return {"filename": str(self.backing), "offset": str(self._offsets[name]),
+                "size": str(size_bytes), "direct": "1"}
+
+    def fio_direct_writes(self) -> bool:
+        return True
+
+
+class FuseServer:
+    """A FUSE filesystem served by a foreground subprocess, logged to a file."""
+
+    def __init__(self, cmd: list[str], mountpoint: Path, log_path: Path,
+                 cwd: Path | None = None, env: dict[str, str] | None = None) -> None:
+        self.cmd = cmd
+        self.env = env
+        self.mountpoint = mountpoint
+        self.log_path = log_path
+        self.cwd = cwd
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        """Start the server and wait for the mount; raise BenchError if it fails."""
+        self.mountpoint.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         cwd=self.cwd, env=self.env,
+                                         start_new_session=True)
+        try:
+            wait_for_mount(self.mountpoint, self.proc, self.log_path)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """Unmount and reap the server (idempotent)."""
+        fuse_unmount(self.mountpoint, self.proc)
+        self.proc = None
+
+
+class NoopCeiling(Contender):
+    """The no-op pyfuse3 filesystem (bench/noopfs.py): accepts writes, reads zeros."""
+
+    key = "ceiling"
+    label = "Python FUSE ceiling (no-op pyfuse3)"
+    unsupported = {"torch_load": "no-op FS returns zeros, not the checkpoint"}
+
+    @contextmanager
+    def mounted(self, size_bytes: int) -> Iterator[None]:
+        self._reset_dir()
+        server = FuseServer([sys.executable, str(BENCH_DIR / "noopfs.py"), str(self.root)],
+                            self.root, self.work_dir / "noopfs.log")
+        server.start()
+        try:
+            yield
+        finally:
+            server.stop()
+
+
+class Ext4Loop(Contender):
+    """ext4 on a loop device (direct I/O) over a sparse backing file."""
+
+    key = "ext4"
+    label = "ext4 on loop device"
+
+    def unavailable_reason(self) -> str | None:
+        for tool in ("losetup", "mkfs.ext4", "mount", "umount"):
+            if shutil.which(tool) is None:
+                return f"{tool} not installed"
+        if os.geteuid() != 0:
+            return "needs root for losetup and mount"
+        return None
+
+    @contextmanager
+    def mounted(self, size_bytes: int) -> Iterator[None]:
+        self._reset_dir()
+        with self.ext4_at(self.work_dir / "backing.img", self.root, size_bytes):
+            yield
+
+    @staticmethod
+    @contextmanager
+    def ext4_at(backing: Path, mountpoint: Path, size_bytes: int) -> Iterator[None]:
+        """Make ext4 on a loop device over `backing` and mount it; always detach."""
+        with open(backing, "wb") as f:
+            f.truncate(size_bytes)
+        loop_dev = run(["losetup", "--find", "--show", "--direct-io=on", str(backing)]).strip()
+        try:
+            # Initialise inode tables now so lazy init does not run during the workloads.
+            run(["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0",
+                 loop_dev])
+            mountpoint.mkdir(parents=True, exist_ok=True)
+            run(["mount", loop_dev, str(mountpoint)])
+            try:
+                yield
+            finally:
+                run(["umount", str(mountpoint)], check=False)
+                if os.path.ismount(mountpoint):
+                    run(["umount", "-l", str(mountpoint)], check=False)
+        finally:
+            run(["losetup", "-d", loop_dev], check=False)
+            backing.unlink(missing_ok=True)
+
+
+class PassthroughPeer(Ext4Loop):
+    """bench/passthroughfs.py over ext4 on a loop device: the afternoon Python FS."""
+
+    key = "peer"
+    label = "Python FUSE peer (pyfuse3 passthrough over ext4/loop)"
+
+    @contextmanager
+    def mounted(self, size_bytes: int) -> Iterator[None]:
+        self._reset_dir()
+        source = self.work_dir / "source"
+        with self.ext4_at(self.work_dir / "backing.img", source, size_bytes):
+            server = FuseServer(
+                [sys.executable, str(BENCH_DIR / "passthroughfs.py"), str(source),
+                 str(self.root)],
+                self.root, self.work_dir / "passthroughfs.log")
+            server.start()
+            try:
+                yield
+            finally:
+                server.stop()
+
+
+class ZonefsPy(Contender):
+    """zonefs-py mounted on the file-backed zoned emulator (or a real zoned device)."""
+
+    key = "zonefs"
+    label = "zonefs-py (emulated zoned device)"
+
+    def __init__(self, work_dir: Path, zoned_dev: str | None = None,
+                 zone_size: str = "64M", mount_opts: str | None = None) -> None:
+        super().__init__(work_dir)
+        self.zoned_dev = zoned_dev
+        self.zone_size = zone_size
+        self.mount_opts = mount_opts
+        if zoned_dev:
+            self.label = f"zonefs-py ({zoned_dev})"
+        self.image = Path(zoned_dev) if zoned_dev else self.work_dir / "zoned.img"
+        self._server: FuseServer | None = None
+
+    def _cli(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "zonefs_py.cli.main", *args]
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_DIR),
+                                                          env.get("PYTHONPATH")]))
+        return env
+
+    def unavailable_reason(self) -> str | None:
+        try:
+            for sub in ("emu", "mkfs", "mount", "stat"):
+                run(self._cli(sub, "--help"), timeout_s=60, env=self._env(), cwd=REPO_DIR)
+        except BenchError as exc:
+            return str(exc)
+        return None
+
+    def _new_server(self) -> FuseServer:
+        cmd = self._cli("mount", str(self.image), str(self.root), "-f")
+        if self.mount_opts:
+            cmd += ["-o", self.mount_opts]
+        return FuseServer(cmd, self.root, self.work_dir / "zonefs-py.log", cwd=REPO_DIR,
+                          env=self._env())
+
+    @contextmanager
+    def mounted(self, size_bytes: int) -> Iterator[None]:
+        self._reset_dir()
+        env = self._env()
+        if not self.zoned_dev:
+            run(self._cli("emu", "create", str(self.image), "--size", f"{size_bytes // MiB}M",
+                          "--zone-size", self.zone_size), env=env, cwd=REPO_DIR)
+        run(self._cli("mkfs", str(self.image), "--force"), env=env, cwd=REPO_DIR)
+        self._server = self._new_server()
+        self._server.start()
+        try:
+            yield
+        finally:
+            if self._server is not None:
+                self._server.stop()
+            self._server = None
+            if not self.zoned_dev:
+                self.image.unlink(missing_ok=True)
+
+    def make_cold(self) -> bool:
+        """Remount (empties zonefs-py's own caches) and drop the kernel caches."""
+        if self._server is not None:
+            self._server.stop()
+        dropped = drop_caches()
+        self._server = self._new_server()
+        self._server.start()
+        return dropped
+
+    def fs_stats(self) -> dict[str, object] | None:
+        try:
+            out = run(self._cli("stat", str(self.root), "--json"), timeout_s=120,
+                      env=self._env(), cwd=REPO_DIR)
+            data = json.loads(out)
+        except (BenchError, json.JSONDecodeError) as exc:
+            return {"error": str(exc)[:300]}
+        return data if isinstance(data, dict) else {"error": "stat --json: not an object"}
+
+
+def all_contenders(work_dir: Path, zoned_dev: str | None = None,
+                   zonefs_mount_opts: str | None = None) -> list[Contender]:
+    """Return the contenders in report order: references first, zonefs-py last."""
+    return [PhysicalLimit(work_dir), NoopCeiling(work_dir), PassthroughPeer(work_dir),
+            Ext4Loop(work_dir), ZonefsPy(work_dir, zoned_dev, mount_opts=zonefs_mount_opts)]

@@ -1,0 +1,267 @@
+"""Turn raw suite results into ratios, target verdicts, the JSON and the markdown report.
+
+Ratios are ratios of medians of the workload's primary figure. For latency
+figures (lower is better) the ratio is still contender / reference, so a
+value below 1 is good there; the table says so.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+#: References every contender is compared with, in column order.
+REFERENCES = ("ceiling", "peer", "ext4", "physical")
+#: zonefs-py contenders the targets are evaluated for (host emulator, guest null_blk).
+TARGET_SUBJECTS = ("zonefs", "zonefs-guest")
+
+
+def median(results: dict[str, Any], workload: str, contender: str,
+           metric: str | None = None) -> float | None:
+    """Return the median of `metric` (default: the workload's primary), or None."""
+    wl = results["workloads"].get(workload)
+    if wl is None:
+        return None
+    entry = wl["results"].get(contender)
+    if not entry:
+        return None
+    summary = entry["summary"].get(metric or wl["primary"])
+    if not summary or summary["n"] == 0 or math.isnan(summary["median"]):
+        return None
+    return float(summary["median"])
+
+
+def add_ratios(results: dict[str, Any]) -> None:
+    """Store, per workload and contender, the primary median divided by each reference's."""
+    for name, wl in results["workloads"].items():
+        for key, entry in wl["results"].items():
+            mine = median(results, name, key)
+            ratios: dict[str, float | None] = {}
+            for ref in REFERENCES:
+                theirs = median(results, name, ref)
+                ratios[ref] = mine / theirs if mine is not None and theirs else None
+            entry["ratios"] = ratios
+
+
+def _lower_limit(results: dict[str, Any], workload: str) -> tuple[float | None, str]:
+    """Return the lower of (ceiling, physical) medians and which one it was."""
+    options = [(v, ref) for ref in ("ceiling", "physical")
+               if (v := median(results, workload, ref)) is not None]
+    if not options:
+        return None, "n/a"
+    value, ref = min(options)
+    return value, ref
+
+
+def _target_ratio(results: dict[str, Any], subject: str, workload: str, factor: float,
+                  extra: Callable[[float], tuple[bool, str]] | None = None
+                  ) -> dict[str, Any]:
+    mine = median(results, workload, subject)
+    limit, ref = _lower_limit(results, workload)
+    if mine is None or limit is None:
+        return {"value": None, "met": None, "detail": "not measured"}
+    ratio = mine / limit
+    met = ratio >= factor
+    detail = f"{ratio:.2f} of {ref}"
+    if extra is not None:
+        extra_met, extra_detail = extra(mine)
+        met = met and extra_met
+        detail += f"; {extra_detail}"
+    return {"value": ratio, "met": met, "detail": detail}
+
+
+def evaluate_targets(results: dict[str, Any]) -> None:
+    """Evaluate the issue's targets for each zonefs-py contender present in the results."""
+    targets: dict[str, list[dict[str, Any]]] = {}
+    for subject in TARGET_SUBJECTS:
+        if subject not in results["contenders"]:
+            continue
+
+        def ahead_of_peer(mine: float) -> tuple[bool, str]:
+            peer = median(results, "randread_4k_qd16", "peer")
+            if peer is None:
+                return False, "peer not measured"
+            return mine > peer, f"{mine / peer:.2f}x peer"
+
+        rows = [
+            {"target": "seq write ≥ 0.85 × min(ceiling, physical)",
+             **_target_ratio(results, subject, "seq_write", 0.85)},
+            {"target": "seq read ≥ 0.85 × min(ceiling, physical)",
+             **_target_ratio(results, subject, "seq_read", 0.85)},
+            {"target": "4 KiB randread QD16 ≥ 0.7 × min(ceiling, physical), ahead of peer",
+             **_target_ratio(results, subject, "randread_4k_qd16", 0.7, ahead_of_peer)},
+        ]
+        ratio = median(results, "contention", subject, "p99_ratio")
+        rows.append({"target": "contention read p99 ≤ 2 × reads-alone p99",
+                     "value": ratio, "met": None if ratio is None else ratio <= 2.0,
+                     "detail": "not measured" if ratio is None else f"{ratio:.2f}x alone"})
+        mine = median(results, "torch_save", subject)
+        ext4 = median(results, "torch_save", "ext4")
+        value = mine / ext4 if mine is not None and ext4 else None
+        rows.append({"target": "torch.save (temp+fsync+rename) ≥ 0.7 × ext4 on loop",
+                     "value": value, "met": None if value is None else value >= 0.7,
+                     "detail": "not measured" if value is None else f"{value:.2f} of ext4"})
+        targets[subject] = rows
+    results["targets"] = targets
+
+
+# -- markdown --------------------------------------------------------------
+
+def _fmt(value: float | None) -> str:
+    if value is None or math.isnan(value):
+        return "n/a"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    if abs(value) >= 10:
+        return f"{value:.1f}"
+    return f"{value:.2f}"
+
+
+def _fmt_summary(summary: dict[str, Any] | None) -> str:
+    if not summary:
+        return "n/a"
+    if summary["n"] == 1:
+        return _fmt(summary["median"])
+    return f"{_fmt(summary['median'])} [{_fmt(summary['min'])}–{_fmt(summary['max'])}]"
+
+
+def _fmt_ratio(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}×"
+
+
+def _verdict(met: bool | None) -> str:
+    return "n/a" if met is None else ("✅ yes" if met else "❌ no")
+
+
+def _status_cell(entry: dict[str, Any] | None, status: dict[str, Any]) -> str | None:
+    if not status.get("available"):
+        return f"unavailable: {status.get('reason')}"
+    if entry is None:
+        return "not run"
+    if entry.get("skipped") and not entry["summary"]:
+        return f"skipped: {entry['skipped']}"
+    if entry.get("errors") and not entry["summary"]:
+        return f"failed: {entry['errors'][0]}"
+    return None
+
+
+def _workload_table(results: dict[str, Any], name: str, wl: dict[str, Any]) -> list[str]:
+    direction = "higher is better" if wl["higher_is_better"] else "lower is better"
+    metrics: list[str] = [wl["primary"]]
+    for entry in wl["results"].values():
+        for metric in entry["summary"]:
+            if metric not in metrics:
+                metrics.append(metric)
+    lines = [f"### {wl['title']} (`{name}`)", "",
+             f"Primary figure: **{wl['primary']}** ({direction}); ratios are of medians.", ""]
+    header = ["contender", *metrics, *(f"×{ref}" for ref in REFERENCES)]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for key, status in results["contenders"].items():
+        entry = wl["results"].get(key)
+        problem = _status_cell(entry, status)
+        if problem is not None:
+            cells = [problem] + [""] * (len(header) - 2)
+        else:
+            assert entry is not None
+            cells = [_fmt_summary(entry["summary"].get(m)) for m in metrics]
+            cells += [_fmt_ratio(entry.get("ratios", {}).get(ref)) for ref in REFERENCES]
+        lines.append(f"| {status['label']} | " + " | ".join(cells) + " |")
+    lines.append("")
+    return lines
+
+
+def _fs_stats_table(results: dict[str, Any], subject: str) -> list[str]:
+    keys = ("user_bytes_written", "device_bytes_written", "workload_write_amplification",
+            "cleaner_bytes_copied")
+    lines = [f"### zonefs-py counters per workload (`{subject}`, from `zonefs-py stat --json`, "
+             "last repetition, deltas over the workload)", "",
+             "| workload | user MiB | device MiB | write amplification | cleaner MiB copied "
+             "| cumulative WA (stat) |", "|---|---|---|---|---|---|"]
+    any_row = False
+    for name, wl in results["workloads"].items():
+        entry = wl["results"].get(subject)
+        runs = [r for r in (entry or {}).get("reps", []) if "_fs_stats" in r]
+        if not runs:
+            continue
+        any_row = True
+        stats = runs[-1]["_fs_stats"]
+        delta, after = stats.get("delta") or {}, stats.get("after") or {}
+        cells = []
+        for key in keys:
+            value = delta.get(key)
+            if value is None:
+                cells.append("n/a")
+            elif key.endswith("amplification"):
+                cells.append(f"{value:.2f}")
+            else:
+                cells.append(f"{value / (1 << 20):,.1f}")
+        wa = after.get("write_amplification")
+        cells.append(f"{wa:.2f}" if isinstance(wa, int | float) else
+                     ("n/a: " + str(after.get("error"))[:80] if "error" in after else "n/a"))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return [*lines, ""] if any_row else []
+
+
+def render_markdown(results: dict[str, Any], plot_files: list[str]) -> str:
+    """Render the whole report as markdown."""
+    m = results["machine"]
+    cfg = results["config"]
+    lines = [f"# zonefs-py benchmark: {results['date']} on {m['host']}", "",
+             f"- **Mode:** {'--quick (smoke check: sizes too small for the numbers to mean much)' if cfg['quick'] else 'full'}; "  # noqa: E501
+             f"{cfg['reps']} repetition(s) per figure (median [min–max] shown when > 1); "
+             f"run took {results['duration_s'] / 60:.1f} min",
+             f"- **Machine:** {m['cores']} cores ({m['cpu_model']}), "
+             f"{m['memory_bytes'] / (1 << 30):.1f} GiB RAM, kernel {m['kernel']}, {m['os']}",
+             f"- **Backing store:** files under `{m['backing_store']['dir']}` "
+             f"({m['backing_store']['fstype']} on {m['backing_store']['device']}); "
+             f"{cfg['backing_bytes'] / (1 << 30):.0f} GiB per contender",
+             f"- **Software:** Python {m['python']}, {m['fio']}, torch: "
+             f"{results.get('torch') or 'not installed — torch workloads skipped'}, "
+             f"zonefs-py commit {m['git_commit']}",
+             f"- **Sizes:** seq {cfg['seq_bytes'] >> 20} MiB, contention writer "
+             f"{cfg['contention_write_bytes'] >> 20} MiB, random reads "
+             f"{cfg['randread_runtime_s']} s each, "
+             f"torch state dict {cfg['torch_bytes'] >> 20} MiB, "
+             f"{cfg['samples']:,} samples × {cfg['sample_bytes'] >> 10} KiB, "
+             f"{cfg['meta_files']:,} small files", ""]
+    lines += ["## Contenders", ""]
+    for key, status in results["contenders"].items():
+        state = "ok" if status["available"] else f"**unavailable: {status['reason']}**"
+        lines.append(f"- `{key}`: {status['label']} — {state}")
+    lines.append("")
+    lines += ["## Targets", ""]
+    if not results["targets"]:
+        lines += ["No zonefs-py contender in this run: targets not evaluated.", ""]
+    for subject, rows in results["targets"].items():
+        label = results["contenders"][subject]["label"]
+        lines += [f"**{label}**", "", "| target | measured | target met? |", "|---|---|---|"]
+        for row in rows:
+            lines.append(f"| {row['target']} | {row['detail']} | {_verdict(row['met'])} |")
+        lines.append("")
+    lines += ["## Results", "",
+              "×ceiling / ×peer / ×ext4 / ×physical: this contender's median over the "
+              "reference's median for the primary figure.", ""]
+    for name, wl in results["workloads"].items():
+        lines += _workload_table(results, name, wl)
+    for subject in TARGET_SUBJECTS:
+        if subject in results["contenders"]:
+            lines += _fs_stats_table(results, subject)
+    if plot_files:
+        lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plot_files] + [""]
+    notes = _notes(results)
+    if notes:
+        lines += ["## Notes, skips and errors", "", *notes, ""]
+    return "\n".join(lines)
+
+
+def _notes(results: dict[str, Any]) -> list[str]:
+    notes = list(results.get("notes", []))
+    for name, wl in results["workloads"].items():
+        for key, entry in wl["results"].items():
+            for err in entry.get("errors", []):
+                notes.append(f"- `{name}` on `{key}` failed: {err}")
+            warnings = {r["_warning"] for r in entry["reps"] if "_warning" in r}
+            for warning in sorted(warnings):
+                notes.append(f"- `{name}` on `{key}`: {warning}")
+    return notes

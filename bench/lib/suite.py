@@ -1,0 +1,189 @@
+"""Run every workload on every contender, repetitions interleaved, and collect figures.
+
+Each repetition mounts every contender fresh (new backing file, new
+filesystem) and runs the selected workloads on it in the order of WORKLOADS,
+so repetition k of every contender sees the same history. A failure is
+recorded against its workload and contender and the run goes on; only a
+contender whose setup fails in the first repetition is dropped for the rest.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from . import torch_jobs, workloads
+from .contenders import Contender
+from .util import BenchError, summarize
+from .workloads import Config, SkipWorkload
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """One row group of the report: how to run it and which figure ranks it."""
+
+    name: str
+    title: str
+    func: Callable[[Contender, Config], dict[str, object]]
+    primary: str
+    higher_is_better: bool = True
+
+
+WORKLOADS: tuple[Workload, ...] = (
+    Workload("seq_write", "checkpoint write: fio seq write 1 MiB + fsync", workloads.seq_write,
+             "MiB/s"),
+    Workload("seq_read", "checkpoint restore: fio seq read 1 MiB, cold", workloads.seq_read,
+             "MiB/s"),
+    Workload("randread_4k_qd1", "dataset: 4 KiB random read QD1", workloads.make_randread(
+        "4k", 1), "IOPS"),
+    Workload("randread_4k_qd16", "dataset: 4 KiB random read QD16",
+             workloads.make_randread("4k", 16), "IOPS"),
+    Workload("randread_128k_qd1", "dataset: 128 KiB random read QD1",
+             workloads.make_randread("128k", 1), "MiB/s"),
+    Workload("randread_128k_qd16", "dataset: 128 KiB random read QD16",
+             workloads.make_randread("128k", 16), "MiB/s"),
+    Workload("contention", "contention: 4 KiB QD16 read p99 during checkpoint write",
+             workloads.contention, "busy_p99_us", higher_is_better=False),
+    Workload("torch_save", "checkpoint write: torch.save via temp + fsync + rename",
+             torch_jobs.torch_save, "MiB/s"),
+    Workload("torch_load", "checkpoint restore: torch.load, cold", torch_jobs.torch_load,
+             "MiB/s"),
+    Workload("dataloader_shards", "dataset: DataLoader epoch, shard files",
+             torch_jobs.dataloader_shards, "samples/s"),
+    Workload("dataloader_files", "dataset: DataLoader epoch, one file per sample",
+             torch_jobs.dataloader_files, "samples/s"),
+    Workload("meta_create", "metadata: create small files", workloads.meta_create, "ops/s"),
+    Workload("meta_stat", "metadata: stat small files, cold", workloads.meta_stat, "ops/s"),
+    Workload("meta_unlink", "metadata: unlink small files", workloads.meta_unlink, "ops/s"),
+)
+
+#: Workloads that read seq.bin; if seq_write is not selected it is laid out untimed.
+_READS_SEQ_FILE = {"seq_read", "randread_4k_qd1", "randread_4k_qd16", "randread_128k_qd1",
+                   "randread_128k_qd16", "contention"}
+#: Workloads that need the metadata files created by meta_create.
+_NEEDS_META = {"meta_stat", "meta_unlink"}
+
+
+def log(message: str) -> None:
+    """Print a timestamped progress line to stderr."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def _numeric_delta(before: dict[str, Any] | None, after: dict[str, Any] | None
+                   ) -> dict[str, float]:
+    """Return after - before for numeric keys (after alone if a counter went backwards)."""
+    if not after:
+        return {}
+    delta: dict[str, float] = {}
+    for key, value in after.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        prev = (before or {}).get(key)
+        if isinstance(prev, int | float) and not isinstance(prev, bool) and value >= prev:
+            delta[key] = value - prev
+        else:
+            delta[key] = value
+    user = delta.get("user_bytes_written")
+    device = delta.get("device_bytes_written")
+    if user and device is not None:
+        delta["workload_write_amplification"] = device / user
+    return delta
+
+
+def _run_one(workload: Workload, contender: Contender, cfg: Config) -> dict[str, object]:
+    """Run one workload once; return its figures or {"_skipped"|"_error": reason}."""
+    reason = contender.unsupported.get(workload.name)
+    if reason:
+        return {"_skipped": reason}
+    stats_before = contender.fs_stats() if cfg.zonefs_stats else None
+    started = time.perf_counter()
+    try:
+        figures = workload.func(contender, cfg)
+    except SkipWorkload as exc:
+        return {"_skipped": str(exc)}
+    except (BenchError, OSError, RuntimeError, ValueError) as exc:
+        log(f"  {workload.name} on {contender.key} FAILED: {exc}")
+        return {"_error": f"{type(exc).__name__}: {exc}"[:500],
+                "_traceback": traceback.format_exc(limit=4)[-1500:]}
+    figures["_seconds"] = time.perf_counter() - started
+    if stats_before is not None:
+        stats_after = contender.fs_stats()
+        figures["_fs_stats"] = {"after": stats_after,
+                                "delta": _numeric_delta(stats_before, stats_after)}
+    return figures
+
+
+def _lay_out_seq_file(contender: Contender, cfg: Config) -> None:
+    try:
+        workloads.seq_write(contender, cfg)
+    except BenchError as exc:
+        log(f"  laying out seq.bin on {contender.key} failed: {exc}")
+
+
+def run_suite(contenders: list[Contender], cfg: Config, selected: list[Workload]
+              ) -> dict[str, Any]:
+    """Run `selected` workloads on the available `contenders`; return the raw results."""
+    status: dict[str, dict[str, Any]] = {}
+    for contender in contenders:
+        reason = contender.unavailable_reason()
+        status[contender.key] = {"label": contender.label, "available": reason is None,
+                                 "reason": reason}
+        if reason:
+            log(f"{contender.key}: unavailable: {reason}")
+    reps: dict[str, dict[str, list[dict[str, object]]]] = {
+        w.name: {c.key: [] for c in contenders} for w in selected}
+    names = {w.name for w in selected}
+    size = cfg.backing_bytes()
+    for rep in range(cfg.reps):
+        for contender in contenders:
+            if not status[contender.key]["available"]:
+                continue
+            log(f"rep {rep + 1}/{cfg.reps}: {contender.key}: setting up "
+                f"{size >> 30} GiB backing store")
+            try:
+                with contender.mounted(size):
+                    if names & _READS_SEQ_FILE and "seq_write" not in names:
+                        _lay_out_seq_file(contender, cfg)
+                    if names & _NEEDS_META and "meta_create" not in names:
+                        workloads.meta_create(contender, cfg)
+                    for workload in selected:
+                        log(f"rep {rep + 1}: {contender.key}: {workload.name}")
+                        figures = _run_one(workload, contender, cfg)
+                        reps[workload.name][contender.key].append(figures)
+            except (BenchError, OSError) as exc:
+                log(f"rep {rep + 1}: {contender.key}: setup/teardown failed: {exc}")
+                if rep == 0 and not any(reps[w.name][contender.key] for w in selected):
+                    status[contender.key].update(available=False, reason=str(exc)[:500])
+                else:
+                    status[contender.key].setdefault("errors", []).append(str(exc)[:500])
+    return {"contenders": status, "workloads": _summarise(selected, reps)}
+
+
+def _summarise(selected: list[Workload], reps: dict[str, dict[str, list[dict[str, object]]]]
+               ) -> dict[str, Any]:
+    """Reduce per-repetition figures to median/min/max per metric."""
+    out: dict[str, Any] = {}
+    for workload in selected:
+        per_contender: dict[str, Any] = {}
+        for key, runs in reps[workload.name].items():
+            entry: dict[str, Any] = {"reps": runs}
+            ok = [r for r in runs if "_error" not in r and "_skipped" not in r]
+            metrics = sorted({m for r in ok for m, v in r.items()
+                              if not m.startswith("_") and isinstance(v, float)})
+            entry["summary"] = {m: summarize([float(r[m]) for r in ok if m in r])  # type: ignore[arg-type]
+                                for m in metrics}
+            skipped = {str(r["_skipped"]) for r in runs if "_skipped" in r}
+            errors = [str(r["_error"]) for r in runs if "_error" in r]
+            if skipped:
+                entry["skipped"] = "; ".join(sorted(skipped))
+            if errors:
+                entry["errors"] = errors
+            per_contender[key] = entry
+        out[workload.name] = {"title": workload.title, "primary": workload.primary,
+                              "higher_is_better": workload.higher_is_better,
+                              "results": per_contender}
+    return out
