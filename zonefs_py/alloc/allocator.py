@@ -1,0 +1,289 @@
+"""Zone allocation: write heads per stream, the active-zone budget, deferred resets.
+
+Runs on the trio thread and never awaits: `reserve()` hands out space in a
+zone before the append is issued from a worker thread, so two appends never
+race for the same bytes and the device's write pointer never surprises us.
+
+Write heads are keyed by (stream, owner): owner 0 is the shared head of a
+stream (small files are packed together per stream); a file that is written
+sequentially and grows past `private_head_bytes` gets a head of its own, so its
+zones hold nothing else and deleting it frees them whole (INV-9).
+
+Budget (ZenFS-style tokens): the device's max active zones, less what the
+superblock (1) and the metadata log (2: current and next zone) may hold
+active, and less one zone kept for the cleaner, is the number of data heads
+that may be open at once. When a new head is needed and the budget is spent,
+the private head with the least space left is finished (becomes FULL), which
+frees its token; shared heads are never taken from. A device without limits
+gets a soft budget of 64 heads.
+
+A zone whose live block count drops to zero is reset only when (a) it is not a
+head, (b) no append to it is in flight, and (c) the journal transaction that
+made it dead is durable (INV-8): otherwise a crash could bring back extents
+pointing into a reset zone.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from zonefs_py import errors
+from zonefs_py.device.base import DeviceInfo, Zone, ZoneCond
+from zonefs_py.format.constants import OpType, Stream
+from zonefs_py.format.ops import Op
+from zonefs_py.format.superblock import Superblock
+from zonefs_py.fs.state import State
+
+log = logging.getLogger(__name__)
+
+#: Active zones kept back from data heads: superblock 1, metadata log 2, cleaner 1.
+RESERVED_ACTIVE = 4
+SOFT_HEAD_BUDGET = 64
+
+
+@dataclass(slots=True)
+class DataZone:
+    idx: int
+    start: int
+    capacity: int
+    #: Bytes handed out so far (>= the device write pointer while appends are in flight).
+    reserved: int
+    inflight: int = 0
+    stream: int = Stream.DEFAULT
+    resets: int = 0
+    head_of: tuple[int, int] | None = None
+    unusable: bool = False
+
+    @property
+    def remaining(self) -> int:
+        return 0 if self.unusable else self.capacity - self.reserved
+
+
+class Allocator:
+    """Hands out space in data zones; see the module docstring."""
+
+    def __init__(self, info: DeviceInfo, sb: Superblock, state: State, zones: list[Zone],
+                 private_head_bytes: int | None = None) -> None:
+        self.info = info
+        self.state = state
+        self.block_size = info.block_size
+        self.zones: dict[int, DataZone] = {}
+        for z in zones:
+            if not (sb.data_first_zone <= z.index < sb.data_first_zone + sb.data_zone_count):
+                continue
+            stream, _flags, resets = state.zone_info.get(z.index, (Stream.DEFAULT, 0, 0))
+            dz = DataZone(z.index, z.start_bytes, z.capacity_bytes, z.written_bytes,
+                          stream=stream, resets=resets)
+            if z.cond in (ZoneCond.READONLY, ZoneCond.OFFLINE):
+                dz.unusable = True
+            elif z.cond == ZoneCond.FULL:
+                dz.reserved = dz.capacity
+            self.zones[z.index] = dz
+        self.reserve_bytes = sb.reserve_bytes
+        cap = max((z.capacity for z in self.zones.values()), default=0)
+        self.private_head_bytes = private_head_bytes or max(cap // 4, 1 << 20)
+        limit = info.max_active_zones
+        self.head_budget = max(1, limit - RESERVED_ACTIVE) if limit else SOFT_HEAD_BUDGET
+        self.heads: dict[tuple[int, int], int] = {}
+        #: (zone, journal transaction that must be durable first)
+        self.pending_resets: list[tuple[int, int]] = []
+        self.dead_bytes_reset = 0
+        #: Capacity given up by finishing zones early.
+        self.wasted_bytes = 0
+
+    # -- queries -------------------------------------------------------------------
+    def live_bytes(self, zone: int) -> int:
+        return self.state.zone_live_blocks.get(zone, 0) * self.block_size
+
+    def total_capacity(self) -> int:
+        return sum(z.capacity for z in self.zones.values() if not z.unusable)
+
+    def free_bytes(self) -> int:
+        """Bytes that can still be written without cleaning (unwritten + pending resets)."""
+        free = sum(z.remaining for z in self.zones.values())
+        pending = {zone for zone, _ in self.pending_resets}
+        free += sum(self.zones[z].reserved for z in pending if z in self.zones)
+        return free
+
+    def active_heads(self) -> int:
+        return sum(1 for z in self.heads.values() if 0 < self.zones[z].reserved
+                   < self.zones[z].capacity)
+
+    # -- mount-time adoption -----------------------------------------------------
+    def adopt_partial_zones(self) -> list[int]:
+        """Make partially written zones heads of their stream again after mount.
+
+        Returns zones that hold no live data and can be reset at once
+        (torn writes after a crash, or data freed just before it).
+        """
+        dead: list[int] = []
+        for dz in sorted(self.zones.values(), key=lambda z: z.idx):
+            if dz.unusable or dz.reserved == 0:
+                continue
+            if self.live_bytes(dz.idx) == 0:
+                dead.append(dz.idx)
+                continue
+            if dz.reserved < dz.capacity and (dz.stream, 0) not in self.heads:
+                self.heads[(dz.stream, 0)] = dz.idx
+                dz.head_of = (dz.stream, 0)
+        return dead
+
+    # -- allocation ---------------------------------------------------------------
+    def reserve(self, stream: int, owner: int, nbytes: int, journal_ops: list[Op],
+                to_finish: list[int]) -> tuple[int, int]:
+        """Reserve up to `nbytes` (block multiple) in a zone for (stream, owner).
+
+        Returns (zone index, granted bytes); the caller first finishes the
+        zones appended to `to_finish` (to give back their active-zone tokens),
+        then appends exactly `granted` bytes to the zone, then calls
+        `append_done`. A new zone is recorded by appending a ZONE_STATE op to
+        `journal_ops`. Raises errors.NoSpace when no zone can take the data.
+        """
+        key = (stream, owner)
+        zone_idx = self.heads.get(key)
+        if zone_idx is None or self.zones[zone_idx].remaining <= 0:
+            if zone_idx is not None:
+                self._drop_head(key)
+            zone_idx = self._new_head(key, journal_ops, to_finish)
+        dz = self.zones[zone_idx]
+        granted = min(nbytes, dz.remaining)
+        dz.reserved += granted
+        dz.inflight += 1
+        if dz.remaining <= 0:
+            self._drop_head(key)
+        return zone_idx, granted
+
+    def append_done(self, zone_idx: int, ok: bool) -> None:
+        """Account an append issued after `reserve` (ok=False: it failed)."""
+        dz = self.zones[zone_idx]
+        dz.inflight -= 1
+        if not ok:
+            # A failed write leaves the zone's state unknown: stop using it.
+            dz.unusable = True
+            if dz.head_of is not None:
+                self._drop_head(dz.head_of)
+            log.error("data zone %d stopped taking writes after a write error", zone_idx)
+        self._maybe_dead(zone_idx)
+
+    def release_owner(self, owner: int, to_finish: list[int]) -> None:
+        """Give up the private heads of a file (closed or deleted).
+
+        A private zone that is still mostly empty becomes the stream's shared
+        head if the stream has none; otherwise it is finished (appended to
+        `to_finish`) so that it stops holding an active-zone token.
+        """
+        for key in [k for k in self.heads if k[1] == owner]:
+            zone_idx = self.heads[key]
+            dz = self.zones[zone_idx]
+            self._drop_head(key)
+            shared = (key[0], 0)
+            if shared not in self.heads and dz.remaining * 4 > dz.capacity:
+                self.heads[shared] = zone_idx
+                dz.head_of = shared
+            elif dz.remaining > 0:
+                self._mark_finished(dz, to_finish)
+
+    def _mark_finished(self, dz: DataZone, to_finish: list[int]) -> None:
+        self.wasted_bytes += dz.remaining
+        dz.reserved = dz.capacity
+        to_finish.append(dz.idx)
+        self._maybe_dead(dz.idx)
+
+    def _drop_head(self, key: tuple[int, int]) -> None:
+        zone_idx = self.heads.pop(key, None)
+        if zone_idx is not None:
+            self.zones[zone_idx].head_of = None
+            self._maybe_dead(zone_idx)
+
+    def active_zones(self) -> list[DataZone]:
+        """Data zones holding an active token: partially written or reserved, not finished."""
+        return [dz for dz in self.zones.values()
+                if not dz.unusable and 0 < dz.reserved < dz.capacity]
+
+    def _new_head(self, key: tuple[int, int], journal_ops: list[Op],
+                  to_finish: list[int]) -> int:
+        active = self.active_zones()
+        if len(active) >= self.head_budget:
+            idle = [dz for dz in active if dz.head_of is None and not dz.inflight]
+            private = [dz for dz in active
+                       if dz.head_of is not None and dz.head_of[1] != 0 and not dz.inflight]
+            if idle:
+                self._mark_finished(max(idle, key=lambda z: z.reserved), to_finish)
+            elif private:
+                victim = max(private, key=lambda z: z.reserved)
+                assert victim.head_of is not None
+                self._drop_head(victim.head_of)
+                self._mark_finished(victim, to_finish)
+            elif key[1] != 0 and (key[0], 0) in self.heads:
+                # No token for a private head: share the stream's head.
+                return self.heads[(key[0], 0)]
+            else:
+                shared = [dz for dz in active if dz.head_of is not None and not dz.inflight]
+                if not shared:
+                    raise errors.NoSpace("every active zone has a write in flight")
+                victim = max(shared, key=lambda z: z.reserved)
+                assert victim.head_of is not None
+                self._drop_head(victim.head_of)
+                self._mark_finished(victim, to_finish)
+        pending = {z for z, _ in self.pending_resets}
+        empty = [dz for dz in self.zones.values()
+                 if dz.reserved == 0 and not dz.unusable and dz.head_of is None
+                 and dz.idx not in pending]
+        if not empty:
+            raise errors.NoSpace("no empty data zone left")
+        dz = min(empty, key=lambda z: (z.resets, z.idx))
+        dz.stream = key[0]
+        dz.head_of = key
+        self.heads[key] = dz.idx
+        op = (OpType.ZONE_STATE, dz.idx, key[0], 0, dz.resets)
+        self.state.apply(op)
+        journal_ops.append(op)
+        return dz.idx
+
+    # -- freeing ------------------------------------------------------------------
+    def zone_emptied(self, zone_idx: int) -> None:
+        """State callback: the zone's last live block was released."""
+        self._maybe_dead(zone_idx)
+
+    def _maybe_dead(self, zone_idx: int) -> None:
+        dz = self.zones.get(zone_idx)
+        if dz is None or dz.head_of is not None or dz.inflight or dz.reserved == 0:
+            return
+        if self.live_bytes(zone_idx) != 0 or dz.unusable:
+            return
+        if any(z == zone_idx for z, _ in self.pending_resets):
+            return
+        self.pending_resets.append((zone_idx, self.current_txn()))
+
+    def current_txn(self) -> int:
+        """Overridden by the engine: the number of the last journal transaction added."""
+        return 0
+
+    def take_resettable(self, durable_txn: int) -> list[int]:
+        """Pop zones whose death is durable and that are still dead."""
+        ready: list[int] = []
+        keep: list[tuple[int, int]] = []
+        for zone_idx, txn in self.pending_resets:
+            dz = self.zones[zone_idx]
+            if txn > durable_txn:
+                keep.append((zone_idx, txn))
+            elif self.live_bytes(zone_idx) == 0 and dz.head_of is None and not dz.inflight:
+                ready.append(zone_idx)
+        self.pending_resets = keep
+        return ready
+
+    def zone_was_reset(self, zone_idx: int, journal_ops: list[Op]) -> None:
+        dz = self.zones[zone_idx]
+        self.dead_bytes_reset += dz.reserved
+        dz.reserved = 0
+        dz.resets += 1
+        op = (OpType.ZONE_STATE, zone_idx, Stream.DEFAULT, 0, dz.resets)
+        self.state.apply(op)
+        journal_ops.append(op)
+
+    def wear(self) -> dict[str, float]:
+        counts = [z.resets for z in self.zones.values()]
+        if not counts:
+            return {"min": 0, "mean": 0.0, "max": 0}
+        return {"min": min(counts), "mean": sum(counts) / len(counts), "max": max(counts)}

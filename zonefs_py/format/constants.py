@@ -1,0 +1,67 @@
+"""On-disk constants. docs/SPEC.md documents each one; a test checks they agree.
+
+Retired values stay reserved forever: never reuse a record or op type number.
+"""
+
+from __future__ import annotations
+
+import enum
+
+#: Version of the on-disk format (independent of the package version).
+DISK_VERSION = 1
+
+#: b"ZFRC" read as a little-endian u32: starts every metadata record.
+RECORD_MAGIC = 0x4352465A
+RECORD_HEADER_SIZE = 32
+
+#: Zones 0 and 1 of the sequential zones hold the rolling superblock.
+SUPERBLOCK_ZONES = 2
+
+#: Blocks of file data per checksum (the device block size is the checksum unit).
+CHECKSUM_BYTES = 4
+
+
+class RecordType(enum.IntEnum):
+    SUPERBLOCK = 1
+    ZONE_HEADER = 2
+    JOURNAL = 3
+    CHECKPOINT_BEGIN = 4
+    CHECKPOINT_DATA = 5
+    CHECKPOINT_END = 6
+
+
+class OpType(enum.IntEnum):
+    """Metadata operations carried by JOURNAL and CHECKPOINT_DATA records."""
+
+    INODE = 1
+    INODE_FREE = 2
+    DIRENT_ADD = 3
+    DIRENT_DEL = 4
+    EXTENT = 5
+    TRUNCATE = 6
+    SYMLINK = 7
+    XATTR_SET = 8
+    XATTR_DEL = 9
+    ZONE_STATE = 10
+    COUNTERS = 11
+    NEXT_INO = 12
+
+
+class Stream(enum.IntEnum):
+    """Lifetime streams: data of different streams never shares a zone."""
+
+    DEFAULT = 0
+    METADATA = 1
+    CHECKPOINT = 2
+    DATASET = 3
+    LOG = 4
+    SCRATCH = 5
+    CLEANER = 6
+
+
+#: Role of a zone in the layout.
+class ZoneRole(enum.IntEnum):
+    UNUSED = 0  # conventional zones and zones past the layout
+    SUPERBLOCK = 1
+    META = 2
+    DATA = 3

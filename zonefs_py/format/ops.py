@@ -1,0 +1,161 @@
+"""Metadata operations: encode and decode, no I/O.
+
+An op is a plain tuple whose first element is an `OpType`; the rest are the
+fields below, in order. Ops are *physical* (they set state, they do not
+describe intent): an INODE op carries the full attributes including nlink, so
+replaying a journal never recomputes anything. Framing on disk: u8 type,
+u32 body length, body (docs/SPEC.md "Operations").
+
+    INODE       (ino, mode, uid, gid, nlink, rdev, size, atime_ns, mtime_ns, ctime_ns, flags)
+    INODE_FREE  (ino,)
+    DIRENT_ADD  (parent_ino, ino, name)
+    DIRENT_DEL  (parent_ino, name)
+    EXTENT      (ino, file_block, nblocks, dev_offset, checksums: bytes of nblocks*u32)
+    TRUNCATE    (ino, first_dropped_block)
+    SYMLINK     (ino, target)
+    XATTR_SET   (ino, name, value)
+    XATTR_DEL   (ino, name)
+    ZONE_STATE  (zone_idx, stream, flags, reset_count)
+    COUNTERS    (dict[int, int])   counter id -> value
+    NEXT_INO    (next_ino,)
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+from zonefs_py.format.constants import OpType
+
+Op = tuple[Any, ...]
+
+_FRAME = struct.Struct("<BI")
+_INODE = struct.Struct("<QIIIIQQqqqI")
+_Q = struct.Struct("<Q")
+_DIRENT_ADD = struct.Struct("<QQH")
+_DIRENT_DEL = struct.Struct("<QH")
+_EXTENT = struct.Struct("<QQIQ")
+_QQ = struct.Struct("<QQ")
+_XATTR_SET = struct.Struct("<QHI")
+_XATTR_DEL = struct.Struct("<QH")
+_ZONE_STATE = struct.Struct("<IBBHI")
+_COUNTER = struct.Struct("<HQ")
+
+
+class OpDecodeError(Exception):
+    """A payload that passed its record checksum still does not decode (a bug or
+    a format mismatch): never silently skipped."""
+
+
+def encode_op(op: Op) -> bytes:
+    """Return the framed bytes of one op."""
+    kind = op[0]
+    if kind == OpType.INODE:
+        body = _INODE.pack(*op[1:])
+    elif kind == OpType.INODE_FREE or kind == OpType.NEXT_INO:
+        body = _Q.pack(op[1])
+    elif kind == OpType.DIRENT_ADD:
+        body = _DIRENT_ADD.pack(op[1], op[2], len(op[3])) + op[3]
+    elif kind == OpType.DIRENT_DEL:
+        body = _DIRENT_DEL.pack(op[1], len(op[2])) + op[2]
+    elif kind == OpType.EXTENT:
+        body = _EXTENT.pack(op[1], op[2], op[3], op[4]) + op[5]
+    elif kind == OpType.TRUNCATE:
+        body = _QQ.pack(op[1], op[2])
+    elif kind == OpType.SYMLINK:
+        body = _Q.pack(op[1]) + op[2]
+    elif kind == OpType.XATTR_SET:
+        body = _XATTR_SET.pack(op[1], len(op[2]), len(op[3])) + op[2] + op[3]
+    elif kind == OpType.XATTR_DEL:
+        body = _XATTR_DEL.pack(op[1], len(op[2])) + op[2]
+    elif kind == OpType.ZONE_STATE:
+        body = _ZONE_STATE.pack(op[1], op[2], op[3], 0, op[4])
+    elif kind == OpType.COUNTERS:
+        items = sorted(op[1].items())
+        body = struct.pack("<H", len(items)) + b"".join(_COUNTER.pack(k, v) for k, v in items)
+    else:
+        raise ValueError(f"unknown op type {kind!r}")
+    return _FRAME.pack(int(kind), len(body)) + body
+
+
+def encode_ops(ops: list[Op]) -> bytes:
+    return b"".join(encode_op(op) for op in ops)
+
+
+def decode_ops(payload: bytes) -> list[Op]:
+    """Decode a payload into ops. Raises OpDecodeError on any inconsistency."""
+    ops: list[Op] = []
+    pos = 0
+    end = len(payload)
+    mv = memoryview(payload)
+    try:
+        while pos < end:
+            kind, blen = _FRAME.unpack_from(payload, pos)
+            pos += _FRAME.size
+            bend = pos + blen
+            if bend > end:
+                raise OpDecodeError(f"op body runs past the payload at byte {pos}")
+            ops.append(_decode_body(kind, payload, mv, pos, bend))
+            pos = bend
+    except struct.error as exc:
+        raise OpDecodeError(f"truncated op at byte {pos}: {exc}") from None
+    return ops
+
+
+def _decode_body(kind: int, payload: bytes, mv: memoryview, pos: int, bend: int) -> Op:
+    if kind == OpType.INODE:
+        if bend - pos != _INODE.size:
+            raise OpDecodeError("INODE op of wrong length")
+        return (OpType.INODE, *_INODE.unpack_from(payload, pos))
+    if kind == OpType.INODE_FREE:
+        return (OpType.INODE_FREE, _Q.unpack_from(payload, pos)[0])
+    if kind == OpType.NEXT_INO:
+        return (OpType.NEXT_INO, _Q.unpack_from(payload, pos)[0])
+    if kind == OpType.DIRENT_ADD:
+        parent, ino, nlen = _DIRENT_ADD.unpack_from(payload, pos)
+        start = pos + _DIRENT_ADD.size
+        _check(start + nlen == bend, "DIRENT_ADD name length")
+        return (OpType.DIRENT_ADD, parent, ino, bytes(mv[start:bend]))
+    if kind == OpType.DIRENT_DEL:
+        parent, nlen = _DIRENT_DEL.unpack_from(payload, pos)
+        start = pos + _DIRENT_DEL.size
+        _check(start + nlen == bend, "DIRENT_DEL name length")
+        return (OpType.DIRENT_DEL, parent, bytes(mv[start:bend]))
+    if kind == OpType.EXTENT:
+        ino, fblock, nblocks, dev = _EXTENT.unpack_from(payload, pos)
+        start = pos + _EXTENT.size
+        _check(start + nblocks * 4 == bend, "EXTENT checksum count")
+        return (OpType.EXTENT, ino, fblock, nblocks, dev, bytes(mv[start:bend]))
+    if kind == OpType.TRUNCATE:
+        return (OpType.TRUNCATE, *_QQ.unpack_from(payload, pos))
+    if kind == OpType.SYMLINK:
+        (ino,) = _Q.unpack_from(payload, pos)
+        return (OpType.SYMLINK, ino, bytes(mv[pos + 8:bend]))
+    if kind == OpType.XATTR_SET:
+        ino, nlen, vlen = _XATTR_SET.unpack_from(payload, pos)
+        start = pos + _XATTR_SET.size
+        _check(start + nlen + vlen == bend, "XATTR_SET lengths")
+        return (OpType.XATTR_SET, ino, bytes(mv[start:start + nlen]),
+                bytes(mv[start + nlen:bend]))
+    if kind == OpType.XATTR_DEL:
+        ino, nlen = _XATTR_DEL.unpack_from(payload, pos)
+        start = pos + _XATTR_DEL.size
+        _check(start + nlen == bend, "XATTR_DEL name length")
+        return (OpType.XATTR_DEL, ino, bytes(mv[start:bend]))
+    if kind == OpType.ZONE_STATE:
+        zone, stream, flags, _res, resets = _ZONE_STATE.unpack_from(payload, pos)
+        return (OpType.ZONE_STATE, zone, stream, flags, resets)
+    if kind == OpType.COUNTERS:
+        (count,) = struct.unpack_from("<H", payload, pos)
+        _check(pos + 2 + count * _COUNTER.size == bend, "COUNTERS length")
+        values = {}
+        for i in range(count):
+            k, v = _COUNTER.unpack_from(payload, pos + 2 + i * _COUNTER.size)
+            values[k] = v
+        return (OpType.COUNTERS, values)
+    raise OpDecodeError(f"unknown op type {kind}")
+
+
+def _check(cond: bool, what: str) -> None:
+    if not cond:
+        raise OpDecodeError(f"inconsistent {what}")

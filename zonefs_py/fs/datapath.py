@@ -1,0 +1,327 @@
+"""File data: write buffers, appends to zones, verified reads, truncation.
+
+Writes are buffered per file in one block-aligned `WriteBuffer` (a bytearray
+that starts on a block boundary and holds the newest bytes of its range).
+Sequential writes extend it; once it holds `CHUNK_BYTES` the whole blocks go
+out as one zone append (a 1 MiB FUSE write becomes one device append). A
+write that does not continue the buffer flushes it first. The partial block
+at either end of a flushed range is completed from the file's existing
+content (read-modify-write), so every device block of a file holds exactly
+the file's bytes, and bytes of the last block past EOF are zero (INV-10).
+
+Reads merge the extent map (device reads, every block checked against its
+xxh3 checksum, a mismatch is `errors.IOFailure` and a log line naming the
+file and offset) with the buffer. Device calls run in worker threads; the
+checksum work runs there too, not on the trio thread.
+
+Locking: one trio.Lock per file with buffered or in-flight data; reads of a
+file without write state take no lock, so dataset reads never queue behind
+another file's writes. Code between taking a buffer and applying its EXTENT
+ops holds the file's lock, so readers never see data that is in neither place.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import trio
+
+from zonefs_py import errors
+from zonefs_py.alloc.allocator import Allocator
+from zonefs_py.alloc.streams import classify_stream
+from zonefs_py.device.base import ZonedDevice
+from zonefs_py.format.checksum import block_checksums, first_bad_block
+from zonefs_py.format.constants import OpType
+from zonefs_py.format.ops import Op
+from zonefs_py.fs.state import Inode, State
+from zonefs_py.journal.journal import Journal
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 1 << 20
+#: Inode flag: the stream in the low byte has been decided.
+FLAG_STREAM_SET = 0x100
+
+# Counter ids (persisted in COUNTERS ops; docs/SPEC.md "Counters").
+C_USER_BYTES = 1
+C_DATA_BYTES = 2
+C_META_BYTES = 3
+C_CLEANER_BYTES = 4
+C_PAD_BYTES = 5
+C_STREAM_BASE = 100  # + stream id: device data bytes per stream
+
+
+class WriteBuffer:
+    __slots__ = ("data", "mtime", "start")
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self.data = bytearray()
+        self.mtime = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.data)
+
+
+class DataPath:
+    def __init__(self, dev: ZonedDevice, state: State, journal: Journal, alloc: Allocator,
+                 limiter: trio.CapacityLimiter, path_of: Callable[[int], str]) -> None:
+        self.dev = dev
+        self.state = state
+        self.journal = journal
+        self.alloc = alloc
+        self.limiter = limiter
+        self.bs = dev.info.block_size
+        self.buffers: dict[int, WriteBuffer] = {}
+        self.locks: dict[int, trio.Lock] = {}
+        self.path_of = path_of
+        self.counters = state.counters
+        self.stream_hint: Callable[[Inode], int] = lambda inode: classify_stream(
+            self.state, inode)
+
+    # -- helpers -----------------------------------------------------------------
+    def lock(self, ino: int) -> trio.Lock:
+        lk = self.locks.get(ino)
+        if lk is None:
+            lk = self.locks[ino] = trio.Lock()
+        return lk
+
+    def visible_size(self, inode: Inode) -> int:
+        buf = self.buffers.get(inode.ino)
+        return max(inode.size, buf.end) if buf is not None else inode.size
+
+    def _count(self, key: int, n: int) -> None:
+        self.counters[key] = self.counters.get(key, 0) + n
+
+    def forget_file(self, ino: int) -> None:
+        """Drop the write state of a freed file (its buffer is discarded)."""
+        self.buffers.pop(ino, None)
+        lk = self.locks.get(ino)
+        if lk is not None and not lk.locked():
+            del self.locks[ino]
+
+    # -- write -----------------------------------------------------------------------
+    async def write(self, inode: Inode, offset: int, data: bytes) -> int:
+        async with self.lock(inode.ino):
+            buf = self.buffers.get(inode.ino)
+            if buf is not None and not buf.start <= offset <= buf.end:
+                await self._flush_locked(inode, final=True)
+                buf = None
+            if buf is None:
+                start = offset // self.bs * self.bs
+                buf = WriteBuffer(start)
+                if start < offset:
+                    buf.data += await self._read_stored(inode, start, offset - start)
+                self.buffers[inode.ino] = buf
+            rel = offset - buf.start
+            if rel == len(buf.data):
+                buf.data += data
+            else:
+                buf.data[rel:rel + len(data)] = data
+            buf.mtime = time.time_ns()
+            self._count(C_USER_BYTES, len(data))
+            if len(buf.data) >= CHUNK_BYTES:
+                await self._flush_locked(inode, final=False)
+        return len(data)
+
+    async def flush(self, inode: Inode) -> None:
+        """Write the file's buffer to the device (not yet durable: see Journal.commit)."""
+        if inode.ino not in self.buffers:
+            return
+        async with self.lock(inode.ino):
+            await self._flush_locked(inode, final=True)
+
+    async def flush_all(self) -> None:
+        for ino in list(self.buffers):
+            inode = self.state.inodes.get(ino)
+            if inode is not None:
+                await self.flush(inode)
+
+    async def _flush_locked(self, inode: Inode, final: bool) -> None:
+        """Append the buffer's whole blocks (all of it, padded, if `final`)."""
+        buf = self.buffers.get(inode.ino)
+        if buf is None:
+            return
+        bs = self.bs
+        logical_end = buf.end
+        if final:
+            data = bytes(buf.data)
+            if len(data) % bs:
+                tail_start = buf.end
+                tail_end = (tail_start // bs + 1) * bs
+                fill = b""
+                if inode.size > tail_start:
+                    fill = await self._read_stored(inode, tail_start,
+                                                   min(tail_end, inode.size) - tail_start)
+                data += fill + bytes(tail_end - tail_start - len(fill))
+                logical_end = max(logical_end, tail_start + len(fill))
+            del self.buffers[inode.ino]
+        else:
+            whole = len(buf.data) // bs * bs
+            data = bytes(buf.data[:whole])
+            rest = WriteBuffer(buf.start + whole)
+            rest.data = buf.data[whole:]
+            rest.mtime = buf.mtime
+            logical_end = buf.start + whole
+            if rest.data:
+                self.buffers[inode.ino] = rest
+            else:
+                del self.buffers[inode.ino]
+        if not data:
+            return
+        ops = await self._append_file_data(inode, buf.start // bs, data)
+        new_size = max(inode.size, min(logical_end, buf.end))
+        ops.append(inode.op(size=new_size, mtime=buf.mtime or time.time_ns(),
+                            ctime=buf.mtime or time.time_ns(), flags=inode.flags))
+        self.state.apply(ops[-1])
+        self.journal.add(ops)
+
+    async def _append_file_data(self, inode: Inode, fblock: int, data: bytes) -> list[Op]:
+        """Append data for file blocks starting at `fblock`; apply and return the ops
+        (EXTENT and ZONE_STATE ops are applied here; the caller adds the INODE op)."""
+        if not inode.flags & FLAG_STREAM_SET:
+            stream = self.stream_hint(inode)
+            op = inode.op(flags=(inode.flags & ~0xFF) | stream | FLAG_STREAM_SET)
+            self.state.apply(op)
+        stream = inode.stream
+        csums = block_checksums(data, self.bs)
+        owner = inode.ino if self._wants_private_head(inode, fblock, len(data)) else 0
+        ops: list[Op] = []
+        pos = 0
+        failures = 0
+        while pos < len(data):
+            to_finish: list[int] = []
+            zone, granted = self.alloc.reserve(stream, owner, len(data) - pos, ops, to_finish)
+            piece = memoryview(data)[pos:pos + granted]
+            try:
+                for z in to_finish:
+                    await trio.to_thread.run_sync(self.dev.finish_zone, z, limiter=self.limiter)
+                dev_off = await trio.to_thread.run_sync(self.dev.append, zone, piece,
+                                                        limiter=self.limiter)
+            except OSError as exc:
+                self.alloc.append_done(zone, ok=False)
+                failures += 1
+                log.error("write of %d bytes to zone %d failed (%s); %s", granted, zone, exc,
+                          "retrying in another zone" if failures < 3 else "giving up")
+                if failures >= 3:
+                    raise errors.IOFailure(
+                        f"cannot write data of {self.path_of(inode.ino)}: {exc}") from exc
+                continue
+            nblocks = granted // self.bs
+            first = fblock + pos // self.bs
+            op = (OpType.EXTENT, inode.ino, first, nblocks, dev_off,
+                  csums[pos // self.bs * 4:(pos // self.bs + nblocks) * 4])
+            self.state.apply(op)
+            self.alloc.append_done(zone, ok=True)
+            ops.append(op)
+            self._count(C_DATA_BYTES, granted)
+            self._count(C_STREAM_BASE + stream, granted)
+            pos += granted
+        self.journal.data_dirty = True
+        return ops
+
+    def _wants_private_head(self, inode: Inode, fblock: int, nbytes: int) -> bool:
+        """A file written sequentially past the threshold gets zones of its own."""
+        end = fblock * self.bs + nbytes
+        if end < self.alloc.private_head_bytes:
+            return False
+        assert inode.extents is not None
+        # Sequential: the chunk continues the file's last mapped block.
+        last = inode.extents.exts[-1].fend if len(inode.extents) else 0
+        return fblock >= last
+
+    # -- read ------------------------------------------------------------------------
+    async def read(self, inode: Inode, offset: int, length: int) -> bytes:
+        size = self.visible_size(inode)
+        if offset >= size or length <= 0:
+            return b""
+        length = min(length, size - offset)
+        if inode.ino in self.locks:
+            async with self.lock(inode.ino):
+                return await self._read_locked(inode, offset, length)
+        return await self._read_stored(inode, offset, length)
+
+    async def _read_locked(self, inode: Inode, offset: int, length: int) -> bytes:
+        data = await self._read_stored(inode, offset, length)
+        buf = self.buffers.get(inode.ino)
+        if buf is None or buf.end <= offset or buf.start >= offset + length:
+            return data
+        out = bytearray(data)
+        if len(out) < length:
+            out += bytes(length - len(out))
+        lo = max(offset, buf.start)
+        hi = min(offset + length, buf.end)
+        out[lo - offset:hi - offset] = buf.data[lo - buf.start:hi - buf.start]
+        return bytes(out)
+
+    async def _read_stored(self, inode: Inode, offset: int, length: int) -> bytes:
+        """Read [offset, offset+length) from the extents only (holes are zeros)."""
+        assert inode.extents is not None
+        bs = self.bs
+        end = min(offset + length, max(inode.size, offset))
+        if end <= offset:
+            return bytes(length)
+        fb0 = offset // bs
+        fb1 = (end + bs - 1) // bs
+        parts: list[bytes] = []
+        for start, count, ext in inode.extents.lookup(fb0, fb1 - fb0):
+            if ext is None:
+                parts.append(bytes(count * bs))
+                continue
+            rel = start - ext.fblock
+            dev_off = ext.dev + rel * bs
+            csums = ext.csums[rel * 4:(rel + count) * 4]
+            parts.append(await trio.to_thread.run_sync(
+                self._read_verify, inode.ino, start, dev_off, count * bs, csums,
+                limiter=self.limiter))
+        blob = b"".join(parts) if len(parts) != 1 else parts[0]
+        skip = offset - fb0 * bs
+        out = blob[skip:skip + (end - offset)]
+        if len(out) < length:
+            out += bytes(length - len(out))
+        return out
+
+    def _read_verify(self, ino: int, fblock: int, dev_off: int, nbytes: int,
+                     csums: bytes) -> bytes:
+        """Worker thread: read device blocks and check every checksum."""
+        try:
+            data = self.dev.read(dev_off, nbytes)
+        except OSError as exc:
+            log.error("read error in %s at file offset %d: %s", self.path_of(ino),
+                      fblock * self.bs, exc)
+            raise errors.IOFailure(f"device read failed: {exc}") from exc
+        bad = first_bad_block(data, self.bs, csums)
+        if bad is not None:
+            file_off = (fblock + bad) * self.bs
+            log.error("checksum mismatch in %s at file offset %d (device offset %d)",
+                      self.path_of(ino), file_off, dev_off + bad * self.bs)
+            raise errors.IOFailure(f"checksum mismatch at file offset {file_off}")
+        return data
+
+    # -- truncate ------------------------------------------------------------------
+    async def truncate(self, inode: Inode, new_size: int, ctime: int) -> list[Op]:
+        """Change the size; return (applied) ops for the caller's transaction."""
+        async with self.lock(inode.ino):
+            await self._flush_locked(inode, final=True)
+            ops: list[Op] = []
+            bs = self.bs
+            if new_size < inode.size:
+                assert inode.extents is not None
+                keep_blocks = (new_size + bs - 1) // bs
+                if new_size % bs:
+                    block_start = new_size // bs * bs
+                    pieces = inode.extents.lookup(new_size // bs, 1)
+                    if pieces and pieces[0][2] is not None:
+                        head = await self._read_stored(inode, block_start, new_size - block_start)
+                        block = head + bytes(bs - len(head))
+                        ops += await self._append_file_data(inode, block_start // bs, block)
+                op = (OpType.TRUNCATE, inode.ino, keep_blocks)
+                self.state.apply(op)
+                ops.append(op)
+            op = inode.op(size=new_size, mtime=ctime, ctime=ctime)
+            self.state.apply(op)
+            ops.append(op)
+            return ops

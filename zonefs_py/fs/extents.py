@@ -1,0 +1,147 @@
+"""Per-file extent maps: file blocks -> device byte offsets, with per-block checksums.
+
+Pure data structure, no I/O. An `Extent` maps `nblocks` file blocks starting at
+`fblock` to `nblocks` device blocks starting at byte offset `dev`; `csums`
+holds one little-endian u32 checksum per block. Extents of one map never
+overlap (INV-5); a newer extent replaces whatever it overlaps, splitting older
+extents. Adjacent extents that are contiguous both in the file and on the
+device, inside one zone, are merged to keep memory small for large sequential
+files (a 1 GiB checkpoint in its own zone is one extent).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator
+
+
+class Extent:
+    __slots__ = ("csums", "dev", "fblock", "nblocks")
+
+    def __init__(self, fblock: int, nblocks: int, dev: int, csums: bytes) -> None:
+        self.fblock = fblock
+        self.nblocks = nblocks
+        self.dev = dev
+        self.csums = csums
+
+    @property
+    def fend(self) -> int:
+        return self.fblock + self.nblocks
+
+    def __repr__(self) -> str:
+        return f"Extent(fblock={self.fblock}, nblocks={self.nblocks}, dev={self.dev})"
+
+
+#: A piece of the device that stopped being referenced: (dev_offset, nblocks).
+Freed = tuple[int, int]
+
+
+class ExtentMap:
+    """Sorted, non-overlapping extents of one file."""
+
+    __slots__ = ("exts", "mapped_blocks", "starts")
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.exts: list[Extent] = []
+        self.mapped_blocks = 0
+
+    def __iter__(self) -> Iterator[Extent]:
+        return iter(self.exts)
+
+    def __len__(self) -> int:
+        return len(self.exts)
+
+    def _cut(self, lo: int, hi: int, block_size: int, freed: list[Freed]) -> int:
+        """Remove file blocks [lo, hi) from the map; return the insert position."""
+        i = bisect.bisect_right(self.starts, lo) - 1
+        if i < 0:
+            i = 0
+        elif self.exts[i].fend <= lo:
+            i += 1
+        while i < len(self.exts) and self.exts[i].fblock < hi:
+            e = self.exts[i]
+            cut_lo = max(lo, e.fblock)
+            cut_hi = min(hi, e.fend)
+            freed.append((e.dev + (cut_lo - e.fblock) * block_size, cut_hi - cut_lo))
+            self.mapped_blocks -= cut_hi - cut_lo
+            left_n = cut_lo - e.fblock
+            right_n = e.fend - cut_hi
+            if left_n and right_n:
+                right = Extent(cut_hi, right_n, e.dev + (cut_hi - e.fblock) * block_size,
+                               e.csums[(cut_hi - e.fblock) * 4:])
+                e.nblocks = left_n
+                e.csums = e.csums[:left_n * 4]
+                self.starts.insert(i + 1, right.fblock)
+                self.exts.insert(i + 1, right)
+                return i + 1
+            if left_n:
+                e.nblocks = left_n
+                e.csums = e.csums[:left_n * 4]
+                i += 1
+            elif right_n:
+                skip = cut_hi - e.fblock
+                e.dev += skip * block_size
+                e.csums = e.csums[skip * 4:]
+                e.fblock = cut_hi
+                e.nblocks = right_n
+                self.starts[i] = cut_hi
+                return i
+            else:
+                del self.starts[i]
+                del self.exts[i]
+        return i
+
+    def insert(self, fblock: int, nblocks: int, dev: int, csums: bytes, block_size: int,
+               zone_size: int) -> list[Freed]:
+        """Map [fblock, fblock+nblocks) to dev; return the device pieces it replaced."""
+        freed: list[Freed] = []
+        i = self._cut(fblock, fblock + nblocks, block_size, freed)
+        self.mapped_blocks += nblocks
+        if i > 0:
+            prev = self.exts[i - 1]
+            if (prev.fend == fblock and prev.dev + prev.nblocks * block_size == dev
+                    and prev.dev // zone_size == dev // zone_size):
+                prev.nblocks += nblocks
+                prev.csums = prev.csums + csums
+                return freed
+        ext = Extent(fblock, nblocks, dev, csums)
+        self.starts.insert(i, fblock)
+        self.exts.insert(i, ext)
+        return freed
+
+    def truncate(self, first_dropped: int, block_size: int) -> list[Freed]:
+        """Drop every mapping at or past file block `first_dropped`."""
+        freed: list[Freed] = []
+        if self.exts and self.exts[-1].fend > first_dropped:
+            self._cut(first_dropped, self.exts[-1].fend, block_size, freed)
+        return freed
+
+    def clear(self, block_size: int) -> list[Freed]:
+        freed = [(e.dev, e.nblocks) for e in self.exts]
+        self.starts.clear()
+        self.exts.clear()
+        self.mapped_blocks = 0
+        return freed
+
+    def lookup(self, fblock: int, nblocks: int) -> list[tuple[int, int, Extent | None]]:
+        """Cover [fblock, fblock+nblocks) with pieces (start, count, extent-or-None for a hole)."""
+        out: list[tuple[int, int, Extent | None]] = []
+        end = fblock + nblocks
+        pos = fblock
+        i = bisect.bisect_right(self.starts, fblock) - 1
+        if i < 0 or self.exts[i].fend <= fblock:
+            i += 1
+        while pos < end:
+            if i >= len(self.exts) or self.exts[i].fblock >= end:
+                out.append((pos, end - pos, None))
+                break
+            e = self.exts[i]
+            if e.fblock > pos:
+                out.append((pos, e.fblock - pos, None))
+                pos = e.fblock
+            hi = min(end, e.fend)
+            out.append((pos, hi - pos, e))
+            pos = hi
+            i += 1
+        return out

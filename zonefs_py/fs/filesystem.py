@@ -1,0 +1,794 @@
+"""ZoneFS: the namespace engine behind the FUSE adapter (see fs/api.py).
+
+Every namespace operation follows one pattern: validate against the State,
+build the ops, apply them and add them to the journal as one transaction,
+all without an `await` in between (so each operation is atomic with respect
+to the others, and a crash keeps all of its ops or none). File data goes
+through `DataPath`. Durability comes from `Journal.commit` (fsync, fsyncdir,
+the background commit every `commit_interval_s`, unmount).
+
+Caveats:
+  * The whole namespace lives in memory (about 0.5 KiB per file).
+  * A checkpoint encodes the snapshot on the trio thread; with millions of
+    files that pauses requests for a few seconds.
+  * Permission checks beyond `access()` are left to the kernel
+    (`default_permissions`), as the FUSE adapter always mounts with it.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat as statmod
+import time
+from collections.abc import Sequence
+
+import trio
+
+from zonefs_py import errors
+from zonefs_py.alloc.allocator import Allocator
+from zonefs_py.alloc.streams import STREAM_XATTR, classify, parse_stream_name
+from zonefs_py.device.base import ZonedDevice, ZoneCond
+from zonefs_py.format.constants import OpType, Stream
+from zonefs_py.format.ops import Op
+from zonefs_py.fs.api import (
+    FILE_SIZE_MAX, NAME_MAX, ROOT_INO, XATTR_NAME_MAX, XATTR_SIZE_MAX, Attr, Ctx, DirEntry,
+    FileSystemAPI, RenameFlags, SetAttrRequest, StatFs, XattrFlags,
+)
+from zonefs_py.fs.datapath import FLAG_STREAM_SET, DataPath
+from zonefs_py.fs.options import FsOptions
+from zonefs_py.fs.state import Inode, State
+from zonefs_py.journal.journal import Journal
+from zonefs_py.journal.recovery import Recovered, recover
+
+log = logging.getLogger(__name__)
+
+LINK_MAX = 65000
+QUOTA_XATTR = b"user.zonefs.quota"
+_XATTR_PREFIXES = (b"user.", b"trusted.", b"security.")
+
+
+class _DirHandle:
+    __slots__ = ("ino", "names")
+
+    def __init__(self, ino: int, names: list[bytes]) -> None:
+        self.ino = ino
+        self.names = names
+
+
+class ZoneFS(FileSystemAPI):
+    """A mounted zonefs-py filesystem. Create with `await ZoneFS.load(...)`."""
+
+    def __init__(self, dev: ZonedDevice, rec: Recovered, options: FsOptions) -> None:
+        self.dev = dev
+        self.options = options
+        self.sb = rec.sb
+        self.state: State = rec.state
+        self.recovered = rec
+        self.bs = dev.info.block_size
+        self.limiter = trio.CapacityLimiter(options.max_device_threads)
+        self.journal = Journal(dev, rec.log, rec.sbstore, rec.sb, self.state, self.limiter)
+        self.alloc = Allocator(dev.info, rec.sb, self.state, dev.report_zones())
+        self.alloc.current_txn = lambda: self.journal.added_txn  # type: ignore[method-assign]
+        self.state.on_zone_emptied = self.alloc.zone_emptied
+        self.data = DataPath(dev, self.state, self.journal, self.alloc, self.limiter,
+                             self.path_of)
+        self.files: dict[int, int] = {}  # fh -> ino
+        self.dirs: dict[int, _DirHandle] = {}
+        self._next_fh = 1
+        self.failsafe: str | None = None
+        self._stop = trio.Event()
+        self._wake = trio.Event()
+        self._closed = False
+        self.mounted_ns = time.time_ns()
+
+    # -- lifecycle ------------------------------------------------------------------
+    @classmethod
+    async def load(cls, dev: ZonedDevice, options: FsOptions | None = None) -> ZoneFS:
+        """Recover the filesystem on `dev` and return it ready to serve.
+
+        Raises errors.NotAFilesystem or errors.CorruptionError (one-line
+        messages) when the device cannot be mounted.
+        """
+        options = options or FsOptions()
+        rec = await trio.to_thread.run_sync(recover, dev)
+        fs = cls(dev, rec, options)
+        log.info("recovered %s: %d records, %d ops in %.2f s (torn tail: %s)", dev.info.path,
+                 rec.records, rec.ops, rec.seconds, rec.scan.torn_tail)
+        if not options.read_only:
+            await fs._after_recovery()
+        return fs
+
+    async def _after_recovery(self) -> None:
+        """Free orphans, reset dead zones, and start a clean log if its tail was torn."""
+        scan = self.recovered.scan
+        stale = scan.obsolete_zones + scan.garbage_zones
+        if stale:
+            await trio.to_thread.run_sync(self.journal.log.reset_zones, stale)
+        orphans = [i for i in self.state.inodes.values() if i.nlink == 0 and i.ino != ROOT_INO]
+        for inode in orphans:
+            log.info("freeing orphan inode %d (unlinked while open before a crash)", inode.ino)
+            self._txn([(OpType.INODE_FREE, inode.ino)])
+        dead = self.alloc.adopt_partial_zones()
+        for zone in dead:
+            self.alloc.pending_resets.append((zone, 0))
+        await self.journal.commit()
+        if scan.torn_tail or self.journal.checkpoint_needed(self.options.checkpoint_journal_bytes):
+            await self.journal.checkpoint()
+        await self._reset_dead_zones()
+
+    async def serve_background(self) -> None:
+        """Run periodic commits, checkpoints and zone resets until `close()`."""
+        while not self._stop.is_set():
+            with trio.move_on_after(self.options.commit_interval_s):
+                await self._wake.wait()
+            self._wake = trio.Event()
+            if self._stop.is_set() or self.options.read_only or self.failsafe:
+                continue
+            try:
+                await self.background_step()
+            except errors.ZoneFSError as exc:
+                self.enter_failsafe(f"background commit failed: {exc}")
+
+    async def background_step(self) -> None:
+        """One round of background work (also used by tests)."""
+        if self.journal.pending_bytes or self.journal.data_dirty:
+            await self.journal.commit()
+        if self.journal.checkpoint_needed(self.options.checkpoint_journal_bytes):
+            await self.journal.checkpoint()
+        await self._reset_dead_zones()
+
+    def wake_background(self) -> None:
+        self._wake.set()
+
+    async def close(self) -> None:
+        """Clean unmount: write buffers, commit, checkpoint, flush, release the device."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._wake.set()
+        if not self.options.read_only and self.failsafe is None:
+            try:
+                await self.data.flush_all()
+                self._record_counters()
+                await self.journal.commit()
+                await self.journal.checkpoint()
+                await self._reset_dead_zones()
+                await trio.to_thread.run_sync(self.dev.flush)
+            except (errors.ZoneFSError, OSError) as exc:
+                log.error("unmount could not write everything: %s", exc)
+                raise
+
+    def enter_failsafe(self, reason: str) -> None:
+        """Refuse every later change (EROFS) until remount; keep serving reads."""
+        if self.failsafe is None:
+            self.failsafe = reason
+            log.error("switching to read-only failsafe mode: %s", reason)
+
+    async def _reset_dead_zones(self) -> None:
+        for zone in self.alloc.take_resettable(self.journal.durable_txn):
+            await trio.to_thread.run_sync(self.dev.reset_zone, zone, limiter=self.limiter)
+            ops: list[Op] = []
+            self.alloc.zone_was_reset(zone, ops)
+            self.journal.add(ops)
+
+    def _record_counters(self) -> None:
+        self.state.counters[3] = self.journal.log.bytes_written + self.journal.sbstore.bytes_written
+        self._txn([(OpType.COUNTERS, dict(self.state.counters))])
+
+    # -- helpers ----------------------------------------------------------------------
+    def _txn(self, ops: list[Op]) -> None:
+        """Apply ops and queue them as one journal transaction (never awaits)."""
+        for op in ops:
+            self.state.apply(op)
+        self.journal.add(ops)
+
+    def _writable(self) -> None:
+        if self.options.read_only:
+            raise errors.ReadOnly("mounted read-only")
+        if self.failsafe is not None:
+            raise errors.ReadOnly(f"read-only failsafe after an error: {self.failsafe}")
+        if self.journal.broken is not None:
+            raise errors.ReadOnly(f"journal unusable: {self.journal.broken}")
+
+    def inode(self, ino: int) -> Inode:
+        try:
+            return self.state.inodes[ino]
+        except KeyError:
+            raise errors.NotFound(f"no inode {ino}") from None
+
+    def _dir(self, ino: int) -> Inode:
+        inode = self.inode(ino)
+        if inode.entries is None:
+            raise errors.NotDirectory(f"inode {ino} is not a directory")
+        return inode
+
+    @staticmethod
+    def _check_name(name: bytes) -> None:
+        if len(name) > NAME_MAX:
+            raise errors.NameTooLong(f"name of {len(name)} bytes (at most {NAME_MAX})")
+        if not name or b"/" in name or b"\0" in name:
+            raise errors.InvalidArgument(f"invalid name {name!r}")
+        if name in (b".", b".."):
+            raise errors.Exists(f"{name!r} always exists")
+
+    def attr(self, inode: Inode) -> Attr:
+        size = self.data.visible_size(inode) if inode.extents is not None else inode.size
+        blocks = inode.extents.mapped_blocks * (self.bs // 512) if inode.extents else 0
+        return Attr(inode.ino, inode.mode, inode.nlink, inode.uid, inode.gid, inode.rdev, size,
+                    blocks, inode.atime, inode.mtime, inode.ctime, self.bs)
+
+    def path_of(self, ino: int) -> str:
+        """Return one path of ino, for log lines (slow: scans directories)."""
+        parts: list[bytes] = []
+        cur = ino
+        for _ in range(256):
+            if cur == ROOT_INO:
+                break
+            for d in self.state.inodes.values():
+                if d.entries and cur in d.entries.values():
+                    parts.append(next(n for n, c in d.entries.items() if c == cur))
+                    cur = d.ino
+                    break
+            else:
+                return f"<inode {ino}, unlinked>"
+        return "/" + b"/".join(reversed(parts)).decode(errors="replace")
+
+    def _new_inode_op(self, mode: int, ctx: Ctx, parent: Inode, nlink: int, rdev: int = 0,
+                      size: int = 0, flags: int = 0) -> Op:
+        now = time.time_ns()
+        gid = ctx.gid
+        if parent.mode & statmod.S_ISGID:
+            gid = parent.gid
+            if statmod.S_ISDIR(mode):
+                mode |= statmod.S_ISGID
+        ino = self.state.next_ino
+        return (OpType.INODE, ino, mode, ctx.uid, gid, nlink, rdev, size, now, now, now, flags)
+
+    def _touch_dir(self, d: Inode, nlink_delta: int = 0) -> Op:
+        now = time.time_ns()
+        return d.op(mtime=now, ctime=now, nlink=d.nlink + nlink_delta)
+
+    def _maybe_free(self, inode: Inode) -> list[Op]:
+        """Ops that free an inode nobody references any more (none if still referenced)."""
+        if inode.ino == ROOT_INO or inode.nlink > 0 or inode.lookups > 0 or inode.opens > 0:
+            return []
+        self.data.forget_file(inode.ino)
+        return [(OpType.INODE_FREE, inode.ino)]
+
+    def _free_if_unused(self, inode: Inode) -> None:
+        ops = self._maybe_free(inode)
+        if ops and not self.options.read_only and self.failsafe is None:
+            to_finish: list[int] = []
+            self.alloc.release_owner(inode.ino, to_finish)
+            self._txn(ops)
+            self._finish_later(to_finish)
+
+    def _finish_later(self, zones: list[int]) -> None:
+        for z in zones:
+            try:
+                self.dev.finish_zone(z)  # cheap metadata command; no data moves
+            except OSError as exc:
+                log.error("finishing zone %d failed: %s", z, exc)
+
+    # -- lookups and attributes ------------------------------------------------------
+    async def lookup(self, parent_ino: int, name: bytes) -> Attr:
+        d = self._dir(parent_ino)
+        if name == b".":
+            ino = parent_ino
+        elif name == b"..":
+            ino = d.parent or ROOT_INO
+        else:
+            if len(name) > NAME_MAX:
+                raise errors.NameTooLong(f"name of {len(name)} bytes")
+            assert d.entries is not None
+            child = d.entries.get(name)
+            if child is None:
+                raise errors.NotFound(f"{name!r} not in directory {parent_ino}")
+            ino = child
+        inode = self.inode(ino)
+        inode.lookups += 1
+        return self.attr(inode)
+
+    def add_lookup(self, ino: int) -> None:
+        """Count one kernel reference handed out by readdirplus."""
+        self.inode(ino).lookups += 1
+
+    def forget(self, forgets: Sequence[tuple[int, int]]) -> None:
+        for ino, n in forgets:
+            inode = self.state.inodes.get(ino)
+            if inode is None:
+                continue
+            inode.lookups = max(0, inode.lookups - n)
+            self._free_if_unused(inode)
+
+    async def getattr(self, ino: int) -> Attr:
+        return self.attr(self.inode(ino))
+
+    async def setattr(self, ino: int, req: SetAttrRequest, ctx: Ctx) -> Attr:
+        self._writable()
+        inode = self.inode(ino)
+        now = time.time_ns()
+        ops: list[Op] = []
+        if req.size is not None:
+            if inode.is_dir:
+                raise errors.IsDirectory("cannot truncate a directory")
+            if not inode.is_reg:
+                raise errors.InvalidArgument("can only truncate regular files")
+            if req.size < 0 or req.size > FILE_SIZE_MAX:
+                raise errors.FileTooBig(f"size {req.size} out of range")
+            if req.size > self.data.visible_size(inode):
+                self._check_quota(inode, req.size - self.data.visible_size(inode))
+            ops += await self.data.truncate(inode, req.size, now)
+        changes: dict[str, int] = {}
+        if req.mode is not None:
+            changes["mode"] = statmod.S_IFMT(inode.mode) | (req.mode & 0o7777)
+        if req.uid is not None:
+            changes["uid"] = req.uid
+        if req.gid is not None:
+            changes["gid"] = req.gid
+        if (req.uid is not None or req.gid is not None) and not inode.is_dir \
+                and "mode" not in changes:
+            # chown clears set-user-ID and set-group-ID on files (like the kernel does).
+            changes["mode"] = inode.mode & ~(statmod.S_ISUID | statmod.S_ISGID)
+        if req.atime_ns is not None:
+            changes["atime"] = req.atime_ns
+        if req.mtime_ns is not None:
+            changes["mtime"] = req.mtime_ns
+        if changes or req.size is not None:
+            changes["ctime"] = req.ctime_ns if req.ctime_ns is not None else now
+            op = inode.op(**changes)
+            self.state.apply(op)
+            ops.append(op)
+        if ops:
+            self.journal.add(ops)
+        return self.attr(inode)
+
+    async def readlink(self, ino: int) -> bytes:
+        inode = self.inode(ino)
+        if inode.target is None:
+            raise errors.InvalidArgument("not a symbolic link")
+        return inode.target
+
+    async def access(self, ino: int, mode: int, ctx: Ctx) -> None:
+        inode = self.inode(ino)
+        if mode == os.F_OK or ctx.uid == 0:
+            if ctx.uid == 0 and mode & os.X_OK and not inode.is_dir \
+                    and not inode.mode & 0o111:
+                raise errors.PermissionDenied("no execute bit set")
+            return
+        if ctx.uid == inode.uid:
+            perm = (inode.mode >> 6) & 7
+        elif ctx.gid == inode.gid or inode.gid in ctx.groups:
+            perm = (inode.mode >> 3) & 7
+        else:
+            perm = inode.mode & 7
+        if mode & ~perm & 7:
+            raise errors.PermissionDenied(f"mode {mode:o} denied on inode {ino}")
+
+    # -- namespace changes ---------------------------------------------------------------
+    def _prepare_create(self, parent_ino: int, name: bytes) -> Inode:
+        self._writable()
+        self._check_name(name)
+        d = self._dir(parent_ino)
+        if d.nlink == 0:
+            raise errors.NotFound("directory was removed")
+        assert d.entries is not None
+        if name in d.entries:
+            raise errors.Exists(f"{name!r} exists")
+        return d
+
+    def _create_node(self, d: Inode, name: bytes, op: Op, extra: list[Op] | None = None,
+                     is_dir: bool = False) -> Inode:
+        ino = op[1]
+        ops = [op, *(extra or []), (OpType.DIRENT_ADD, d.ino, ino, name),
+               self._touch_dir(d, 1 if is_dir else 0)]
+        self._txn(ops)
+        inode = self.state.inodes[ino]
+        inode.lookups += 1
+        return inode
+
+    async def mknod(self, parent_ino: int, name: bytes, mode: int, rdev: int, ctx: Ctx) -> Attr:
+        d = self._prepare_create(parent_ino, name)
+        fmt = statmod.S_IFMT(mode) or statmod.S_IFREG
+        if fmt not in (statmod.S_IFREG, statmod.S_IFIFO, statmod.S_IFSOCK, statmod.S_IFCHR,
+                       statmod.S_IFBLK):
+            raise errors.InvalidArgument(f"mknod of file type {fmt:o}")
+        flags = self._stream_flags(d, name) if fmt == statmod.S_IFREG else 0
+        op = self._new_inode_op(fmt | (mode & 0o7777), ctx, d, 1, rdev=rdev, flags=flags)
+        return self.attr(self._create_node(d, name, op))
+
+    async def mkdir(self, parent_ino: int, name: bytes, mode: int, ctx: Ctx) -> Attr:
+        d = self._prepare_create(parent_ino, name)
+        op = self._new_inode_op(statmod.S_IFDIR | (mode & 0o7777), ctx, d, 2)
+        if d.nlink >= LINK_MAX:
+            raise errors.TooManyLinks("too many subdirectories")
+        return self.attr(self._create_node(d, name, op, is_dir=True))
+
+    async def symlink(self, parent_ino: int, name: bytes, target: bytes, ctx: Ctx) -> Attr:
+        d = self._prepare_create(parent_ino, name)
+        if not target or len(target) > 4095:
+            raise errors.NameTooLong("symlink target must be 1 to 4095 bytes")
+        op = self._new_inode_op(statmod.S_IFLNK | 0o777, ctx, d, 1, size=len(target))
+        return self.attr(self._create_node(d, name, op, [(OpType.SYMLINK, op[1], target)]))
+
+    async def link(self, ino: int, new_parent_ino: int, new_name: bytes) -> Attr:
+        d = self._prepare_create(new_parent_ino, new_name)
+        inode = self.inode(ino)
+        if inode.is_dir:
+            raise errors.NotPermitted("hard links to directories are not allowed")
+        if inode.nlink >= LINK_MAX:
+            raise errors.TooManyLinks(f"inode {ino} has {inode.nlink} links")
+        if inode.nlink == 0:
+            raise errors.NotFound("cannot link an unlinked file")
+        now = time.time_ns()
+        self._txn([inode.op(nlink=inode.nlink + 1, ctime=now),
+                   (OpType.DIRENT_ADD, d.ino, ino, new_name), self._touch_dir(d)])
+        inode.lookups += 1
+        return self.attr(inode)
+
+    async def unlink(self, parent_ino: int, name: bytes) -> None:
+        self._writable()
+        d = self._dir(parent_ino)
+        assert d.entries is not None
+        child_ino = d.entries.get(name)
+        if child_ino is None:
+            raise errors.NotFound(f"{name!r} not found")
+        child = self.inode(child_ino)
+        if child.is_dir:
+            raise errors.IsDirectory(f"{name!r} is a directory")
+        now = time.time_ns()
+        self._txn([(OpType.DIRENT_DEL, d.ino, name),
+                   child.op(nlink=child.nlink - 1, ctime=now), self._touch_dir(d)])
+        self._free_if_unused(child)
+
+    async def rmdir(self, parent_ino: int, name: bytes) -> None:
+        self._writable()
+        d = self._dir(parent_ino)
+        assert d.entries is not None
+        if name == b".":
+            raise errors.InvalidArgument("cannot remove '.'")
+        if name == b"..":
+            raise errors.NotEmpty("cannot remove '..'")
+        child_ino = d.entries.get(name)
+        if child_ino is None:
+            raise errors.NotFound(f"{name!r} not found")
+        child = self.inode(child_ino)
+        if not child.is_dir:
+            raise errors.NotDirectory(f"{name!r} is not a directory")
+        if child.entries:
+            raise errors.NotEmpty(f"{name!r} is not empty")
+        now = time.time_ns()
+        self._txn([(OpType.DIRENT_DEL, d.ino, name), child.op(nlink=0, ctime=now),
+                   self._touch_dir(d, -1)])
+        self._free_if_unused(child)
+
+    def _is_ancestor(self, anc_ino: int, ino: int) -> bool:
+        """True if directory anc_ino is ino or one of its ancestors."""
+        cur = ino
+        for _ in range(1 << 20):
+            if cur == anc_ino:
+                return True
+            if cur == ROOT_INO:
+                return False
+            nxt = self.state.inodes[cur].parent
+            if not nxt or nxt == cur:
+                return False
+            cur = nxt
+        raise errors.IOFailure("directory tree has a loop")
+
+    async def rename(self, old_parent_ino: int, old_name: bytes, new_parent_ino: int,
+                     new_name: bytes, flags: RenameFlags) -> None:
+        self._writable()
+        if flags & RenameFlags.EXCHANGE and flags & RenameFlags.NOREPLACE:
+            raise errors.InvalidArgument("RENAME_EXCHANGE with RENAME_NOREPLACE")
+        if flags & ~(RenameFlags.EXCHANGE | RenameFlags.NOREPLACE):
+            raise errors.InvalidArgument(f"unsupported rename flags {int(flags):#x}")
+        self._check_name(new_name)
+        if old_name in (b".", b".."):
+            raise errors.InvalidArgument("cannot rename . or ..")
+        src_dir = self._dir(old_parent_ino)
+        dst_dir = self._dir(new_parent_ino)
+        assert src_dir.entries is not None and dst_dir.entries is not None
+        src_ino = src_dir.entries.get(old_name)
+        if src_ino is None:
+            raise errors.NotFound(f"{old_name!r} not found")
+        src = self.inode(src_ino)
+        dst_ino = dst_dir.entries.get(new_name)
+        dst = self.state.inodes[dst_ino] if dst_ino is not None else None
+        if flags & RenameFlags.NOREPLACE and dst is not None:
+            raise errors.Exists(f"{new_name!r} exists")
+        if flags & RenameFlags.EXCHANGE and dst is None:
+            raise errors.NotFound(f"{new_name!r} not found")
+        if dst_ino == src_ino:
+            return  # same inode (hard links or same entry): POSIX says do nothing
+        if src.is_dir and self._is_ancestor(src_ino, new_parent_ino):
+            raise errors.LoopDetected("cannot move a directory into itself")
+        if flags & RenameFlags.EXCHANGE:
+            assert dst is not None
+            if dst.is_dir and self._is_ancestor(dst.ino, old_parent_ino):
+                raise errors.LoopDetected("cannot move a directory into itself")
+        elif dst is not None:
+            if src.is_dir and not dst.is_dir:
+                raise errors.NotDirectory(f"{new_name!r} is not a directory")
+            if not src.is_dir and dst.is_dir:
+                raise errors.IsDirectory(f"{new_name!r} is a directory")
+            if dst.is_dir and dst.entries:
+                raise errors.NotEmpty(f"{new_name!r} is not empty")
+        now = time.time_ns()
+        nlink_delta: dict[int, int] = {old_parent_ino: 0, new_parent_ino: 0}
+        ops: list[Op] = []
+        if flags & RenameFlags.EXCHANGE:
+            assert dst is not None
+            ops += [(OpType.DIRENT_ADD, old_parent_ino, dst.ino, old_name),
+                    (OpType.DIRENT_ADD, new_parent_ino, src_ino, new_name)]
+            if src.is_dir != dst.is_dir:
+                moved = 1 if src.is_dir else -1
+                nlink_delta[old_parent_ino] -= moved
+                nlink_delta[new_parent_ino] += moved
+            ops += [src.op(ctime=now), dst.op(ctime=now)]
+        else:
+            ops += [(OpType.DIRENT_ADD, new_parent_ino, src_ino, new_name),
+                    (OpType.DIRENT_DEL, old_parent_ino, old_name)]
+            if src.is_dir:
+                nlink_delta[old_parent_ino] -= 1
+                nlink_delta[new_parent_ino] += 1
+            ops.append(src.op(ctime=now))
+            if dst is not None:
+                if dst.is_dir:
+                    ops.append(dst.op(nlink=0, ctime=now))
+                    nlink_delta[new_parent_ino] -= 1
+                else:
+                    ops.append(dst.op(nlink=dst.nlink - 1, ctime=now))
+        for pino, delta in nlink_delta.items():
+            p = self.state.inodes[pino]
+            ops.append(p.op(nlink=p.nlink + delta, mtime=now, ctime=now))
+        self._txn(ops)
+        if dst is not None and not flags & RenameFlags.EXCHANGE:
+            self._free_if_unused(dst)
+
+    # -- quotas and streams ----------------------------------------------------------
+    def _stream_flags(self, d: Inode, name: bytes) -> int:
+        return classify(self.state, d.ino, name) | FLAG_STREAM_SET
+
+    def _check_quota(self, inode: Inode, extra_bytes: int) -> None:
+        """Raise QuotaExceeded if growing `inode` breaks a user.zonefs.quota (see cleaner)."""
+        quota = getattr(self, "quota", None)
+        if quota is not None:
+            quota.check(inode, extra_bytes)
+
+    # -- files ---------------------------------------------------------------------------
+    def _new_fh(self, ino: int) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        self.files[fh] = ino
+        self.state.inodes[ino].opens += 1
+        return fh
+
+    def _fh_inode(self, fh: int) -> Inode:
+        try:
+            return self.state.inodes[self.files[fh]]
+        except KeyError:
+            raise errors.InvalidArgument(f"bad file handle {fh}") from None
+
+    async def open(self, ino: int, flags: int) -> int:
+        inode = self.inode(ino)
+        if inode.is_dir:
+            raise errors.IsDirectory("use opendir for directories")
+        writing = flags & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR)
+        if writing or flags & os.O_TRUNC:
+            self._writable()
+        fh = self._new_fh(ino)
+        if flags & os.O_TRUNC and inode.is_reg and self.data.visible_size(inode) > 0:
+            try:
+                ops = await self.data.truncate(inode, 0, time.time_ns())
+                self.journal.add(ops)
+            except BaseException:
+                await self.release(fh)
+                raise
+        return fh
+
+    async def create(self, parent_ino: int, name: bytes, mode: int, flags: int,
+                     ctx: Ctx) -> tuple[int, Attr]:
+        d = self._prepare_create(parent_ino, name)
+        op = self._new_inode_op(statmod.S_IFREG | (mode & 0o7777), ctx, d, 1,
+                                flags=self._stream_flags(d, name))
+        inode = self._create_node(d, name, op)
+        return self._new_fh(inode.ino), self.attr(inode)
+
+    async def read(self, fh: int, offset: int, length: int) -> bytes:
+        inode = self._fh_inode(fh)
+        if offset < 0:
+            raise errors.InvalidArgument("negative offset")
+        return await self.data.read(inode, offset, length)
+
+    async def write(self, fh: int, offset: int, data: bytes) -> int:
+        self._writable()
+        inode = self._fh_inode(fh)
+        if offset < 0:
+            raise errors.InvalidArgument("negative offset")
+        if offset + len(data) > FILE_SIZE_MAX:
+            raise errors.FileTooBig(f"write past the largest file size at {offset}")
+        grow = offset + len(data) - self.data.visible_size(inode)
+        if grow > 0:
+            self._check_quota(inode, grow)
+            if grow > self.alloc.free_bytes() + len(data) and len(data) > 0:
+                pass  # the allocator decides; ENOSPC comes from reserve()
+        n = await self.data.write(inode, offset, data)
+        if self.journal.pending_bytes > (4 << 20):
+            self.wake_background()
+        return n
+
+    async def flush(self, fh: int) -> None:
+        inode = self._fh_inode(fh)
+        if self.failsafe is None and not self.options.read_only:
+            await self.data.flush(inode)
+
+    async def release(self, fh: int) -> None:
+        ino = self.files.pop(fh, None)
+        if ino is None:
+            return
+        inode = self.state.inodes.get(ino)
+        if inode is None:
+            return
+        inode.opens -= 1
+        if inode.opens == 0:
+            if self.failsafe is None and not self.options.read_only:
+                await self.data.flush(inode)
+                to_finish: list[int] = []
+                self.alloc.release_owner(ino, to_finish)
+                if to_finish:
+                    await trio.to_thread.run_sync(self._finish_later, to_finish)
+            self._free_if_unused(inode)
+
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        inode = self._fh_inode(fh)
+        if self.options.read_only:
+            return
+        self._writable()
+        await self.data.flush(inode)
+        await self.journal.commit()
+
+    # -- directories -------------------------------------------------------------------------
+    async def opendir(self, ino: int) -> int:
+        d = self._dir(ino)
+        assert d.entries is not None
+        fh = self._next_fh
+        self._next_fh += 1
+        self.dirs[fh] = _DirHandle(ino, list(d.entries))
+        d.opens += 1
+        return fh
+
+    async def readdir(self, dh: int, offset: int) -> list[DirEntry]:
+        """Entries from position `offset` of the snapshot taken at opendir (0 refreshes it).
+
+        Offsets index the snapshot, so they stay valid however the directory
+        changes; names removed since are skipped; names added since show up
+        after a rewind (offset 0), as POSIX allows.
+        """
+        h = self.dirs.get(dh)
+        if h is None:
+            raise errors.InvalidArgument(f"bad directory handle {dh}")
+        d = self.inode(h.ino)
+        assert d.entries is not None
+        if offset == 0:
+            h.names = list(d.entries)
+        out: list[DirEntry] = []
+        specials = [(b".", d.ino), (b"..", d.parent or ROOT_INO)]
+        for i in range(offset, len(h.names) + 2):
+            if i < 2:
+                name, ino = specials[i]
+            else:
+                name = h.names[i - 2]
+                child = d.entries.get(name)
+                if child is None:
+                    continue
+                ino = child
+            inode = self.state.inodes.get(ino)
+            if inode is None:
+                continue
+            out.append(DirEntry(name, self.attr(inode), i + 1))
+            if len(out) >= 1024:
+                break
+        return out
+
+    async def releasedir(self, dh: int) -> None:
+        h = self.dirs.pop(dh, None)
+        if h is not None:
+            d = self.state.inodes.get(h.ino)
+            if d is not None:
+                d.opens -= 1
+                self._free_if_unused(d)
+
+    async def fsyncdir(self, dh: int, datasync: bool) -> None:
+        if dh not in self.dirs:
+            raise errors.InvalidArgument(f"bad directory handle {dh}")
+        if not self.options.read_only:
+            self._writable()
+            await self.journal.commit()
+
+    # -- extended attributes -----------------------------------------------------------------
+    @staticmethod
+    def _check_xattr_name(name: bytes) -> None:
+        if not name:
+            raise errors.InvalidArgument("empty xattr name")
+        if len(name) > XATTR_NAME_MAX:
+            raise errors.NameTooLong(f"xattr name of {len(name)} bytes")
+        if not name.startswith(_XATTR_PREFIXES):
+            raise errors.NotSupported(f"xattr namespace of {name!r} is not supported")
+
+    async def getxattr(self, ino: int, name: bytes) -> bytes:
+        inode = self.inode(ino)
+        self._check_xattr_name(name)
+        if not inode.xattrs or name not in inode.xattrs:
+            raise errors.NoAttribute(f"no attribute {name!r}")
+        return inode.xattrs[name]
+
+    async def setxattr(self, ino: int, name: bytes, value: bytes, flags: XattrFlags,
+                       ctx: Ctx) -> None:
+        self._writable()
+        inode = self.inode(ino)
+        self._check_xattr_name(name)
+        if len(value) > XATTR_SIZE_MAX:
+            raise errors.ValueTooLarge(f"xattr value of {len(value)} bytes (at most 64 KiB)")
+        exists = bool(inode.xattrs) and name in inode.xattrs  # type: ignore[operator]
+        if flags & XattrFlags.CREATE and exists:
+            raise errors.Exists(f"attribute {name!r} exists")
+        if flags & XattrFlags.REPLACE and not exists:
+            raise errors.NoAttribute(f"no attribute {name!r}")
+        if name.startswith(b"user.") and not (inode.is_reg or inode.is_dir):
+            raise errors.NotPermitted("user.* attributes only on files and directories")
+        if name == STREAM_XATTR:
+            if not inode.is_dir:
+                raise errors.InvalidArgument(f"{name.decode()} is set on directories")
+            try:
+                parse_stream_name(value)
+            except ValueError as exc:
+                raise errors.InvalidArgument(str(exc)) from None
+        if name == QUOTA_XATTR:
+            if not inode.is_dir:
+                raise errors.InvalidArgument(f"{name.decode()} is set on directories")
+            try:
+                if int(value.strip()) < 0:
+                    raise ValueError
+            except ValueError:
+                raise errors.InvalidArgument("quota must be a byte count") from None
+        self._txn([(OpType.XATTR_SET, ino, name, bytes(value)),
+                   inode.op(ctime=time.time_ns())])
+
+    async def listxattr(self, ino: int) -> list[bytes]:
+        inode = self.inode(ino)
+        return list(inode.xattrs) if inode.xattrs else []
+
+    async def removexattr(self, ino: int, name: bytes, ctx: Ctx) -> None:
+        self._writable()
+        inode = self.inode(ino)
+        self._check_xattr_name(name)
+        if not inode.xattrs or name not in inode.xattrs:
+            raise errors.NoAttribute(f"no attribute {name!r}")
+        self._txn([(OpType.XATTR_DEL, ino, name), inode.op(ctime=time.time_ns())])
+
+    # -- whole filesystem -----------------------------------------------------------------------
+    async def statfs(self) -> StatFs:
+        bs = self.bs
+        total = max(0, self.alloc.total_capacity() - self.sb.reserve_bytes) // bs
+        free = max(0, self.alloc.free_bytes() - self.sb.reserve_bytes) // bs
+        free = min(free, total)
+        files_max = 1 << 32
+        return StatFs(bs, total, free, free, files_max, files_max - len(self.state.inodes))
+
+    async def sync(self) -> None:
+        if self.options.read_only:
+            return
+        self._writable()
+        await self.data.flush_all()
+        await self.journal.commit()
+
+    def status(self) -> dict[str, object]:
+        from zonefs_py.fs.status import build_status
+
+        return build_status(self)
+
+

@@ -1,0 +1,105 @@
+"""Format a zoned device: superblock zones, metadata log, data zones.
+
+Blocking; used by `zonefs-py mkfs` and by tests. Layout (docs/DESIGN.md
+"Layout"): conventional zones are left unused; of the sequential zones, the
+first two hold the superblock, the next `meta_zones` the metadata log, the
+rest data. `reserve_percent` of the data capacity is over-provisioning that
+statfs never shows as free (it gives the cleaner room to work).
+"""
+
+from __future__ import annotations
+
+import math
+import stat
+import time
+import uuid
+from collections.abc import Callable
+
+from zonefs_py import errors
+from zonefs_py.device.base import ZonedDevice, ZoneCond
+from zonefs_py.format.constants import OpType
+from zonefs_py.format.superblock import LABEL_MAX, Superblock
+from zonefs_py.fs.api import ROOT_INO
+from zonefs_py.fs.state import State
+from zonefs_py.journal.journal import checkpoint_records
+from zonefs_py.journal.log import MetaLog
+from zonefs_py.journal.sbstore import SuperblockStore
+
+MIN_DATA_ZONES = 4
+DEFAULT_RESERVE_PERCENT = 5.0
+
+
+def default_meta_zones(nr_seq_zones: int) -> int:
+    """Meta zones for a device: 3% of its sequential zones, at least 4, at most 256."""
+    return min(256, max(4, math.ceil(nr_seq_zones * 0.03)))
+
+
+def make_filesystem(dev: ZonedDevice, label: bytes = b"", *, meta_zones: int | None = None,
+                    reserve_percent: float = DEFAULT_RESERVE_PERCENT, force: bool = False,
+                    progress: Callable[[int, int], None] | None = None) -> Superblock:
+    """Write a new empty filesystem; return its superblock.
+
+    Raises errors.Exists if the device holds data and `force` is False, and
+    errors.InvalidArgument if the device is too small or unsuitable.
+    """
+    if len(label) > LABEL_MAX:
+        raise errors.InvalidArgument(f"label longer than {LABEL_MAX} bytes")
+    if not 0 <= reserve_percent < 50:
+        raise errors.InvalidArgument("reserve must be between 0 and 50 percent")
+    info = dev.info
+    zones = dev.report_zones()
+    seq = [z for z in zones if z.is_sequential]
+    if seq and [z.index for z in seq] != list(range(seq[0].index, seq[0].index + len(seq))):
+        raise errors.InvalidArgument(
+            "sequential zones are not contiguous (conventional zones must come first)")
+    m = meta_zones if meta_zones is not None else default_meta_zones(len(seq))
+    if m < 3:
+        raise errors.InvalidArgument("at least 3 meta zones are needed")
+    if len(seq) < 2 + m + MIN_DATA_ZONES:
+        raise errors.InvalidArgument(
+            f"device has {len(seq)} sequential zones; zonefs-py needs at least "
+            f"{2 + m + MIN_DATA_ZONES} (2 superblock, {m} metadata, {MIN_DATA_ZONES} data)")
+    written = [z for z in seq if z.cond not in (ZoneCond.EMPTY, ZoneCond.OFFLINE)]
+    if written and not force:
+        holds = "a zonefs-py filesystem" if _has_superblock(dev) else "data"
+        raise errors.Exists(
+            f"{info.path} holds {holds} ({len(written)} written zones); use --force to overwrite")
+    for z in seq[:2 + m]:
+        if z.cond in (ZoneCond.OFFLINE, ZoneCond.READONLY):
+            raise errors.InvalidArgument(
+                f"zone {z.index} is {z.cond.name}: it cannot hold the superblock or metadata")
+    for i, z in enumerate(written):
+        dev.reset_zone(z.index)
+        if progress:
+            progress(i + 1, len(written))
+    base = seq[0].index
+    data_zones = seq[2 + m:]
+    capacity = sum(z.capacity_bytes for z in data_zones)
+    reserve = int(capacity * reserve_percent / 100) // info.block_size * info.block_size
+    sb = Superblock(
+        fs_uuid=uuid.uuid4().bytes, block_size=info.block_size, zone_size=info.zone_size_bytes,
+        nr_zones=info.nr_zones, sb_zone_a=base, sb_zone_b=base + 1, meta_first_zone=base + 2,
+        meta_zone_count=m, data_first_zone=base + 2 + m, data_zone_count=len(data_zones),
+        reserve_bytes=reserve, label=label, checkpoint_zone=0, checkpoint_offset=0,
+        checkpoint_seq=0, created_ns=time.time_ns())
+    state = State(info.block_size, info.zone_size_bytes)
+    now = time.time_ns()
+    state.apply((OpType.INODE, ROOT_INO, stat.S_IFDIR | 0o755, 0, 0, 2, 0, 0, now, now, now, 0))
+    mlog = MetaLog(dev, sb.meta_first_zone, m, sb.fs_uuid, sb.fs_id)
+    positions = mlog.append(checkpoint_records(state, 0), new_zone=True)
+    dev.flush()
+    first = positions[0]
+    sb = sb.with_checkpoint(first.zone, first.offset, first.seq)
+    SuperblockStore(dev, sb.sb_zone_a, sb.sb_zone_b).write(sb)
+    dev.flush()
+    return sb
+
+
+def _has_superblock(dev: ZonedDevice) -> bool:
+    from zonefs_py.journal.recovery import superblock_zones
+
+    try:
+        a, b = superblock_zones(dev)
+    except errors.NotAFilesystem:
+        return False
+    return SuperblockStore(dev, a, b).read_latest() is not None

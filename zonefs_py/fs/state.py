@@ -1,0 +1,263 @@
+"""The in-memory namespace and the one function that changes it: `State.apply`.
+
+Every change to metadata, live or during recovery, is an op (format.ops)
+applied here. Live code validates a request, builds its ops, applies them and
+hands the same ops to the journal, without awaiting in between (so a
+transaction is atomic with respect to other requests). Recovery applies the
+checkpoint's ops and then the journal's. Because the same code runs in both
+cases, what is recovered is exactly what was acknowledged.
+
+Pure: no I/O, no trio. Accounting of live blocks per zone is kept here
+(`zone_live_blocks`), because only apply() knows which device blocks stopped
+being referenced.
+"""
+
+from __future__ import annotations
+
+import stat as statmod
+from collections.abc import Callable, Iterator
+
+from zonefs_py.format.constants import OpType
+from zonefs_py.format.ops import Op
+from zonefs_py.fs.extents import ExtentMap, Freed
+
+
+class Inode:
+    __slots__ = (
+        "atime", "ctime", "entries", "extents", "flags", "gid", "ino", "lookups", "mode",
+        "mtime", "nlink", "opens", "parent", "rdev", "size", "target", "uid", "xattrs",
+    )
+
+    def __init__(self, ino: int) -> None:
+        self.ino = ino
+        self.mode = 0
+        self.uid = 0
+        self.gid = 0
+        self.nlink = 0
+        self.rdev = 0
+        self.size = 0
+        self.atime = 0
+        self.mtime = 0
+        self.ctime = 0
+        self.flags = 0
+        self.entries: dict[bytes, int] | None = None
+        self.extents: ExtentMap | None = None
+        self.target: bytes | None = None
+        self.xattrs: dict[bytes, bytes] | None = None
+        self.parent = 0
+        self.lookups = 0
+        self.opens = 0
+
+    @property
+    def is_dir(self) -> bool:
+        return statmod.S_ISDIR(self.mode)
+
+    @property
+    def is_reg(self) -> bool:
+        return statmod.S_ISREG(self.mode)
+
+    @property
+    def is_symlink(self) -> bool:
+        return statmod.S_ISLNK(self.mode)
+
+    @property
+    def stream(self) -> int:
+        return self.flags & 0xFF
+
+    def op(self, **changes: int) -> Op:
+        """Return an INODE op with this inode's attributes, some replaced."""
+        g = changes.get
+        return (OpType.INODE, self.ino, g("mode", self.mode), g("uid", self.uid),
+                g("gid", self.gid), g("nlink", self.nlink), g("rdev", self.rdev),
+                g("size", self.size), g("atime", self.atime), g("mtime", self.mtime),
+                g("ctime", self.ctime), g("flags", self.flags))
+
+
+class StateError(Exception):
+    """An op does not fit the state it is applied to (corrupt log or a bug)."""
+
+
+class State:
+    """All metadata of a mounted filesystem."""
+
+    def __init__(self, block_size: int, zone_size: int) -> None:
+        self.block_size = block_size
+        self.zone_size = zone_size
+        self.inodes: dict[int, Inode] = {}
+        self.next_ino = 2
+        #: zone -> (stream, flags, reset_count) as last recorded.
+        self.zone_info: dict[int, tuple[int, int, int]] = {}
+        #: zone -> device blocks referenced by some extent (INV-6).
+        self.zone_live_blocks: dict[int, int] = {}
+        self.counters: dict[int, int] = {}
+        #: Called with (zone_idx) when a zone's live block count drops to zero.
+        self.on_zone_emptied: Callable[[int], None] | None = None
+        self._dispatch = {
+            OpType.INODE: self._apply_inode,
+            OpType.INODE_FREE: self._apply_inode_free,
+            OpType.DIRENT_ADD: self._apply_dirent_add,
+            OpType.DIRENT_DEL: self._apply_dirent_del,
+            OpType.EXTENT: self._apply_extent,
+            OpType.TRUNCATE: self._apply_truncate,
+            OpType.SYMLINK: self._apply_symlink,
+            OpType.XATTR_SET: self._apply_xattr_set,
+            OpType.XATTR_DEL: self._apply_xattr_del,
+            OpType.ZONE_STATE: self._apply_zone_state,
+            OpType.COUNTERS: self._apply_counters,
+            OpType.NEXT_INO: self._apply_next_ino,
+        }
+
+    # -- applying ops --------------------------------------------------------
+    def apply(self, op: Op) -> None:
+        """Apply one op. Raises StateError if it does not fit the current state."""
+        try:
+            fn = self._dispatch[op[0]]
+        except KeyError:
+            raise StateError(f"unknown op {op[0]!r}") from None
+        fn(op)
+
+    def apply_all(self, ops: list[Op]) -> None:
+        for op in ops:
+            self.apply(op)
+
+    def get(self, ino: int) -> Inode:
+        try:
+            return self.inodes[ino]
+        except KeyError:
+            raise StateError(f"op names inode {ino}, which does not exist") from None
+
+    def _apply_inode(self, op: Op) -> None:
+        (_, ino, mode, uid, gid, nlink, rdev, size, atime, mtime, ctime, flags) = op
+        inode = self.inodes.get(ino)
+        if inode is None:
+            inode = Inode(ino)
+            self.inodes[ino] = inode
+            if statmod.S_ISDIR(mode):
+                inode.entries = {}
+            elif statmod.S_ISREG(mode):
+                inode.extents = ExtentMap()
+            if ino >= self.next_ino:
+                self.next_ino = ino + 1
+        elif statmod.S_IFMT(mode) != statmod.S_IFMT(inode.mode):
+            raise StateError(f"inode {ino} changes its file type")
+        inode.mode = mode
+        inode.uid = uid
+        inode.gid = gid
+        inode.nlink = nlink
+        inode.rdev = rdev
+        inode.size = size
+        inode.atime = atime
+        inode.mtime = mtime
+        inode.ctime = ctime
+        inode.flags = flags
+
+    def _apply_inode_free(self, op: Op) -> None:
+        inode = self.inodes.pop(op[1], None)
+        if inode is None:
+            raise StateError(f"INODE_FREE of unknown inode {op[1]}")
+        if inode.entries:
+            raise StateError(f"INODE_FREE of non-empty directory {op[1]}")
+        if inode.extents is not None:
+            self._release(inode.extents.clear(self.block_size))
+
+    def _apply_dirent_add(self, op: Op) -> None:
+        _, parent_ino, ino, name = op
+        parent = self.get(parent_ino)
+        if parent.entries is None:
+            raise StateError(f"DIRENT_ADD into non-directory {parent_ino}")
+        child = self.get(ino)
+        parent.entries[name] = ino
+        if child.entries is not None:
+            child.parent = parent_ino
+
+    def _apply_dirent_del(self, op: Op) -> None:
+        _, parent_ino, name = op
+        parent = self.get(parent_ino)
+        if parent.entries is None or parent.entries.pop(name, None) is None:
+            raise StateError(f"DIRENT_DEL of missing entry {name!r} in {parent_ino}")
+
+    def _apply_extent(self, op: Op) -> None:
+        _, ino, fblock, nblocks, dev, csums = op
+        inode = self.get(ino)
+        if inode.extents is None:
+            raise StateError(f"EXTENT on non-file inode {ino}")
+        zone = dev // self.zone_size
+        if (dev + nblocks * self.block_size - 1) // self.zone_size != zone:
+            raise StateError(f"EXTENT of inode {ino} spans zones at {dev}")
+        freed = inode.extents.insert(fblock, nblocks, dev, csums, self.block_size,
+                                     self.zone_size)
+        self.zone_live_blocks[zone] = self.zone_live_blocks.get(zone, 0) + nblocks
+        self._release(freed)
+
+    def _apply_truncate(self, op: Op) -> None:
+        inode = self.get(op[1])
+        if inode.extents is None:
+            raise StateError(f"TRUNCATE on non-file inode {op[1]}")
+        self._release(inode.extents.truncate(op[2], self.block_size))
+
+    def _apply_symlink(self, op: Op) -> None:
+        self.get(op[1]).target = op[2]
+
+    def _apply_xattr_set(self, op: Op) -> None:
+        inode = self.get(op[1])
+        if inode.xattrs is None:
+            inode.xattrs = {}
+        inode.xattrs[op[2]] = op[3]
+
+    def _apply_xattr_del(self, op: Op) -> None:
+        inode = self.get(op[1])
+        if not inode.xattrs or inode.xattrs.pop(op[2], None) is None:
+            raise StateError(f"XATTR_DEL of missing attribute on {op[1]}")
+        if not inode.xattrs:
+            inode.xattrs = None
+
+    def _apply_zone_state(self, op: Op) -> None:
+        _, zone, stream, flags, resets = op
+        self.zone_info[zone] = (stream, flags, resets)
+
+    def _apply_counters(self, op: Op) -> None:
+        self.counters.update(op[1])
+
+    def _apply_next_ino(self, op: Op) -> None:
+        self.next_ino = max(self.next_ino, op[1])
+
+    def _release(self, freed: list[Freed]) -> None:
+        for dev, nblocks in freed:
+            zone = dev // self.zone_size
+            left = self.zone_live_blocks.get(zone, 0) - nblocks
+            if left < 0:
+                raise StateError(f"live block count of zone {zone} went negative")
+            self.zone_live_blocks[zone] = left
+            if left == 0 and self.on_zone_emptied is not None:
+                self.on_zone_emptied(zone)
+
+    # -- snapshots ----------------------------------------------------------------
+    def snapshot_ops(self, max_csum_blocks: int = 65536) -> Iterator[Op]:
+        """Yield ops that rebuild this state from nothing (the checkpoint).
+
+        Order matters: counters and zones, then every inode, then names,
+        symlink targets, xattrs and extents (which need their inodes).
+        """
+        yield (OpType.NEXT_INO, self.next_ino)
+        yield (OpType.COUNTERS, dict(self.counters))
+        for zone, (stream, flags, resets) in sorted(self.zone_info.items()):
+            yield (OpType.ZONE_STATE, zone, stream, flags, resets)
+        for inode in self.inodes.values():
+            yield inode.op()
+        for inode in self.inodes.values():
+            if inode.entries:
+                for name, child in inode.entries.items():
+                    yield (OpType.DIRENT_ADD, inode.ino, child, name)
+            if inode.target is not None:
+                yield (OpType.SYMLINK, inode.ino, inode.target)
+            if inode.xattrs:
+                for name, value in inode.xattrs.items():
+                    yield (OpType.XATTR_SET, inode.ino, name, value)
+            if inode.extents is not None:
+                bs = self.block_size
+                for e in inode.extents:
+                    # Split huge extents so one op stays well under a record's size.
+                    for off in range(0, e.nblocks, max_csum_blocks):
+                        n = min(max_csum_blocks, e.nblocks - off)
+                        yield (OpType.EXTENT, inode.ino, e.fblock + off, n, e.dev + off * bs,
+                               e.csums[off * 4:(off + n) * 4])

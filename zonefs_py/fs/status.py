@@ -1,0 +1,113 @@
+"""Figures for `zonefs-py stat` (JSON-serialisable), built from a mounted ZoneFS."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from zonefs_py.format.constants import Stream, ZoneRole
+
+if TYPE_CHECKING:
+    from zonefs_py.fs.filesystem import ZoneFS
+
+
+def zone_roles(fs: ZoneFS) -> dict[int, ZoneRole]:
+    sb = fs.sb
+    roles: dict[int, ZoneRole] = {}
+    for z in range(sb.nr_zones):
+        if z in (sb.sb_zone_a, sb.sb_zone_b):
+            roles[z] = ZoneRole.SUPERBLOCK
+        elif sb.meta_first_zone <= z < sb.meta_first_zone + sb.meta_zone_count:
+            roles[z] = ZoneRole.META
+        elif sb.data_first_zone <= z < sb.data_first_zone + sb.data_zone_count:
+            roles[z] = ZoneRole.DATA
+        else:
+            roles[z] = ZoneRole.UNUSED
+    return roles
+
+
+def build_status(fs: ZoneFS) -> dict[str, object]:
+    """Return zones by condition, space, write amplification, streams and journal state."""
+    from zonefs_py.fs.datapath import (
+        C_CLEANER_BYTES, C_DATA_BYTES, C_PAD_BYTES, C_STREAM_BASE, C_USER_BYTES,
+    )
+
+    zones = fs.dev.report_zones()
+    roles = zone_roles(fs)
+    by_cond = Counter(z.cond.name for z in zones)
+    bs = fs.bs
+    c = fs.state.counters
+    user = c.get(C_USER_BYTES, 0)
+    data = c.get(C_DATA_BYTES, 0)
+    meta = fs.journal.log.bytes_written + fs.journal.sbstore.bytes_written + c.get(3, 0)
+    cleaner = c.get(C_CLEANER_BYTES, 0)
+    device_total = data + meta + cleaner
+    live = sum(fs.state.zone_live_blocks.values()) * bs
+    streams = {}
+    for s in Stream:
+        written = c.get(C_STREAM_BASE + s, 0)
+        zones_of = [dz for dz in fs.alloc.zones.values() if dz.stream == s and dz.reserved]
+        if written or zones_of:
+            streams[s.name.lower()] = {
+                "device_bytes_written": written,
+                "zones": len(zones_of),
+                "live_bytes": sum(fs.alloc.live_bytes(dz.idx) for dz in zones_of),
+            }
+    zone_map = "".join(_zone_char(fs, z, roles[z.index]) for z in zones)
+    total = fs.alloc.total_capacity()
+    return {
+        "device": {"path": fs.dev.info.path, "kind": fs.dev.info.kind,
+                   "block_size": bs, "zone_size": fs.dev.info.zone_size_bytes,
+                   "nr_zones": fs.dev.info.nr_zones,
+                   "max_open_zones": fs.dev.info.max_open_zones,
+                   "max_active_zones": fs.dev.info.max_active_zones},
+        "filesystem": {"uuid": fs.sb.uuid_str, "label": fs.sb.label.decode(errors="replace"),
+                       "read_only": fs.options.read_only, "failsafe": fs.failsafe,
+                       "inodes": len(fs.state.inodes)},
+        "zones_by_condition": dict(sorted(by_cond.items())),
+        "zones_by_role": dict(Counter(r.name.lower() for r in roles.values())),
+        "space": {"capacity_bytes": total, "reserve_bytes": fs.sb.reserve_bytes,
+                  "live_bytes": live, "free_bytes": fs.alloc.free_bytes(),
+                  "dead_bytes": max(0, sum(dz.reserved for dz in fs.alloc.zones.values())
+                                    - live),
+                  "wasted_by_finish_bytes": fs.alloc.wasted_bytes},
+        "user_bytes_written": user,
+        "device_bytes_written": device_total,
+        "data_bytes_written": data,
+        "metadata_bytes_written": meta,
+        "cleaner_bytes_copied": cleaner,
+        "padding_bytes": c.get(C_PAD_BYTES, 0),
+        "write_amplification": round(device_total / user, 4) if user else None,
+        "streams": streams,
+        "wear": fs.alloc.wear(),
+        "journal": {"commits": fs.journal.commits,
+                    "checkpoints": fs.journal.checkpoints_written,
+                    "pending_bytes": fs.journal.pending_bytes,
+                    "bytes_since_checkpoint": fs.journal.journal_bytes_since_checkpoint,
+                    "durable_txn": fs.journal.durable_txn, "added_txn": fs.journal.added_txn,
+                    "meta_zones_free": len(fs.journal.log.free_zones()),
+                    "meta_zones": fs.sb.meta_zone_count,
+                    "broken": fs.journal.broken},
+        "zone_map": zone_map,
+    }
+
+
+def _zone_char(fs: ZoneFS, z: object, role: ZoneRole) -> str:
+    """One character per zone: S superblock, M metadata, . empty data, d/D data
+    (partly / fully written), x dead awaiting reset, ! read-only or offline, c conventional."""
+    from zonefs_py.device.base import Zone, ZoneCond
+
+    assert isinstance(z, Zone)
+    if z.cond in (ZoneCond.READONLY, ZoneCond.OFFLINE):
+        return "!"
+    if role == ZoneRole.SUPERBLOCK:
+        return "S"
+    if role == ZoneRole.META:
+        return "M" if z.written_bytes else "m"
+    if role == ZoneRole.UNUSED:
+        return "c"
+    if z.written_bytes == 0:
+        return "."
+    if fs.alloc.live_bytes(z.index) == 0:
+        return "x"
+    return "D" if z.cond == ZoneCond.FULL else "d"

@@ -1,0 +1,227 @@
+"""Group commit and checkpoints on top of the metadata log (async, trio).
+
+`add(ops)` queues one *transaction* (the ops of one namespace operation) and
+never awaits; the caller applied the same ops to the State just before,
+without awaiting in between. `commit()` makes every transaction added so far
+durable: concurrent callers share one device write and one flush (group
+commit). A commit is: take the pending batch, flush the device if file data
+was appended since the last flush (so extents never point at data that is
+not durable, INV-7), append the JOURNAL records, flush.
+
+`checkpoint()` folds the pending batch into a snapshot of the whole State,
+taken without awaiting, writes it as CHECKPOINT_* records starting in a fresh
+meta zone, flushes, points the superblock at it, and resets the meta zones it
+made obsolete. A checkpoint complete in the log is authoritative even before
+the superblock points at it: recovery reloads state from any complete
+checkpoint it meets while replaying (DESIGN.md, "Checkpoint").
+
+What runs where: encoding runs on the trio thread; device calls run in worker
+threads through `trio.to_thread.run_sync` with the engine's CapacityLimiter.
+Only one commit or checkpoint writes to the log at a time (`_write_lock`).
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import time
+from collections.abc import Callable
+
+import trio
+
+from zonefs_py.device.base import ZonedDevice
+from zonefs_py.format.constants import RecordType
+from zonefs_py.format.ops import Op, encode_op
+from zonefs_py.format.superblock import Superblock
+from zonefs_py.fs.state import State
+from zonefs_py.journal.log import LogPosition, MetaLog
+from zonefs_py.journal.sbstore import SuperblockStore
+
+log = logging.getLogger(__name__)
+
+#: Payload of one JOURNAL / CHECKPOINT_DATA record at most (a bigger single
+#: transaction gets a record of its own).
+RECORD_PAYLOAD_TARGET = 1 << 20
+CHECKPOINT_END = struct.Struct("<QQ")
+
+
+class Journal:
+    def __init__(self, dev: ZonedDevice, log_: MetaLog, sbstore: SuperblockStore,
+                 sb: Superblock, state: State, limiter: trio.CapacityLimiter) -> None:
+        self.dev = dev
+        self.log = log_
+        self.sbstore = sbstore
+        self.sb = sb
+        self.state = state
+        self.limiter = limiter
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
+        self.added_txn = 0
+        self.durable_txn = 0
+        self.data_dirty = False
+        self._write_lock = trio.Lock()
+        self._durable_changed = trio.Event()
+        self.journal_bytes_since_checkpoint = 0
+        self.last_checkpoint_bytes = 0
+        self.checkpoints_written = 0
+        self.commits = 0
+        self.last_commit_ns = 0
+        #: Set when a device error left the journal unable to make progress.
+        self.broken: str | None = None
+        self.on_durable: list[Callable[[int], None]] = []
+
+    # -- adding ------------------------------------------------------------------
+    def add(self, ops: list[Op]) -> int:
+        """Queue one transaction (already applied to the State). Never awaits."""
+        if not ops:
+            return self.added_txn
+        data = b"".join(encode_op(op) for op in ops)
+        self._pending.append(data)
+        self._pending_bytes += len(data)
+        self.added_txn += 1
+        return self.added_txn
+
+    @property
+    def pending_bytes(self) -> int:
+        return self._pending_bytes
+
+    def _take_batch(self) -> tuple[list[bytes], int]:
+        batch, upto = self._pending, self.added_txn
+        self._pending = []
+        self._pending_bytes = 0
+        return batch, upto
+
+    def _set_durable(self, upto: int) -> None:
+        if upto > self.durable_txn:
+            self.durable_txn = upto
+        ev, self._durable_changed = self._durable_changed, trio.Event()
+        ev.set()
+        for cb in self.on_durable:
+            cb(self.durable_txn)
+
+    def _check_broken(self) -> None:
+        if self.broken is not None:
+            from zonefs_py import errors
+
+            raise errors.IOFailure(f"metadata journal unusable: {self.broken}")
+
+    # -- commit ------------------------------------------------------------------
+    async def commit(self) -> None:
+        """Return once every transaction added before the call is durable."""
+        target = self.added_txn
+        while self.durable_txn < target:
+            self._check_broken()
+            if self._write_lock.locked():
+                await self._durable_changed.wait()
+                continue
+            async with self._write_lock:
+                if self.durable_txn >= target:
+                    break
+                await self._commit_locked()
+
+    async def _commit_locked(self) -> None:
+        batch, upto = self._take_batch()
+        if not batch:
+            if self.data_dirty:
+                self.data_dirty = False
+                await self._run(self.dev.flush)
+            self._set_durable(upto)
+            return
+        records = [(RecordType.JOURNAL, p) for p in _pack(batch)]
+        flush_first = self.data_dirty
+        self.data_dirty = False
+        try:
+            await self._run(self._write_records, records, flush_first)
+        except OSError as exc:
+            self.broken = f"journal write failed: {exc}"
+            log.error("%s", self.broken)
+            self._set_durable(self.durable_txn)
+            self._check_broken()
+        size = sum(len(p) for _, p in records)
+        self.journal_bytes_since_checkpoint += size
+        self.commits += 1
+        self.last_commit_ns = time.time_ns()
+        self._set_durable(upto)
+
+    def _write_records(self, records: list[tuple[RecordType, bytes]], flush_first: bool,
+                       new_zone: bool = False) -> list[LogPosition]:
+        if flush_first:
+            self.dev.flush()
+        positions = self.log.append(records, new_zone=new_zone)
+        self.dev.flush()
+        return positions
+
+    async def _run(self, fn: Callable[..., object], *args: object) -> object:
+        return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+
+    # -- checkpoint -----------------------------------------------------------------
+    def checkpoint_needed(self, journal_limit: int) -> bool:
+        """True when the journal grew past the limit or meta zones run short."""
+        if self.journal_bytes_since_checkpoint >= journal_limit:
+            return True
+        cap = self.dev.info.zone_size_bytes
+        needed = (self.last_checkpoint_bytes * 2) // max(cap, 1) + 2
+        return len(self.log.free_zones()) < needed and self.journal_bytes_since_checkpoint > 0
+
+    async def checkpoint(self) -> None:
+        """Write a checkpoint of the State and point the superblock at it."""
+        self._check_broken()
+        async with self._write_lock:
+            # Atomic (no await): the pending transactions are folded into the snapshot.
+            _batch, upto = self._take_batch()
+            records = checkpoint_records(self.state, upto)
+            flush_first = self.data_dirty
+            self.data_dirty = False
+            try:
+                positions = await self._run(self._write_records, records, flush_first, True)
+                assert isinstance(positions, list)
+                self._set_durable(upto)
+                first = positions[0]
+                sb = self.sb.with_checkpoint(first.zone, first.offset, first.seq)
+                await self._run(self.sbstore.write, sb)
+                self.sb = sb
+                first_zone_seq = self.log.zone_first_seq[first.zone]
+                obsolete = self.log.zones_before(first_zone_seq)
+                if obsolete:
+                    await self._run(self.log.reset_zones, obsolete)
+            except OSError as exc:
+                self.broken = f"checkpoint write failed: {exc}"
+                log.error("%s", self.broken)
+                self._set_durable(self.durable_txn)
+                self._check_broken()
+            total = sum(len(p) for _, p in records)
+            self.last_checkpoint_bytes = total
+            self.journal_bytes_since_checkpoint = 0
+            self.checkpoints_written += 1
+            log.info("checkpoint written: %d bytes in %d records, %d meta zones reset",
+                     total, len(records), len(obsolete))
+
+
+def checkpoint_records(state: State, upto_txn: int) -> list[tuple[RecordType, bytes]]:
+    """Encode a snapshot of `state` as CHECKPOINT_BEGIN, _DATA..., _END records."""
+    payloads = _pack([encode_op(op) for op in state.snapshot_ops()])
+    begin = struct.pack("<QQ", upto_txn, time.time_ns())
+    end = CHECKPOINT_END.pack(len(payloads), sum(len(p) for p in payloads))
+    records = [(RecordType.CHECKPOINT_BEGIN, begin)]
+    records += [(RecordType.CHECKPOINT_DATA, p) for p in payloads]
+    records.append((RecordType.CHECKPOINT_END, end))
+    return records
+
+
+def _pack(chunks: list[bytes]) -> list[bytes]:
+    """Group transaction/op byte strings into record payloads of about 1 MiB.
+
+    A chunk is never split: one transaction is always inside one record.
+    """
+    out: list[bytes] = []
+    cur: list[bytes] = []
+    cur_len = 0
+    for c in chunks:
+        if cur and cur_len + len(c) > RECORD_PAYLOAD_TARGET:
+            out.append(b"".join(cur))
+            cur, cur_len = [], 0
+        cur.append(c)
+        cur_len += len(c)
+    if cur:
+        out.append(b"".join(cur))
+    return out

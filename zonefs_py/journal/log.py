@@ -1,0 +1,304 @@
+"""The metadata log: a chain of meta zones holding checkpoints and journal records.
+
+Blocking code, called from worker threads by `journal.journal.Journal` (and
+directly by mkfs and fsck). Layout and reading rules (docs/DESIGN.md, "Metadata
+log"):
+
+* Every meta zone in use starts with a ZONE_HEADER record. Record sequence
+  numbers increase by exactly one along the whole chain, across zones, so the
+  zone that continues the log is the one whose header has seq = last + 1.
+* A checkpoint is CHECKPOINT_BEGIN, CHECKPOINT_DATA..., CHECKPOINT_END, always
+  starting in a fresh zone. The superblock points at the BEGIN of the newest
+  checkpoint known to be complete; zones before it are obsolete and reset.
+* Reading stops at the first invalid record of a zone. If a later valid record
+  of the same chain exists in that zone, or a zone's header skips a number,
+  the log is corrupt in the middle (`LogCorrupt`); otherwise an invalid record
+  is a torn tail, normal after a power cut.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from zonefs_py.device.base import Zone, ZonedDevice, ZoneCond
+from zonefs_py.format.constants import RecordType
+from zonefs_py.format.records import Record, RecordError, decode_record, encode_record
+
+_ZONE_HEADER = struct.Struct("<16sI")
+_READ_CHUNK = 4 << 20
+
+
+class LogCorrupt(Exception):
+    """The metadata log is damaged somewhere other than its tail."""
+
+
+class LogFull(Exception):
+    """No empty meta zone is left for the next record."""
+
+
+@dataclass(slots=True)
+class LogPosition:
+    zone: int
+    offset: int  # absolute byte offset of the record
+    seq: int
+
+
+@dataclass(slots=True)
+class ScanResult:
+    """What a scan of the chain found (records are yielded separately)."""
+
+    last_seq: int = 0
+    #: Where the next record can go, or None if the last zone has a torn tail.
+    append_zone: int | None = None
+    torn_tail: bool = False
+    chain_zones: list[int] = field(default_factory=list)
+    obsolete_zones: list[int] = field(default_factory=list)
+    garbage_zones: list[int] = field(default_factory=list)
+
+
+class MetaLog:
+    """Append records to, and read them back from, the meta zones."""
+
+    def __init__(self, dev: ZonedDevice, first_zone: int, zone_count: int, fs_uuid: bytes,
+                 fs_id: int) -> None:
+        self.dev = dev
+        self.block_size = dev.info.block_size
+        self.zones = list(range(first_zone, first_zone + zone_count))
+        self.fs_uuid = fs_uuid
+        self.fs_id = fs_id
+        self.next_seq = 1
+        self.cur_zone: int | None = None
+        self.zone_first_seq: dict[int, int] = {}
+        self.bytes_written = 0
+        self._lock = threading.Lock()
+
+    # -- writing ------------------------------------------------------------------
+    def _zone(self, idx: int) -> Zone:
+        return self.dev.report_zones(idx, 1)[0]
+
+    def free_zones(self) -> list[int]:
+        """Meta zones that hold nothing (EMPTY)."""
+        used = set(self.zone_first_seq)
+        return [z.index for z in self.dev.report_zones(self.zones[0], len(self.zones))
+                if z.cond == ZoneCond.EMPTY and z.index not in used]
+
+    def _start_zone_locked(self) -> int:
+        free = self.free_zones()
+        if not free:
+            raise LogFull("no empty meta zone left for the metadata log")
+        zone = free[0]
+        if self.cur_zone is not None:
+            cur = self._zone(self.cur_zone)
+            if cur.cond not in (ZoneCond.FULL, ZoneCond.EMPTY):
+                self.dev.finish_zone(self.cur_zone)
+        payload = _ZONE_HEADER.pack(self.fs_uuid, zone)
+        rec = encode_record(RecordType.ZONE_HEADER, self.next_seq, self.fs_id, payload,
+                            self.block_size)
+        self.dev.append(zone, rec)
+        self.bytes_written += len(rec)
+        self.zone_first_seq[zone] = self.next_seq
+        self.next_seq += 1
+        self.cur_zone = zone
+        return zone
+
+    def append(self, records: list[tuple[RecordType, bytes]], *,
+               new_zone: bool = False) -> list[LogPosition]:
+        """Append records (not flushed); return where each landed.
+
+        `new_zone` starts a fresh zone first (checkpoints begin in one).
+        Several records that fit in the current zone go out in one device write.
+        """
+        with self._lock:
+            if new_zone or self.cur_zone is None:
+                self._start_zone_locked()
+            positions: list[LogPosition] = []
+            pending: list[bytes] = []
+            pending_len = 0
+            assert self.cur_zone is not None
+            remaining = self._zone(self.cur_zone).remaining_bytes
+            for rtype, payload in records:
+                rec = encode_record(rtype, self.next_seq, self.fs_id, payload, self.block_size)
+                if len(rec) > remaining - pending_len:
+                    self._write_pending_locked(pending, positions)
+                    pending, pending_len = [], 0
+                    self._start_zone_locked()
+                    remaining = self._zone(self.cur_zone).remaining_bytes
+                    if len(rec) > remaining:
+                        raise LogFull(f"a {len(rec)}-byte record does not fit in a meta zone")
+                positions.append(LogPosition(self.cur_zone, -1, self.next_seq))
+                self.next_seq += 1
+                pending.append(rec)
+                pending_len += len(rec)
+            self._write_pending_locked(pending, positions)
+            return positions
+
+    def _write_pending_locked(self, pending: list[bytes], positions: list[LogPosition]) -> None:
+        if not pending:
+            return
+        data = b"".join(pending)
+        assert self.cur_zone is not None
+        off = self.dev.append(self.cur_zone, data)
+        self.bytes_written += len(data)
+        # Fill in the offsets of the records written by this call.
+        todo = [p for p in positions if p.offset == -1]
+        for p, rec in zip(todo, pending, strict=True):
+            p.offset = off
+            off += len(rec)
+
+    def reset_zones(self, zones: list[int]) -> None:
+        """Reset obsolete meta zones (after the checkpoint that made them so is durable)."""
+        with self._lock:
+            for z in zones:
+                if z == self.cur_zone:
+                    continue
+                self.dev.reset_zone(z)
+                self.zone_first_seq.pop(z, None)
+
+    def zones_before(self, seq: int) -> list[int]:
+        """Chain zones whose every record precedes `seq` (a checkpoint's first zone seq)."""
+        return [z for z, s in self.zone_first_seq.items() if s < seq and z != self.cur_zone]
+
+    # -- reading ------------------------------------------------------------------
+    def _read_zone_header(self, zone: Zone) -> int | None:
+        """Return the header seq of a written meta zone, or None if it has no valid header."""
+        buf = self.dev.read(zone.start_bytes, self.block_size)
+        try:
+            rec = decode_record(buf, 0, self.fs_id, self.block_size)
+        except RecordError:
+            return None
+        if rec.type != RecordType.ZONE_HEADER or len(rec.payload) < _ZONE_HEADER.size:
+            return None
+        fs_uuid, idx = _ZONE_HEADER.unpack_from(rec.payload)
+        if fs_uuid != self.fs_uuid or idx != zone.index:
+            return None
+        return rec.seq
+
+    def scan(self, start: LogPosition, result: ScanResult) -> Iterator[tuple[Record, int]]:
+        """Yield (record, absolute offset) from `start` to the end of the chain.
+
+        Fills `result` as it goes (complete once the iterator is exhausted).
+        Raises LogCorrupt for damage in the middle of the log.
+        """
+        report = {z.index: z for z in self.dev.report_zones(self.zones[0], len(self.zones))}
+        headers: dict[int, int] = {}
+        for idx, z in report.items():
+            if z.cond == ZoneCond.OFFLINE:
+                raise LogCorrupt(f"meta zone {idx} is OFFLINE")
+            if z.written_bytes == 0:
+                continue
+            seq = self._read_zone_header(z)
+            if seq is None:
+                result.garbage_zones.append(idx)
+            else:
+                headers[idx] = seq
+        if start.zone not in headers or headers[start.zone] > start.seq:
+            raise LogCorrupt(f"the checkpoint zone {start.zone} does not hold seq {start.seq}")
+        by_seq = {s: z for z, s in headers.items()}
+        zone_idx = start.zone
+        pos = start.offset
+        expect = start.seq
+        self.zone_first_seq = {}
+        while True:
+            zone = report[zone_idx]
+            result.chain_zones.append(zone_idx)
+            self.zone_first_seq[zone_idx] = headers[zone_idx]
+            end = zone.start_bytes + zone.written_bytes
+            torn_at: int | None = None
+            if pos == zone.start_bytes:
+                expect = headers[zone_idx]
+            for rec, off in self._iter_zone(pos, end):
+                if rec is None:
+                    torn_at = off
+                    break
+                if rec.seq != expect:
+                    raise LogCorrupt(
+                        f"meta zone {zone_idx} offset {off}: record seq {rec.seq}, "
+                        f"expected {expect}")
+                expect += 1
+                if rec.type != RecordType.ZONE_HEADER:
+                    yield rec, off
+            if torn_at is not None:
+                self._check_no_valid_after(torn_at, end, expect)
+            nxt = by_seq.get(expect)
+            if nxt is None:
+                result.last_seq = expect - 1
+                result.torn_tail = torn_at is not None
+                result.append_zone = None if torn_at is not None or zone.remaining_bytes == 0 \
+                    else zone_idx
+                self.cur_zone = result.append_zone
+                self.next_seq = expect
+                break
+            zone_idx = nxt
+            pos = report[nxt].start_bytes
+        chain = set(result.chain_zones)
+        for idx, seq in headers.items():
+            if idx in chain:
+                continue
+            if seq > result.last_seq:
+                raise LogCorrupt(
+                    f"meta zone {idx} starts at seq {seq}, past the end of the log "
+                    f"({result.last_seq}): a record in between is damaged")
+            result.obsolete_zones.append(idx)
+
+    def _iter_zone(self, pos: int, end: int) -> Iterator[tuple[Record | None, int]]:
+        """Yield (record, offset) from pos to end; (None, offset) at the first bad record."""
+        bs = self.block_size
+        while pos < end:
+            length = min(_READ_CHUNK, end - pos)
+            buf = self.dev.read(pos, length)
+            off = 0
+            while off < len(buf):
+                try:
+                    rec = decode_record(buf, off, self.fs_id, bs)
+                except RecordError:
+                    head_len = _record_len_hint(buf, off, bs)
+                    if head_len is not None and off + head_len > len(buf) \
+                            and pos + off + head_len <= end:
+                        # The record spans our read window: read it whole.
+                        big = self.dev.read(pos + off, head_len)
+                        try:
+                            rec = decode_record(big, 0, self.fs_id, bs)
+                        except RecordError:
+                            yield None, pos + off
+                            return
+                        yield rec, pos + off
+                        off += rec.size_bytes
+                        continue
+                    yield None, pos + off
+                    return
+                yield rec, pos + off
+                off += rec.size_bytes
+            pos += off if off else length
+
+    def _check_no_valid_after(self, torn_at: int, end: int, expect: int) -> None:
+        """Raise LogCorrupt if a valid record of this chain lies after a bad one."""
+        bs = self.block_size
+        pos = torn_at + bs
+        while pos < end:
+            length = min(_READ_CHUNK, end - pos)
+            buf = self.dev.read(pos, length)
+            for off in range(0, len(buf), bs):
+                try:
+                    rec = decode_record(buf, off, self.fs_id, bs)
+                except RecordError:
+                    continue
+                if rec.seq >= expect:
+                    raise LogCorrupt(
+                        f"damaged metadata record at byte {torn_at} with valid records "
+                        f"after it (seq {rec.seq})")
+            pos += length
+
+
+def _record_len_hint(buf: bytes, off: int, bs: int) -> int | None:
+    from zonefs_py.format.records import padded_size, peek_header
+
+    head = peek_header(buf, off)
+    if head is None:
+        return None
+    plen = head[3]
+    if plen > (64 << 20):
+        return None
+    return padded_size(plen, bs)

@@ -1,0 +1,131 @@
+"""Mount-time recovery: newest superblock, its checkpoint, then the journal.
+
+Blocking; call from a worker thread. Returns the rebuilt State plus what the
+scan learned about the log (where to append next, zones to reset). Raises:
+
+* errors.NotAFilesystem when no valid superblock exists,
+* errors.CorruptionError (message names `zonefs-py fsck`) when the log is
+  damaged anywhere but its tail, or the ops do not fit together.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from zonefs_py import errors
+from zonefs_py.device.base import ZonedDevice
+from zonefs_py.format.constants import RecordType
+from zonefs_py.format.ops import OpDecodeError, decode_ops
+from zonefs_py.format.superblock import Superblock
+from zonefs_py.fs.state import State, StateError
+from zonefs_py.journal.journal import CHECKPOINT_END
+from zonefs_py.journal.log import LogCorrupt, LogPosition, MetaLog, ScanResult
+from zonefs_py.journal.sbstore import SuperblockStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Recovered:
+    sb: Superblock
+    state: State
+    scan: ScanResult
+    log: MetaLog
+    sbstore: SuperblockStore
+    records: int = 0
+    ops: int = 0
+    journal_bytes: int = 0
+    checkpoint_bytes: int = 0
+    seconds: float = 0.0
+
+
+def superblock_zones(dev: ZonedDevice) -> tuple[int, int]:
+    """Return the two superblock zones: the first two sequential zones."""
+    seq = [z.index for z in dev.report_zones() if z.is_sequential]
+    if len(seq) < 2:
+        raise errors.NotAFilesystem(f"{dev.info.path}: fewer than two sequential zones")
+    return seq[0], seq[1]
+
+
+def read_superblock(dev: ZonedDevice) -> tuple[Superblock, SuperblockStore]:
+    a, b = superblock_zones(dev)
+    store = SuperblockStore(dev, a, b)
+    sb = store.read_latest()
+    if sb is None:
+        raise errors.NotAFilesystem(
+            f"{dev.info.path}: no zonefs-py superblock found (run 'zonefs-py mkfs' first)")
+    info = dev.info
+    if (sb.block_size, sb.zone_size, sb.nr_zones) != (
+            info.block_size, info.zone_size_bytes, info.nr_zones):
+        raise errors.CorruptionError(
+            f"{info.path}: superblock geometry (block {sb.block_size}, zone {sb.zone_size}, "
+            f"{sb.nr_zones} zones) does not match the device; run 'zonefs-py fsck'")
+    return sb, store
+
+
+def recover(dev: ZonedDevice) -> Recovered:
+    """Rebuild the State from the newest checkpoint and the journal after it."""
+    t0 = time.monotonic()
+    sb, sbstore = read_superblock(dev)
+    mlog = MetaLog(dev, sb.meta_first_zone, sb.meta_zone_count, sb.fs_uuid, sb.fs_id)
+    state = State(sb.block_size, sb.zone_size)
+    scan = ScanResult()
+    res = Recovered(sb, state, scan, mlog, sbstore)
+    start = LogPosition(sb.checkpoint_zone, sb.checkpoint_offset, sb.checkpoint_seq)
+    loading: State | None = None
+    loaded_records = 0
+    first = True
+    try:
+        for rec, off in mlog.scan(start, scan):
+            res.records += 1
+            if first and rec.type != RecordType.CHECKPOINT_BEGIN:
+                raise LogCorrupt(f"superblock points at a {rec.type.name} record, not a checkpoint")
+            if rec.type == RecordType.CHECKPOINT_BEGIN:
+                if loading is not None:
+                    raise LogCorrupt(f"checkpoint at {off} begins inside another")
+                loading = state if first else State(sb.block_size, sb.zone_size)
+                loaded_records = 0
+            elif rec.type == RecordType.CHECKPOINT_DATA:
+                if loading is None:
+                    raise LogCorrupt(f"checkpoint data at {off} outside a checkpoint")
+                ops = decode_ops(rec.payload)
+                loading.apply_all(ops)
+                res.ops += len(ops)
+                res.checkpoint_bytes += len(rec.payload)
+                loaded_records += 1
+            elif rec.type == RecordType.CHECKPOINT_END:
+                if loading is None:
+                    raise LogCorrupt(f"checkpoint end at {off} without a beginning")
+                nrec, _nbytes = CHECKPOINT_END.unpack_from(rec.payload)
+                if nrec != loaded_records:
+                    raise LogCorrupt(f"checkpoint at {off} has {loaded_records} of {nrec} records")
+                state = loading
+                loading = None
+            elif rec.type == RecordType.JOURNAL:
+                if loading is not None:
+                    raise LogCorrupt(f"journal record at {off} inside a checkpoint")
+                ops = decode_ops(rec.payload)
+                state.apply_all(ops)
+                res.ops += len(ops)
+                res.journal_bytes += len(rec.payload)
+            else:
+                raise LogCorrupt(f"unexpected {rec.type.name} record at {off}")
+            first = False
+        if first:
+            raise LogCorrupt("the checkpoint the superblock points at is missing")
+        if loading is state:
+            raise LogCorrupt("the checkpoint the superblock points at is incomplete")
+        if loading is not None:
+            log.info("ignoring a checkpoint torn by a crash at the end of the log")
+    except LogCorrupt as exc:
+        raise errors.CorruptionError(
+            f"{dev.info.path}: metadata log damaged: {exc}; run 'zonefs-py fsck'") from None
+    except (OpDecodeError, StateError) as exc:
+        raise errors.CorruptionError(
+            f"{dev.info.path}: metadata does not fit together: {exc}; run 'zonefs-py fsck'"
+        ) from None
+    res.state = state
+    res.seconds = time.monotonic() - t0
+    return res
