@@ -13,8 +13,10 @@ contract = pytest.importorskip(
     "tests.unit.test_device_contract",
     reason="tests/unit/test_device_contract.py is not there yet (emulator engineer's file)")
 
+# Tests and the module's own fixtures (e.g. `dev`), as a star import would
+# bring them, plus private helpers fixtures may be named by.
 globals().update({name: getattr(contract, name) for name in dir(contract)
-                  if name.startswith("test_") or name.startswith("Test")})
+                  if not name.startswith("__") and name not in ("pytest", "pytestmark")})
 
 _marks = getattr(contract, "pytestmark", [])
 pytestmark = [*(_marks if isinstance(_marks, list) else [_marks]), pytest.mark.guest]
