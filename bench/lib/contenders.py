@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -269,7 +270,7 @@ class ZonefsPy(Contender):
             for sub in ("emu", "mkfs", "mount", "stat"):
                 run(self._cli(sub, "--help"), timeout_s=60, env=self._env(), cwd=REPO_DIR)
         except BenchError as exc:
-            return str(exc)
+            return _short_reason(str(exc))
         return None
 
     def _new_server(self) -> FuseServer:
@@ -300,12 +301,24 @@ class ZonefsPy(Contender):
 
     def make_cold(self) -> bool:
         """Remount (empties zonefs-py's own caches) and drop the kernel caches."""
+        dropped, _ = self.remount()
+        return dropped
+
+    def remount(self) -> tuple[bool, float]:
+        """Unmount, drop caches, mount again; return (caches dropped, seconds to mount)."""
         if self._server is not None:
             self._server.stop()
         dropped = drop_caches()
         self._server = self._new_server()
+        start = time.perf_counter()
         self._server.start()
-        return dropped
+        return dropped, time.perf_counter() - start
+
+    def daemon_pid(self) -> int | None:
+        """Return the pid of the running `zonefs-py mount -f` process, if any."""
+        if self._server is None or self._server.proc is None:
+            return None
+        return self._server.proc.pid
 
     def fs_stats(self) -> dict[str, object] | None:
         try:
@@ -315,6 +328,11 @@ class ZonefsPy(Contender):
         except (BenchError, json.JSONDecodeError) as exc:
             return {"error": str(exc)[:300]}
         return data if isinstance(data, dict) else {"error": "stat --json: not an object"}
+
+
+def _short_reason(message: str) -> str:
+    """Keep the informative end of a failed command's message (e.g. the exception line)."""
+    return message.split(" / ")[-1].strip()[:200]
 
 
 def all_contenders(work_dir: Path, zoned_dev: str | None = None,

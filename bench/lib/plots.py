@@ -17,6 +17,11 @@ SHORT = {"physical": "physical", "ceiling": "FUSE ceiling", "peer": "FUSE peer",
          "ext4": "ext4/loop", "zonefs": "zonefs-py", "zonefs-guest": "zonefs-py (guest)"}
 
 
+#: Percentile range and ticks of the CDF plots (logit scale cannot show 0 or 1).
+_Y_MIN, _Y_MAX = 0.01, 0.9999
+_Y_TICKS = (0.1, 0.5, 0.9, 0.99, 0.999)
+
+
 def _pyplot() -> Any:
     import matplotlib
 
@@ -41,14 +46,17 @@ def plot_throughput(results: dict[str, Any], path: Path) -> bool:
         for idx, key in enumerate(keys):
             summary = wl["results"].get(key, {}).get("summary", {}).get(wl["primary"])
             if not summary:
-                ax.text(idx, 0, "n/a", ha="center", va="bottom", fontsize=7, color="#555")
+                available = results["contenders"][key]["available"]
+                ax.text(idx, 0.02, "n/a" if available else "unavailable", rotation=90,
+                        ha="center", va="bottom", fontsize=7, color="#555",
+                        transform=ax.get_xaxis_transform())
                 continue
             med = summary["median"]
             err = [[med - summary["min"]], [summary["max"] - med]]
             ax.bar(idx, med, color=COLOURS.get(key, "#333"), yerr=err, capsize=3)
             ax.text(idx, med, f"{med:,.0f}" if med >= 10 else f"{med:.2f}", ha="center",
                     va="bottom", fontsize=7)
-        ax.set_title(name, fontsize=9)
+        ax.set_title(f"{name} ({wl['primary']})", fontsize=9)
         ax.set_ylabel(wl["primary"], fontsize=8)
         ax.set_xticks(range(len(keys)))
         ax.set_xticklabels([SHORT.get(k, k) for k in keys], rotation=30, ha="right",
@@ -87,19 +95,23 @@ def plot_contention(results: dict[str, Any], path: Path) -> bool:
         for label, cdf_key, style in (("reads alone", "_cdf_alone", "--"),
                                       ("during checkpoint write", "_cdf_busy", "-")):
             xs = [p[0] for p in run[cdf_key]]
-            ys = [p[1] for p in run[cdf_key]]
+            ys = [min(max(p[1], _Y_MIN), _Y_MAX) for p in run[cdf_key]]
             ax.step(xs, ys, style, where="post", color=COLOURS.get(key, "#333"), label=label)
-        ax.axhline(0.99, color="#999", linewidth=0.6)
-        ax.text(ax.get_xlim()[0], 0.99, " p99", fontsize=7, va="bottom", color="#666")
         ax.set_xscale("log")
-        ax.set_ylim(0, 1.02)
+        # Logit scale: the tail (p99, p99.9) gets as much room as the median.
+        ax.set_yscale("logit")
+        ax.set_ylim(_Y_MIN, _Y_MAX)
+        ax.set_yticks(_Y_TICKS, [f"p{t * 100:g}" for t in _Y_TICKS])
+        ax.minorticks_off()
+        for tick in (0.99, 0.999):
+            ax.axhline(tick, color="#999", linewidth=0.6)
         ax.set_title(f"{SHORT.get(key, key)}: p99 {run['alone_p99_us']:,.0f} → "
                      f"{run['busy_p99_us']:,.0f} µs", fontsize=9)
         ax.set_xlabel("read completion latency (µs, log)", fontsize=8)
-        ax.set_ylabel("fraction of reads", fontsize=8)
+        ax.set_ylabel("percentile of reads", fontsize=8)
         ax.tick_params(labelsize=7)
         ax.grid(True, which="major", alpha=0.3)
-        ax.legend(fontsize=7, loc="lower right")
+        ax.legend(fontsize=7, loc="upper left")
     for ax in list(axes.flat)[len(series):]:
         ax.axis("off")
     fig.suptitle("4 KiB random reads QD16: latency CDF alone vs while a checkpoint writer "

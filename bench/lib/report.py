@@ -134,9 +134,21 @@ def _verdict(met: bool | None) -> str:
     return "n/a" if met is None else ("✅ yes" if met else "❌ no")
 
 
+#: Column order of secondary figures; anything else follows alphabetically.
+_METRIC_ORDER = ("IOPS", "MiB/s", "samples/s", "ops/s", "seconds", "p50_us", "p99_us",
+                 "p99.9_us", "alone_p50_us", "alone_p99_us", "alone_p99.9_us", "busy_p50_us",
+                 "busy_p99_us", "busy_p99.9_us", "p99_ratio", "busy_IOPS", "writer_MiB/s")
+#: Figures left out of the tables (still in the JSON).
+_HIDDEN = {"alone_IOPS", "alone_MiB/s", "busy_MiB/s"}
+
+
+def _metric_rank(metric: str) -> tuple[int, str]:
+    return (_METRIC_ORDER.index(metric) if metric in _METRIC_ORDER else 99, metric)
+
+
 def _status_cell(entry: dict[str, Any] | None, status: dict[str, Any]) -> str | None:
     if not status.get("available"):
-        return f"unavailable: {status.get('reason')}"
+        return "unavailable (see Contenders)"
     if entry is None:
         return "not run"
     if entry.get("skipped") and not entry["summary"]:
@@ -148,11 +160,9 @@ def _status_cell(entry: dict[str, Any] | None, status: dict[str, Any]) -> str | 
 
 def _workload_table(results: dict[str, Any], name: str, wl: dict[str, Any]) -> list[str]:
     direction = "higher is better" if wl["higher_is_better"] else "lower is better"
-    metrics: list[str] = [wl["primary"]]
-    for entry in wl["results"].values():
-        for metric in entry["summary"]:
-            if metric not in metrics:
-                metrics.append(metric)
+    others = {m for entry in wl["results"].values() for m in entry["summary"]}
+    others -= _HIDDEN | {wl["primary"]}
+    metrics = [wl["primary"], *sorted(others, key=_metric_rank)]
     lines = [f"### {wl['title']} (`{name}`)", "",
              f"Primary figure: **{wl['primary']}** ({direction}); ratios are of medians.", ""]
     header = ["contender", *metrics, *(f"×{ref}" for ref in REFERENCES)]
