@@ -90,9 +90,13 @@ def run(args: argparse.Namespace) -> int:
 
 def helper_script() -> str:
     """The text of /sbin/mount.fuse.zonefs-py, bound to the running interpreter."""
+    import zonefs_py
+
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(zonefs_py.__file__)))
     return (f"#!{sys.executable}\n"
             "# mount(8) helper for fuse.zonefs-py, from `zonefs-py mount --install-helper`.\n"
             "import sys\n"
+            f"sys.path.insert(0, {package_root!r})\n"
             "from zonefs_py.cli.mount import helper_main\n"
             "sys.exit(helper_main(sys.argv[1:]))\n")
 

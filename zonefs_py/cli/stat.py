@@ -70,8 +70,12 @@ def run(args: argparse.Namespace) -> int:
 # -- rendering ----------------------------------------------------------------------------
 
 #: Sections shown first, in this order; the rest follow alphabetically.
-SECTION_ORDER = ("device", "zones", "space", "write_amplification", "streams", "journal",
-                 "cleaner", "daemon")
+SECTION_ORDER = ("device", "filesystem", "zones_by_condition", "zones_by_role", "zones",
+                 "space", "streams", "journal", "cleaner", "wear", "daemon")
+#: Legend of the engine's one-character-per-zone map.
+ZONE_MAP_LEGEND = ("S superblock, M/m metadata (used/empty), . empty data, d/D data "
+                   "(partly/fully written), x dead awaiting reset, ! read-only/offline, "
+                   "c conventional")
 
 
 def human_bytes(n: int) -> str:
@@ -145,9 +149,16 @@ def render(doc: dict[str, Any]) -> str:
     keys = [k for k in SECTION_ORDER if k in doc] + sorted(k for k in doc if k not in
                                                            SECTION_ORDER)
     out: list[str] = []
-    loose = {k: doc[k] for k in keys if not isinstance(doc[k], dict | list)}
+    loose = {k: doc[k] for k in keys if not isinstance(doc[k], dict | list) and k != "zone_map"}
     if loose:
-        out += render_mapping(loose, "")
+        out.append("Writes")
+        out += render_mapping(loose, "  ")
+        out.append("")
+    if isinstance(doc.get("zone_map"), str):
+        out.append("Zone map")
+        zone_map = doc["zone_map"]
+        out += ["  " + zone_map[i:i + 64] for i in range(0, len(zone_map), 64)]
+        out.append("  (" + ZONE_MAP_LEGEND + ")")
         out.append("")
     for key in keys:
         value = doc[key]

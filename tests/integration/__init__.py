@@ -1,0 +1,1 @@
+"""Integration tests: real FUSE mounts of zonefs-py in a subprocess."""

@@ -1,0 +1,216 @@
+"""Fixtures for the integration tests: real images, real FUSE mounts in a subprocess.
+
+Every test gets a fresh emulator image (`zonefs-py emu create` + `mkfs`) under
+a world-traversable temporary directory (so the non-root tests can reach it),
+a `Mount` that runs `zonefs-py mount -f` in a subprocess, and a teardown that
+always unmounts, waits for the daemon to exit cleanly and runs
+`zonefs-py fsck IMAGE` expecting exit 0.
+
+The tests skip (saying why) when /dev/fuse or fusermount3 is missing, or when
+the engine is not importable yet.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+#: The CLI under test; ZONEFS_IT_CLI (a shell-quoted command) overrides it.
+ZONEFS = (shlex.split(os.environ["ZONEFS_IT_CLI"]) if os.environ.get("ZONEFS_IT_CLI")
+          else [sys.executable, "-m", "zonefs_py.cli.main"])
+#: Seconds a mount may take to appear (load + recovery) and a daemon to exit.
+MOUNT_DEADLINE_S = 60.0
+EXIT_DEADLINE_S = 120.0
+IMAGE_SIZE = "512M"
+ZONE_SIZE = "16M"
+
+
+def env() -> dict[str, str]:
+    """Environment for subprocesses: the checkout first on PYTHONPATH."""
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(REPO) + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
+    return e
+
+
+def zonefs(*args: str, check: bool = True, timeout: float = 300,
+           **kwargs: object) -> subprocess.CompletedProcess[str]:
+    """Run the `zonefs-py` CLI of this checkout and capture its output."""
+    proc = subprocess.run([*ZONEFS, *args], env=env(), capture_output=True, text=True,
+                          timeout=timeout, **kwargs)  # type: ignore[call-overload]
+    if check and proc.returncode != 0:
+        pytest.fail(f"zonefs-py {' '.join(args)} exited {proc.returncode}:\n"
+                    f"{proc.stdout}{proc.stderr}")
+    return proc  # type: ignore[no-any-return]
+
+
+def _why_unavailable() -> str | None:
+    if not os.path.exists("/dev/fuse"):
+        return "/dev/fuse is missing"
+    if shutil.which("fusermount3") is None:
+        return "fusermount3 is not installed"
+    for module in ("zonefs_py.fs.filesystem", "zonefs_py.fs.mkfs", "zonefs_py.device"):
+        try:
+            if importlib.util.find_spec(module) is None:
+                return f"the engine is not there yet ({module} missing)"
+        except ImportError as exc:
+            return f"the engine is not importable yet ({exc})"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip every integration test, saying why, when mounting cannot work here."""
+    reason = _why_unavailable()
+    if reason is None:
+        return
+    for item in items:
+        if "integration" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def fsck_exists() -> bool:
+    """True once the fsck subcommand is implemented."""
+    return importlib.util.find_spec("zonefs_py.cli.fsck") is not None
+
+
+class Mount:
+    """A zonefs-py daemon in the foreground, in a subprocess."""
+
+    def __init__(self, image: Path, mountpoint: Path, log: Path) -> None:
+        self.image = image
+        self.path = mountpoint
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+        #: True once a daemon was started on the image (the teardown then runs fsck).
+        self.started = False
+
+    def start(self, *options: str, wait: bool = True) -> Mount:
+        """Start `zonefs-py mount -f` and wait (with a deadline) for the mount to appear."""
+        assert self.proc is None, "already mounted"
+        self.started = True
+        cmd = [*ZONEFS, "mount", "-f", str(self.image), str(self.path),
+               "--log-file", str(self.log), "--log-level", "INFO"]
+        for opt in options:
+            cmd += ["-o", opt]
+        self.proc = subprocess.Popen(cmd, env=env(), stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        if wait:
+            self.wait_mounted()
+        return self
+
+    def wait_mounted(self) -> None:
+        """Poll os.path.ismount until the deadline; fail with the log if the daemon died."""
+        assert self.proc is not None
+        deadline = time.monotonic() + MOUNT_DEADLINE_S
+        while not os.path.ismount(self.path):
+            rc = self.proc.poll()
+            if rc is not None:
+                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                self.proc = None
+                pytest.fail(f"mount daemon exited {rc} before mounting: {err}\n{self.log_text()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"{self.path} not mounted after {MOUNT_DEADLINE_S}s\n"
+                            f"{self.log_text()}")
+            time.sleep(0.02)
+
+    def log_text(self) -> str:
+        return self.log.read_text() if self.log.exists() else "(no log)"
+
+    def wait_exit(self) -> int:
+        """Wait for the daemon to exit; return its status."""
+        assert self.proc is not None
+        try:
+            rc = self.proc.wait(timeout=EXIT_DEADLINE_S)
+        finally:
+            if self.proc.stderr:
+                self.proc.stderr.close()
+        self.proc = None
+        return rc
+
+    def unmount(self) -> int:
+        """`fusermount3 -u`, then wait for the daemon's clean exit; return its status."""
+        subprocess.run(["fusermount3", "-u", str(self.path)], check=True, timeout=60)
+        return self.wait_exit()
+
+    def signal(self, signum: int) -> int:
+        """Send `signum` to the daemon and wait for it to exit; return its status."""
+        assert self.proc is not None
+        self.proc.send_signal(signum)
+        if signum == signal.SIGKILL:
+            self.proc.wait(timeout=EXIT_DEADLINE_S)
+            # The kernel keeps a dead connection mounted until it is unmounted.
+            subprocess.run(["fusermount3", "-u", "-z", str(self.path)], timeout=60)
+        return self.wait_exit()
+
+    def cleanup(self) -> None:
+        """Teardown: unmount whatever state we are in, never leave a mount behind."""
+        if self.proc is not None:
+            if os.path.ismount(self.path):
+                subprocess.run(["fusermount3", "-u", str(self.path)], timeout=60)
+            try:
+                self.wait_exit()
+            except subprocess.TimeoutExpired:
+                assert self.proc is not None
+                self.proc.kill()
+                self.wait_exit()
+        if os.path.ismount(self.path):
+            subprocess.run(["fusermount3", "-u", "-z", str(self.path)], timeout=60)
+
+
+def make_image(directory: Path, size: str = IMAGE_SIZE, zone_size: str = ZONE_SIZE) -> Path:
+    """Create and format an emulator image."""
+    image = directory / "dev.img"
+    zonefs("emu", "create", str(image), "--size", size, "--zone-size", zone_size)
+    zonefs("mkfs", str(image))
+    return image
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    """A world-traversable temporary directory (tmp_path is 0700 under /tmp/pytest-of-root)."""
+    base = Path(tempfile.mkdtemp(prefix="zonefs-it-", dir=os.environ.get("ZONEFS_IT_DIR")))
+    base.chmod(0o755)
+    try:
+        yield base
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def image(workdir: Path) -> Path:
+    """A freshly formatted 512 MiB image with 16 MiB zones."""
+    return make_image(workdir)
+
+
+@pytest.fixture
+def mount_factory(workdir: Path) -> Iterator[Mount]:
+    """An unstarted Mount of `workdir/dev.img` (the test makes the image); always cleaned up,
+    then fsck'ed."""
+    mnt = workdir / "mnt"
+    mnt.mkdir()
+    mnt.chmod(0o755)
+    m = Mount(workdir / "dev.img", mnt, workdir / "daemon.log")
+    try:
+        yield m
+    finally:
+        m.cleanup()
+    if m.started and m.image.exists() and fsck_exists():
+        proc = zonefs("fsck", str(m.image), check=False)
+        assert proc.returncode == 0, f"fsck after the test:\n{proc.stdout}{proc.stderr}"
+
+
+@pytest.fixture
+def mounted(image: Path, mount_factory: Mount) -> Mount:
+    """The image, mounted with default options."""
+    return mount_factory.start()
