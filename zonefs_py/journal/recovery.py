@@ -39,6 +39,7 @@ class Recovered:
     journal_bytes: int = 0
     checkpoint_bytes: int = 0
     seconds: float = 0.0
+    salvaged: str | None = None
 
 
 def superblock_zones(dev: ZonedDevice) -> tuple[int, int]:
@@ -65,8 +66,12 @@ def read_superblock(dev: ZonedDevice) -> tuple[Superblock, SuperblockStore]:
     return sb, store
 
 
-def recover(dev: ZonedDevice) -> Recovered:
-    """Rebuild the State from the newest checkpoint and the journal after it."""
+def recover(dev: ZonedDevice, *, salvage: bool = False) -> Recovered:
+    """Rebuild the State from the newest checkpoint and the journal after it.
+
+    `salvage` (fsck --repair only) stops at the first damaged record instead of
+    refusing, keeping what came before it; `Recovered.salvaged` says so.
+    """
     t0 = time.monotonic()
     sb, sbstore = read_superblock(dev)
     mlog = MetaLog(dev, sb.meta_first_zone, sb.meta_zone_count, sb.fs_uuid, sb.fs_id)
@@ -119,13 +124,21 @@ def recover(dev: ZonedDevice) -> Recovered:
             raise LogCorrupt("the checkpoint the superblock points at is incomplete")
         if loading is not None:
             log.info("ignoring a checkpoint torn by a crash at the end of the log")
-    except LogCorrupt as exc:
-        raise errors.CorruptionError(
-            f"{dev.info.path}: metadata log damaged: {exc}; run 'zonefs-py fsck'") from None
-    except (OpDecodeError, StateError) as exc:
-        raise errors.CorruptionError(
-            f"{dev.info.path}: metadata does not fit together: {exc}; run 'zonefs-py fsck'"
-        ) from None
+    except (LogCorrupt, OpDecodeError, StateError) as exc:
+        if not salvage or first or loading is state:
+            raise _corruption(dev, exc) from None
+        log.warning("salvage: stopping the log replay at damage: %s", exc)
+        res.salvaged = str(exc)
+        if loading is not None and loading is not state:
+            loading = None
     res.state = state
     res.seconds = time.monotonic() - t0
     return res
+
+
+def _corruption(dev: ZonedDevice, exc: Exception) -> errors.CorruptionError:
+    if isinstance(exc, LogCorrupt):
+        return errors.CorruptionError(
+            f"{dev.info.path}: metadata log damaged: {exc}; run 'zonefs-py fsck'")
+    return errors.CorruptionError(
+        f"{dev.info.path}: metadata does not fit together: {exc}; run 'zonefs-py fsck'")
