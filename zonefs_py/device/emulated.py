@@ -136,6 +136,10 @@ class EmulatedZonedDevice:
                 f"device size {size_bytes} is not a positive multiple of zone size "
                 f"{zone_size_bytes}"
             )
+        nr_seq = size_bytes // zone_size_bytes - nr_conventional
+        # null_blk turns a limit >= the number of sequential zones into "no limit".
+        max_open = 0 if max_open >= nr_seq else max_open
+        max_active = 0 if max_active >= nr_seq else max_active
         geo = Geometry(block_size, zone_size_bytes, zone_capacity_bytes or zone_size_bytes,
                        size_bytes // zone_size_bytes, nr_conventional, max_open, max_active)
         geo.validate()
