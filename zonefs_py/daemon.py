@@ -328,7 +328,9 @@ def _serve_reporting(cfg: MountConfig, report: Reporter | None) -> int:
         return trio.run(serve, cfg, report or (lambda _err: None))
     except (MountError, errors.ZoneFSError, OSError, RuntimeError) as exc:
         msg = f"{cfg.device}: {exc}" if not isinstance(exc, MountError) else str(exc)
-        log.error("mount failed: %s", msg)
+        if report is not None or cfg.log_file:
+            # Into the log file / syslog; in the foreground without one, stderr gets one line.
+            log.error("mount failed: %s", msg)
         if report is not None:
             report(msg)
         else:

@@ -187,10 +187,20 @@ def workdir() -> Iterator[Path]:
         shutil.rmtree(base, ignore_errors=True)
 
 
+@pytest.fixture(scope="session")
+def template_image(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One freshly formatted 512 MiB image per session, copied for each test."""
+    if _why_unavailable() is not None:
+        pytest.skip(_why_unavailable() or "")
+    return make_image(tmp_path_factory.mktemp("template"))
+
+
 @pytest.fixture
-def image(workdir: Path) -> Path:
-    """A freshly formatted 512 MiB image with 16 MiB zones."""
-    return make_image(workdir)
+def image(workdir: Path, template_image: Path) -> Path:
+    """A freshly formatted 512 MiB image with 16 MiB zones (a sparse copy of the template)."""
+    target = workdir / "dev.img"
+    subprocess.run(["cp", "--sparse=always", str(template_image), str(target)], check=True)
+    return target
 
 
 @pytest.fixture
