@@ -14,10 +14,20 @@ xxh3 checksum, a mismatch is `errors.IOFailure` and a log line naming the
 file and offset) with the buffer. Device calls run in worker threads; the
 checksum work runs there too, not on the trio thread.
 
+Pipelining: a full chunk carved from a streaming buffer is written by a
+system task while the writer goes on filling the next one (at most
+`MAX_INFLIGHT` chunks per file). Chunks are reserved in carve order and
+their EXTENT ops are applied in carve order, so a later write of the same
+blocks always wins. Until its ops are applied a chunk stays readable from
+the in-flight list. fsync, close, truncate and non-sequential writes drain
+the file's in-flight chunks first; a chunk that could not be written makes
+the next flush/fsync of that file fail with EIO (as Linux reports writeback
+errors at fsync).
+
 Locking: one trio.Lock per file with buffered or in-flight data; reads of a
 file without write state take no lock, so dataset reads never queue behind
-another file's writes. Code between taking a buffer and applying its EXTENT
-ops holds the file's lock, so readers never see data that is in neither place.
+another file's writes. Readers of a file with write state take its lock and
+see extents, then in-flight chunks, then the buffer, newest last.
 """
 
 from __future__ import annotations
@@ -66,6 +76,24 @@ class WriteBuffer:
         return self.start + len(self.data)
 
 
+MAX_INFLIGHT = 4
+
+
+class Chunk:
+    """A carved piece of a file's buffer on its way to the device."""
+
+    __slots__ = ("applied", "data", "fblock", "logical_end", "mtime", "prev")
+
+    def __init__(self, fblock: int, data: bytes, logical_end: int, mtime: int,
+                 prev: Chunk | None) -> None:
+        self.fblock = fblock
+        self.data = data
+        self.logical_end = logical_end
+        self.mtime = mtime
+        self.prev = prev
+        self.applied = trio.Event()
+
+
 class DataPath:
     def __init__(self, dev: ZonedDevice, state: State, journal: Journal, alloc: Allocator,
                  limiter: trio.CapacityLimiter, path_of: Callable[[int], str]) -> None:
@@ -78,6 +106,8 @@ class DataPath:
         self.buffers: dict[int, WriteBuffer] = {}
         self.locks: dict[int, trio.Lock] = {}
         self.path_of = path_of
+        self.inflight: dict[int, list[Chunk]] = {}
+        self.write_errors: dict[int, errors.IOFailure] = {}
         self.counters = state.counters
         self.stream_hint: Callable[[Inode], int] = lambda inode: classify_stream(
             self.state, inode)
@@ -99,9 +129,19 @@ class DataPath:
     def forget_file(self, ino: int) -> None:
         """Drop the write state of a freed file (its buffer is discarded)."""
         self.buffers.pop(ino, None)
+        self.write_errors.pop(ino, None)
         lk = self.locks.get(ino)
-        if lk is not None and not lk.locked():
+        if lk is not None and not lk.locked() and not self.inflight.get(ino):
             del self.locks[ino]
+
+    async def _drain_locked(self, inode: Inode) -> None:
+        """Wait until every in-flight chunk of the file is applied; report a lost chunk."""
+        chunks = self.inflight.get(inode.ino)
+        if chunks:
+            await chunks[-1].applied.wait()
+        err = self.write_errors.pop(inode.ino, None)
+        if err is not None:
+            raise err
 
     # -- write -----------------------------------------------------------------------
     async def write(self, inode: Inode, offset: int, data: bytes) -> int:
@@ -141,14 +181,21 @@ class DataPath:
                 await self.flush(inode)
 
     async def _flush_locked(self, inode: Inode, final: bool) -> None:
-        """Append the buffer's whole blocks (all of it, padded, if `final`)."""
+        """Send the buffer's whole blocks to the device (all of it, padded, if `final`).
+
+        Non-final flushes (a full streaming chunk) return once the chunk is
+        queued; final ones return once everything of the file is applied.
+        """
         buf = self.buffers.get(inode.ino)
         if buf is None:
+            if final:
+                await self._drain_locked(inode)
             return
         bs = self.bs
-        logical_end = buf.end
         if final:
-            data = bytes(buf.data)
+            await self._drain_locked(inode)
+            data = buf.data
+            logical_end = buf.end
             if len(data) % bs:
                 tail_start = buf.end
                 tail_end = (tail_start // bs + 1) * bs
@@ -157,14 +204,14 @@ class DataPath:
                     fill = await self._read_stored(inode, tail_start,
                                                    min(tail_end, inode.size) - tail_start)
                 data += fill + bytes(tail_end - tail_start - len(fill))
-                logical_end = max(logical_end, tail_start + len(fill))
             del self.buffers[inode.ino]
         else:
             whole = len(buf.data) // bs * bs
-            data = bytes(buf.data[:whole])
             rest = WriteBuffer(buf.start + whole)
             rest.data = buf.data[whole:]
             rest.mtime = buf.mtime
+            del buf.data[whole:]
+            data = buf.data
             logical_end = buf.start + whole
             if rest.data:
                 self.buffers[inode.ino] = rest
@@ -172,29 +219,82 @@ class DataPath:
                 del self.buffers[inode.ino]
         if not data:
             return
-        ops = await self._append_file_data(inode, buf.start // bs, data)
-        new_size = max(inode.size, min(logical_end, buf.end))
-        ops.append(inode.op(size=new_size, mtime=buf.mtime or time.time_ns(),
-                            ctime=buf.mtime or time.time_ns(), flags=inode.flags))
-        self.state.apply(ops[-1])
-        self.journal.add(ops)
+        chunks = self.inflight.setdefault(inode.ino, [])
+        chunk = Chunk(buf.start // bs, bytes(data), logical_end, buf.mtime or time.time_ns(),
+                      chunks[-1] if chunks else None)
+        chunks.append(chunk)
+        if final:
+            await self._write_chunk(inode, chunk)
+            err = self.write_errors.pop(inode.ino, None)
+            if err is not None:
+                raise err
+            return
+        trio.lowlevel.spawn_system_task(self._write_chunk, inode, chunk,
+                                        name=f"zonefs-chunk-{inode.ino}")
+        if len(chunks) > MAX_INFLIGHT:
+            await chunks[-1 - MAX_INFLIGHT].applied.wait()
+
+    async def _write_chunk(self, inode: Inode, chunk: Chunk) -> None:
+        """Write one chunk and apply its ops after its predecessor's. Never raises."""
+        ops: list[Op] = []
+        error: errors.IOFailure | None = None
+        try:
+            placed = await self._place_file_data(inode, chunk.fblock, chunk.data)
+        except errors.ZoneFSError as exc:
+            error = exc if isinstance(exc, errors.IOFailure) else errors.IOFailure(str(exc))
+            placed = []
+        except BaseException as exc:  # a system task must not raise
+            log.exception("unexpected error writing file data of inode %d", inode.ino)
+            error = errors.IOFailure(f"unexpected error: {exc!r}")
+            placed = []
+        if chunk.prev is not None:
+            await chunk.prev.applied.wait()
+        try:
+            if error is None and inode.ino in self.state.inodes:
+                ops = self._apply_placed(inode, placed)
+                op = inode.op(size=max(inode.size, chunk.logical_end), mtime=chunk.mtime,
+                              ctime=chunk.mtime, flags=inode.flags)
+                self.state.apply(op)
+                ops.append(op)
+                self.journal.add(ops)
+            elif error is not None:
+                self.write_errors[inode.ino] = error
+        finally:
+            chunks = self.inflight.get(inode.ino)
+            if chunks and chunks[0] is chunk:
+                chunks.pop(0)
+                if not chunks:
+                    del self.inflight[inode.ino]
+            chunk.applied.set()
 
     async def _append_file_data(self, inode: Inode, fblock: int, data: bytes) -> list[Op]:
-        """Append data for file blocks starting at `fblock`; apply and return the ops
-        (EXTENT and ZONE_STATE ops are applied here; the caller adds the INODE op)."""
+        """Write data for file blocks from `fblock` now; apply and return the ops."""
+        return self._apply_placed(inode, await self._place_file_data(inode, fblock, data))
+
+    async def _place_file_data(self, inode: Inode, fblock: int,
+                               data: bytes) -> list[tuple[Op, int]]:
+        """Append data to zones; return (EXTENT op, zone) pairs not yet applied.
+
+        ZONE_STATE ops of newly opened zones are applied and journaled here.
+        """
         if not inode.flags & FLAG_STREAM_SET:
             stream = self.stream_hint(inode)
             op = inode.op(flags=(inode.flags & ~0xFF) | stream | FLAG_STREAM_SET)
             self.state.apply(op)
         stream = inode.stream
-        csums = block_checksums(data, self.bs)
+        csums = await trio.to_thread.run_sync(block_checksums, data, self.bs,
+                                              limiter=self.limiter)
         owner = inode.ino if self._wants_private_head(inode, fblock, len(data)) else 0
-        ops: list[Op] = []
+        placed: list[tuple[Op, int]] = []
         pos = 0
         failures = 0
         while pos < len(data):
             to_finish: list[int] = []
-            zone, granted = self.alloc.reserve(stream, owner, len(data) - pos, ops, to_finish)
+            zone_ops: list[Op] = []
+            zone, granted = self.alloc.reserve(stream, owner, len(data) - pos, zone_ops,
+                                               to_finish)
+            if zone_ops:
+                self.journal.add(zone_ops)
             piece = memoryview(data)[pos:pos + granted]
             try:
                 for z in to_finish:
@@ -214,13 +314,21 @@ class DataPath:
             first = fblock + pos // self.bs
             op = (OpType.EXTENT, inode.ino, first, nblocks, dev_off,
                   csums[pos // self.bs * 4:(pos // self.bs + nblocks) * 4])
-            self.state.apply(op)
-            self.alloc.append_done(zone, ok=True)
-            ops.append(op)
+            placed.append((op, zone))
             self._count(C_DATA_BYTES, granted)
             self._count(C_STREAM_BASE + stream, granted)
             pos += granted
         self.journal.data_dirty = True
+        return placed
+
+    def _apply_placed(self, inode: Inode, placed: list[tuple[Op, int]]) -> list[Op]:
+        """Apply placed EXTENT ops (never awaits) and release their zones' in-flight marks."""
+        ops: list[Op] = []
+        for op, zone in placed:
+            if inode.ino in self.state.inodes:
+                self.state.apply(op)
+                ops.append(op)
+            self.alloc.append_done(zone, ok=True)
         return ops
 
     def _wants_private_head(self, inode: Inode, fblock: int, nbytes: int) -> bool:
@@ -239,23 +347,30 @@ class DataPath:
         if offset >= size or length <= 0:
             return b""
         length = min(length, size - offset)
-        if inode.ino in self.locks:
+        if inode.ino in self.buffers or inode.ino in self.inflight:
             async with self.lock(inode.ino):
                 return await self._read_locked(inode, offset, length)
         return await self._read_stored(inode, offset, length)
 
     async def _read_locked(self, inode: Inode, offset: int, length: int) -> bytes:
         data = await self._read_stored(inode, offset, length)
+        layers: list[tuple[int, bytes | bytearray]] = [
+            (c.fblock * self.bs, c.data) for c in self.inflight.get(inode.ino, ())]
         buf = self.buffers.get(inode.ino)
-        if buf is None or buf.end <= offset or buf.start >= offset + length:
-            return data
-        out = bytearray(data)
-        if len(out) < length:
-            out += bytes(length - len(out))
-        lo = max(offset, buf.start)
-        hi = min(offset + length, buf.end)
-        out[lo - offset:hi - offset] = buf.data[lo - buf.start:hi - buf.start]
-        return bytes(out)
+        if buf is not None:
+            layers.append((buf.start, buf.data))
+        out: bytearray | None = None
+        for start, blob in layers:
+            lo = max(offset, start)
+            hi = min(offset + length, start + len(blob))
+            if lo >= hi:
+                continue
+            if out is None:
+                out = bytearray(data)
+                if len(out) < length:
+                    out += bytes(length - len(out))
+            out[lo - offset:hi - offset] = blob[lo - start:hi - start]
+        return data if out is None else bytes(out)
 
     async def _read_stored(self, inode: Inode, offset: int, length: int) -> bytes:
         """Read [offset, offset+length) from the extents only (holes are zeros)."""
