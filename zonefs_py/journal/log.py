@@ -125,6 +125,9 @@ class MetaLog:
                     self._write_pending_locked(pending, positions)
                     pending, pending_len = [], 0
                     self._start_zone_locked()
+                    # The zone header took this sequence number: encode again.
+                    rec = encode_record(rtype, self.next_seq, self.fs_id, payload,
+                                        self.block_size)
                     remaining = self._zone(self.cur_zone).remaining_bytes
                     if len(rec) > remaining:
                         raise LogFull(f"a {len(rec)}-byte record does not fit in a meta zone")
