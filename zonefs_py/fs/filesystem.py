@@ -152,6 +152,12 @@ class ZoneFS(FileSystemAPI):
         if not self.options.read_only and self.failsafe is None:
             try:
                 await self.data.flush_all()
+                # Nobody holds an inode after unmount: free the unlinked ones the
+                # kernel still had looked up or open (else they stay as orphans).
+                for inode in [i for i in self.state.inodes.values()
+                              if i.nlink == 0 and i.ino != ROOT_INO]:
+                    inode.lookups = inode.opens = 0
+                    self._free_if_unused(inode)
                 self._record_counters()
                 await self.journal.commit()
                 await self.journal.checkpoint()
