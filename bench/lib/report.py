@@ -213,6 +213,20 @@ def _fs_stats_table(results: dict[str, Any], subject: str) -> list[str]:
     return [*lines, ""] if any_row else []
 
 
+def _load_line(results: dict[str, Any]) -> str:
+    """Describe the machine's load around the run; warn when something else was busy."""
+    load = results.get("loadavg")
+    if not load:
+        return "- **Load:** not recorded"
+    cores = results["machine"]["cores"] or 1
+    before, after = load["before"][0], load["after"][0]
+    line = f"- **Load average (1 min):** {before:.2f} before, {after:.2f} after the run"
+    if before > 0.5 * cores:
+        line += (" — ⚠️ the machine was busy before the run started: other processes "
+                 "shared the CPU and disk, so treat the figures as noisy")
+    return line
+
+
 def render_markdown(results: dict[str, Any], plot_files: list[str]) -> str:
     """Render the whole report as markdown."""
     m = results["machine"]
@@ -223,6 +237,7 @@ def render_markdown(results: dict[str, Any], plot_files: list[str]) -> str:
              f"run took {results['duration_s'] / 60:.1f} min",
              f"- **Machine:** {m['cores']} cores ({m['cpu_model']}), "
              f"{m['memory_bytes'] / (1 << 30):.1f} GiB RAM, kernel {m['kernel']}, {m['os']}",
+             _load_line(results),
              f"- **Backing store:** files under `{m['backing_store']['dir']}` "
              f"({m['backing_store']['fstype']} on {m['backing_store']['device']}); "
              f"{cfg['backing_bytes'] / (1 << 30):.0f} GiB per contender",
