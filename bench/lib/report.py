@@ -181,6 +181,25 @@ def _workload_table(results: dict[str, Any], name: str, wl: dict[str, Any]) -> l
     return lines
 
 
+def _summary_table(results: dict[str, Any]) -> list[str]:
+    """One row per workload: every contender's primary median, then zonefs-py's ratios."""
+    keys = [k for k, st in results["contenders"].items() if st["available"]]
+    subject = next((k for k in TARGET_SUBJECTS if k in keys), None)
+    header = ["workload", "figure", *keys]
+    if subject:
+        header += [f"{subject} ×{ref}" for ref in ("ceiling", "peer", "ext4")]
+    lines = ["## Summary (medians; details and min–max below)", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name, wl in results["workloads"].items():
+        unit = wl["primary"] + ("" if wl["higher_is_better"] else " ↓")
+        cells = [f"`{name}`", unit] + [_fmt(median(results, name, k)) for k in keys]
+        if subject:
+            ratios = wl["results"].get(subject, {}).get("ratios", {})
+            cells += [_fmt_ratio(ratios.get(ref)) for ref in ("ceiling", "peer", "ext4")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return [*lines, "", "↓ lower is better.", ""]
+
+
 def _fs_stats_table(results: dict[str, Any], subject: str) -> list[str]:
     keys = ("user_bytes_written", "device_bytes_written", "workload_write_amplification",
             "cleaner_bytes_copied")
@@ -264,6 +283,7 @@ def render_markdown(results: dict[str, Any], plot_files: list[str]) -> str:
         for row in rows:
             lines.append(f"| {row['target']} | {row['detail']} | {_verdict(row['met'])} |")
         lines.append("")
+    lines += _summary_table(results)
     lines += ["## Results", "",
               "×ceiling / ×peer / ×ext4 / ×physical: this contender's median over the "
               "reference's median for the primary figure.", ""]
