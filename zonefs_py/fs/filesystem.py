@@ -17,7 +17,6 @@ Caveats:
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import stat as statmod
@@ -29,14 +28,25 @@ import trio
 from zonefs_py import errors
 from zonefs_py.alloc.allocator import Allocator
 from zonefs_py.alloc.streams import STREAM_XATTR, classify, parse_stream_name
-from zonefs_py.device.base import ZonedDevice, ZoneCond
-from zonefs_py.format.constants import OpType, Stream
+from zonefs_py.device.base import ZonedDevice
+from zonefs_py.format.constants import OpType
 from zonefs_py.format.ops import Op
 from zonefs_py.fs.api import (
-    FILE_SIZE_MAX, NAME_MAX, ROOT_INO, XATTR_NAME_MAX, XATTR_SIZE_MAX, Attr, Ctx, DirEntry,
-    FileSystemAPI, RenameFlags, SetAttrRequest, StatFs, XattrFlags,
+    FILE_SIZE_MAX,
+    NAME_MAX,
+    ROOT_INO,
+    XATTR_NAME_MAX,
+    XATTR_SIZE_MAX,
+    Attr,
+    Ctx,
+    DirEntry,
+    FileSystemAPI,
+    RenameFlags,
+    SetAttrRequest,
+    StatFs,
+    XattrFlags,
 )
-from zonefs_py.fs.datapath import FLAG_STREAM_SET, DataPath
+from zonefs_py.fs.datapath import C_META_BYTES, FLAG_STREAM_SET, DataPath
 from zonefs_py.fs.options import FsOptions
 from zonefs_py.fs.state import Inode, State
 from zonefs_py.journal.journal import Journal
@@ -74,6 +84,11 @@ class ZoneFS(FileSystemAPI):
         self.state.on_zone_emptied = self.alloc.zone_emptied
         self.data = DataPath(dev, self.state, self.journal, self.alloc, self.limiter,
                              self.path_of)
+        from zonefs_py.cleaner.cleaner import Cleaner
+
+        self.cleaner = Cleaner(self)
+        self._meta_base = self.state.counters.get(C_META_BYTES, 0)
+        self.data.on_need_space = self.cleaner.clean_for_space
         self.files: dict[int, int] = {}  # fh -> ino
         self.dirs: dict[int, _DirHandle] = {}
         self._next_fh = 1
@@ -106,6 +121,29 @@ class ZoneFS(FileSystemAPI):
         stale = scan.obsolete_zones + scan.garbage_zones
         if stale:
             await trio.to_thread.run_sync(self.journal.log.reset_zones, stale)
+        torn = self.recovered.torn_checkpoint
+        if torn is not None:
+            # A checkpoint always starts a fresh zone: drop the zones of a torn one
+            # and continue the log from its first sequence number (so the chain
+            # stays gapless), else later journal records would land inside it.
+            mlog = self.journal.log
+            first_seq = mlog.zone_first_seq[torn.zone]
+            garbage = [z for z, s in mlog.zone_first_seq.items() if s >= first_seq]
+            mlog.cur_zone = None
+            await trio.to_thread.run_sync(mlog.reset_zones, garbage)
+            mlog.next_seq = first_seq
+        cp = self.recovered.newest_checkpoint
+        if cp is not None and cp.offset != self.sb.checkpoint_offset:
+            # A crash hit between a complete checkpoint and its superblock write:
+            # finish that step, or the zones before it stay in use for good and
+            # the log runs out of meta zones (LogFull).
+            sb = self.sb.with_checkpoint(cp.zone, cp.offset, cp.seq)
+            await trio.to_thread.run_sync(self.journal.sbstore.write, sb)
+            self.sb = self.journal.sb = sb
+            mlog = self.journal.log
+            obsolete = mlog.zones_before(mlog.zone_first_seq[cp.zone])
+            if obsolete:
+                await trio.to_thread.run_sync(mlog.reset_zones, obsolete)
         orphans = [i for i in self.state.inodes.values() if i.nlink == 0 and i.ino != ROOT_INO]
         for inode in orphans:
             log.info("freeing orphan inode %d (unlinked while open before a crash)", inode.ino)
@@ -114,7 +152,7 @@ class ZoneFS(FileSystemAPI):
         for zone in dead:
             self.alloc.pending_resets.append((zone, 0))
         await self.journal.commit()
-        if scan.torn_tail or self.journal.checkpoint_needed(self.options.checkpoint_journal_bytes):
+        if scan.torn_tail or torn is not None or self.journal.checkpoint_needed(self.options.checkpoint_journal_bytes):
             await self.journal.checkpoint()
         await self._reset_dead_zones()
 
@@ -134,9 +172,21 @@ class ZoneFS(FileSystemAPI):
     async def background_step(self) -> None:
         """One round of background work (also used by tests)."""
         if self.journal.pending_bytes or self.journal.data_dirty:
+            self._record_counters()
             await self.journal.commit()
         if self.journal.checkpoint_needed(self.options.checkpoint_journal_bytes):
             await self.journal.checkpoint()
+        await self._reset_dead_zones()
+        await self.cleaner.background_pass()
+
+    def metadata_bytes_written(self) -> int:
+        """Metadata bytes written over the filesystem's life (earlier mounts + this one)."""
+        return (self._meta_base + self.journal.log.bytes_written
+                + self.journal.sbstore.bytes_written)
+
+    async def commit_and_reset(self) -> None:
+        """Make queued changes durable, then reset the zones they left dead."""
+        await self.journal.commit()
         await self._reset_dead_zones()
 
     def wake_background(self) -> None:
@@ -181,7 +231,8 @@ class ZoneFS(FileSystemAPI):
             self.journal.add(ops)
 
     def _record_counters(self) -> None:
-        self.state.counters[3] = self.journal.log.bytes_written + self.journal.sbstore.bytes_written
+        """Queue the write counters so that they survive a crash (persisted figures)."""
+        self.state.counters[C_META_BYTES] = self.metadata_bytes_written()
         self._txn([(OpType.COUNTERS, dict(self.state.counters))])
 
     # -- helpers ----------------------------------------------------------------------
@@ -620,8 +671,9 @@ class ZoneFS(FileSystemAPI):
         grow = offset + len(data) - self.data.visible_size(inode)
         if grow > 0:
             self._check_quota(inode, grow)
-            if grow > self.alloc.free_bytes() + len(data) and len(data) > 0:
-                pass  # the allocator decides; ENOSPC comes from reserve()
+            live = self.alloc.live_total_bytes() + self.data.pending_bytes()
+            if live + grow > self.alloc.user_capacity_bytes():
+                raise errors.NoSpace("the live data would not fit on the device")
         n = await self.data.write(inode, offset, data)
         if self.journal.pending_bytes > (4 << 20):
             self.wake_background()

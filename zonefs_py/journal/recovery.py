@@ -39,6 +39,11 @@ class Recovered:
     journal_bytes: int = 0
     checkpoint_bytes: int = 0
     seconds: float = 0.0
+    #: BEGIN of the newest complete checkpoint met in the log (may be newer than
+    #: the superblock's, when a crash hit between the checkpoint and the SB write).
+    newest_checkpoint: LogPosition | None = None
+    #: BEGIN of a checkpoint torn by a crash at the end of the log (its zones are garbage).
+    torn_checkpoint: LogPosition | None = None
     salvaged: str | None = None
 
 
@@ -92,6 +97,7 @@ def recover(dev: ZonedDevice, *, salvage: bool = False) -> Recovered:
                     raise LogCorrupt(f"checkpoint at {off} begins inside another")
                 loading = state if first else State(sb.block_size, sb.zone_size)
                 loaded_records = 0
+                begin = LogPosition(off // dev.info.zone_size_bytes, off, rec.seq)
             elif rec.type == RecordType.CHECKPOINT_DATA:
                 if loading is None:
                     raise LogCorrupt(f"checkpoint data at {off} outside a checkpoint")
@@ -108,6 +114,7 @@ def recover(dev: ZonedDevice, *, salvage: bool = False) -> Recovered:
                     raise LogCorrupt(f"checkpoint at {off} has {loaded_records} of {nrec} records")
                 state = loading
                 loading = None
+                res.newest_checkpoint = begin
             elif rec.type == RecordType.JOURNAL:
                 if loading is not None:
                     raise LogCorrupt(f"journal record at {off} inside a checkpoint")
@@ -124,6 +131,7 @@ def recover(dev: ZonedDevice, *, salvage: bool = False) -> Recovered:
             raise LogCorrupt("the checkpoint the superblock points at is incomplete")
         if loading is not None:
             log.info("ignoring a checkpoint torn by a crash at the end of the log")
+            res.torn_checkpoint = begin
     except (LogCorrupt, OpDecodeError, StateError) as exc:
         if not salvage or first or loading is state:
             raise _corruption(dev, exc) from None
