@@ -160,7 +160,9 @@ class Journal:
         if self.journal_bytes_since_checkpoint >= journal_limit:
             return True
         cap = self.dev.info.zone_size_bytes
-        needed = (self.last_checkpoint_bytes * 2) // max(cap, 1) + 2
+        # +3: the next checkpoint, room for the journal meanwhile, and one zone kept
+        # spare so that a mount after a crash that tore this checkpoint can write its own.
+        needed = (self.last_checkpoint_bytes * 2) // max(cap, 1) + 3
         return len(self.log.free_zones()) < needed and self.journal_bytes_since_checkpoint > 0
 
     async def checkpoint(self) -> None:
