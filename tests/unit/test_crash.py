@@ -1,0 +1,358 @@
+"""Crash sweeps: cut power after every device write of a scenario, in both modes.
+
+Each scenario runs once to count its device writes (append, write, zone
+management) from mount to clean unmount. Then, for every k in 1..N, it runs
+again on a fresh image with the power cut right after the k-th write: "drop"
+(the emulator's own `cut_after_writes`; unflushed appends vanish) and "tear"
+(`simulate_power_cut("tear")`: each zone keeps a random prefix of its
+unflushed appends, seeded per cut point). The image is then checked with
+fsck before and after mounting it again, and every path must hold one of the
+versions the scenario produced from its last acknowledged one on: what an
+fsync/fsyncdir/sync acknowledged is there byte for byte, and a file is never
+a mix of versions nor holds bytes never written to it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from engine_helpers import (
+    CTX, KiB, SMALL, TEST_OPTIONS, TINY, CountingDevice, Geometry, fsck, new_image,
+    parent_and_name, pattern, read_tree, resolve, write_file,
+)
+
+from zonefs_py import errors
+from zonefs_py.device.emulated import EmulatedZonedDevice
+from zonefs_py.fs.api import ROOT_INO, RenameFlags, SetAttrRequest
+from zonefs_py.fs.filesystem import ZoneFS
+
+DIR = "<dir>"
+Version = bytes | str | None  # content, DIR, or absent
+
+
+@dataclass
+class Tracker:
+    """The versions each path went through, and the last acknowledged one."""
+
+    versions: dict[str, list[Version]] = field(default_factory=dict)
+    acked: dict[str, int] = field(default_factory=dict)
+
+    def expect(self, path: str, version: Version) -> None:
+        """Record that `path` may now hold `version` (call before starting the change)."""
+        hist = self.versions.setdefault(path, [None])
+        self.acked.setdefault(path, 0)
+        if hist[-1] != version:
+            hist.append(version)
+
+    def ack(self, *paths: str) -> None:
+        """The newest version of each path is durable (an fsync returned)."""
+        for p in paths:
+            self.acked[p] = len(self.versions[p]) - 1
+
+    def ack_all(self) -> None:
+        self.ack(*self.versions)
+
+    def check(self, files: dict[str, bytes], dirs: set[str]) -> None:
+        for path in set(files) | dirs:
+            assert path in self.versions, f"{path} exists but was never created"
+        for path, hist in self.versions.items():
+            actual: Version = files.get(path, DIR if path in dirs else None)
+            allowed = hist[self.acked[path]:]
+            assert actual in allowed, (
+                f"{path}: holds {_show(actual)}, allowed {[_show(v) for v in allowed]} "
+                f"(acked version {self.acked[path]} of {len(hist) - 1})")
+
+
+def _show(v: Version) -> str:
+    if isinstance(v, bytes):
+        return f"<{len(v)} bytes {v[:8].hex()}>"
+    return repr(v)
+
+
+Scenario = Callable[[ZoneFS, Tracker], Awaitable[None]]
+
+
+# -- scenarios -----------------------------------------------------------------------------
+
+async def save_via_rename(fs: ZoneFS, t: Tracker) -> None:
+    """Editor-style save: write a temp file, fsync it, rename over the target, fsyncdir."""
+    t.expect("/doc", b"")
+    t.expect("/doc", pattern(0, 10 * KiB + 5))
+    await write_file(fs, "/doc", pattern(0, 10 * KiB + 5))
+    t.ack("/doc")
+    for i in range(1, 5):
+        new = pattern(i, 6 * KiB + 1000 * i)
+        t.expect("/doc.tmp", b"")
+        t.expect("/doc.tmp", new)
+        await write_file(fs, "/doc.tmp", new)
+        t.ack("/doc.tmp")
+        t.expect("/doc", new)
+        t.expect("/doc.tmp", None)
+        await fs.rename(ROOT_INO, b"doc.tmp", ROOT_INO, b"doc", RenameFlags.NONE)
+        dh = await fs.opendir(ROOT_INO)
+        await fs.fsyncdir(dh, False)
+        await fs.releasedir(dh)
+        t.ack("/doc", "/doc.tmp")
+
+
+async def overwrite_in_place(fs: ZoneFS, t: Tracker) -> None:
+    """Overwrite ranges of an existing file (unaligned), fsync after each."""
+    content = bytearray(pattern(10, 64 * KiB))
+    t.expect("/f", b"")
+    t.expect("/f", bytes(content))
+    await write_file(fs, "/f", bytes(content))
+    t.ack("/f")
+    ino = await resolve(fs, "/f")
+    rng = random.Random(11)
+    for i in range(6):
+        off = rng.randrange(0, 60 * KiB)
+        data = pattern(20 + i, rng.randrange(1, 9 * KiB))
+        content[off:off + len(data)] = data
+        t.expect("/f", bytes(content))
+        fh = await fs.open(ino, os.O_WRONLY)
+        await fs.write(fh, off, data)
+        await fs.fsync(fh, False)
+        await fs.release(fh)
+        t.ack("/f")
+
+
+async def truncate_fsync(fs: ZoneFS, t: Tracker) -> None:
+    """Shrink mid-block, extend (zeros), write past the end, truncate to 0, write again."""
+    content = pattern(30, 20000)
+    t.expect("/t", b"")
+    t.expect("/t", content)
+    await write_file(fs, "/t", content)
+    t.ack("/t")
+    ino = await resolve(fs, "/t")
+    fh = await fs.open(ino, os.O_RDWR)
+    try:
+        for size in (9000, 30000, 4096, 0, 12345):
+            content = content[:size] + bytes(max(0, size - len(content)))
+            t.expect("/t", content)
+            await fs.setattr(ino, SetAttrRequest(size=size), CTX)
+            await fs.fsync(fh, False)
+            t.ack("/t")
+            extra = pattern(31 + size, 3000)
+            content = content + extra
+            t.expect("/t", content)
+            await fs.write(fh, size, extra)
+            await fs.fsync(fh, False)
+            t.ack("/t")
+    finally:
+        await fs.release(fh)
+
+
+async def small_files_fsyncdir(fs: ZoneFS, t: Tracker) -> None:
+    """Create many small files in a directory (no fsync), then fsyncdir once."""
+    t.expect("/d", DIR)
+    d = (await fs.mkdir(ROOT_INO, b"d", 0o755, CTX)).ino
+    for i in range(12):
+        path = f"/d/f{i}"
+        data = pattern(40 + i, 100 + 700 * i)
+        t.expect(path, b"")
+        t.expect(path, data)
+        await write_file(fs, path, data, fsync=False)
+    dh = await fs.opendir(d)
+    await fs.fsyncdir(dh, False)
+    await fs.releasedir(dh)
+    t.ack_all()
+
+
+async def meta_zone_roll(fs: ZoneFS, t: Tracker) -> None:
+    """Enough commits on tiny meta zones that the log rolls (and checkpoints) several times."""
+    for i in range(60):
+        path = f"/m{i}"
+        data = pattern(60 + i, 1500) if i % 6 == 0 else b""
+        t.expect(path, b"")
+        t.expect(path, data)
+        await write_file(fs, path, data)
+        t.ack(path)
+        if i % 10 == 9:
+            t.expect(f"/m{i - 2}", None)
+            await fs.unlink(ROOT_INO, f"m{i - 2}".encode())
+            await fs.sync()
+            t.ack_all()
+        await fs.background_step()  # what the background task would do: may checkpoint
+
+
+async def explicit_checkpoint(fs: ZoneFS, t: Tracker) -> None:
+    """Changes, a checkpoint in the middle, more changes (overwrite, unlink, rename)."""
+    for i in range(3):
+        t.expect(f"/c{i}", b"")
+        t.expect(f"/c{i}", pattern(70 + i, 5000))
+        await write_file(fs, f"/c{i}", pattern(70 + i, 5000))
+    t.ack_all()
+    await fs.journal.checkpoint()
+    t.expect("/c0", b"")
+    t.expect("/c0", pattern(80, 7000))
+    await write_file(fs, "/c0", pattern(80, 7000))
+    t.ack("/c0")
+    t.expect("/c1", None)
+    await fs.unlink(ROOT_INO, b"c1")
+    t.expect("/c3", t.versions["/c2"][-1])
+    t.expect("/c2", None)
+    await fs.rename(ROOT_INO, b"c2", ROOT_INO, b"c3", RenameFlags.NONE)
+    await fs.sync()
+    t.ack_all()
+    await fs.journal.checkpoint()
+    t.expect("/c4", b"")
+    t.expect("/c4", pattern(81, 3000))
+    await write_file(fs, "/c4", pattern(81, 3000))
+    t.ack("/c4")
+
+
+SCENARIOS: dict[str, tuple[Scenario, Geometry]] = {
+    "save_via_rename": (save_via_rename, SMALL),
+    "overwrite_in_place": (overwrite_in_place, SMALL),
+    "truncate_fsync": (truncate_fsync, SMALL),
+    "small_files_fsyncdir": (small_files_fsyncdir, SMALL),
+    "meta_zone_roll": (meta_zone_roll, TINY),
+    "explicit_checkpoint": (explicit_checkpoint, SMALL),
+}
+
+
+# -- the sweep ---------------------------------------------------------------------------
+
+@dataclass
+class Run:
+    tracker: Tracker
+    writes: int
+    cut: bool
+
+
+async def run_scenario(image: Path, scenario: Scenario, *, cut_after: int | None = None,
+                       mode: str = "drop", seed: int = 0) -> Run:
+    """Mount `image`, run the scenario and unmount, with an optional power cut."""
+    drop = cut_after is not None and mode == "drop"
+    dev = EmulatedZonedDevice.open(image, volatile_cache=True,
+                                   cut_after_writes=cut_after if drop else None)
+    cdev = CountingDevice(dev, cut_after=None if drop else cut_after, mode=mode,
+                          rng=random.Random(seed))
+    t = Tracker()
+    try:
+        fs = await ZoneFS.load(cdev, TEST_OPTIONS)  # type: ignore[arg-type]
+        await scenario(fs, t)
+        await fs.close()
+    except (OSError, errors.ZoneFSError):
+        if cut_after is None or cdev.writes < cut_after:
+            raise
+    finally:
+        dev.close()
+    return Run(t, cdev.writes, cut_after is not None and cdev.writes >= cut_after)
+
+
+async def verify_after_crash(image: Path, t: Tracker, where: str) -> None:
+    before = fsck(image)
+    assert before.clean, f"{where}: fsck before remount: {before.findings}"
+    dev = EmulatedZonedDevice.open(image)
+    try:
+        fs = await ZoneFS.load(dev, TEST_OPTIONS)
+        files, dirs = await read_tree(fs)
+        try:
+            t.check(files, dirs)
+        except AssertionError as exc:
+            raise AssertionError(f"{where}: {exc}") from None
+        await fs.close()
+    finally:
+        dev.close()
+    after = fsck(image)
+    assert after.clean, f"{where}: fsck after remount: {after.findings}"
+
+
+async def sweep(tmp_path: Path, name: str, mode: str) -> int:
+    scenario, geo = SCENARIOS[name]
+    base = tmp_path / "count.img"
+    new_image(base, geo)
+    total = (await run_scenario(base, scenario)).writes
+    assert total >= 10, f"{name}: only {total} device writes, the sweep would prove little"
+    for k in range(1, total + 1):
+        seed = k * 7919 + len(name)
+        where = f"scenario={name} mode={mode} cut_after={k}/{total} seed={seed}"
+        image = tmp_path / f"k{k}.img"
+        new_image(image, geo)
+        try:
+            run = await run_scenario(image, scenario, cut_after=k, mode=mode, seed=seed)
+            assert run.cut, f"{where}: the scenario made only {run.writes} writes this time"
+            await verify_after_crash(image, run.tracker, where)
+        except AssertionError:
+            raise
+        except Exception as exc:
+            raise AssertionError(f"{where}: {type(exc).__name__}: {exc}") from exc
+        image.unlink()
+    return total
+
+
+@pytest.mark.parametrize("mode", ["drop", "tear"])
+@pytest.mark.parametrize("name", list(SCENARIOS))
+async def test_power_cut_after_every_write(tmp_path: Path, name: str, mode: str) -> None:
+    total = await sweep(tmp_path, name, mode)
+    print(f"{name} {mode}: {total} cut points")
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+async def test_scenario_without_cut_keeps_everything(tmp_path: Path, name: str) -> None:
+    scenario, geo = SCENARIOS[name]
+    image = tmp_path / "a.img"
+    new_image(image, geo)
+    run = await run_scenario(image, scenario)
+    assert not run.cut
+    run.tracker.ack_all()  # a clean unmount makes everything durable
+    await verify_after_crash(image, run.tracker, f"scenario={name} no cut")
+
+
+async def test_meta_roll_scenario_really_rolls_and_checkpoints(tmp_path: Path) -> None:
+    image = tmp_path / "a.img"
+    new_image(image, TINY)
+    dev = EmulatedZonedDevice.open(image)
+    try:
+        fs = await ZoneFS.load(dev, TEST_OPTIONS)
+        started: list[int] = []
+        mlog = fs.journal.log
+        real_start = mlog._start_zone_locked
+
+        def spy() -> int:
+            started.append(real_start())
+            return started[-1]
+
+        mlog._start_zone_locked = spy  # type: ignore[method-assign]
+        await meta_zone_roll(fs, Tracker())
+        print("meta zones started:", started, "checkpoints:", fs.journal.checkpoints_written)
+        assert fs.journal.checkpoints_written >= 2
+        assert len(started) > len(mlog.zones)  # the log went round the meta zones
+        await fs.close()
+    finally:
+        dev.close()
+
+
+async def test_unlink_open_file_then_crash_frees_orphan(tmp_path: Path) -> None:
+    image = tmp_path / "a.img"
+    new_image(image)
+    dev = EmulatedZonedDevice.open(image, volatile_cache=True)
+    try:
+        fs = await ZoneFS.load(dev, TEST_OPTIONS)
+        await write_file(fs, "/keep", b"k" * 100)
+        parent, name = await parent_and_name(fs, "/orphan")
+        fh, attr = await fs.create(parent, name, 0o644, os.O_RDWR, CTX)
+        await fs.write(fh, 0, pattern(1, 50 * KiB))
+        await fs.fsync(fh, False)
+        await fs.unlink(ROOT_INO, b"orphan")
+        await fs.sync()
+        assert await fs.read(fh, 0, 10) == pattern(1, 10)
+        dev.simulate_power_cut("drop")
+    finally:
+        dev.close()
+    dev = EmulatedZonedDevice.open(image)
+    try:
+        fs = await ZoneFS.load(dev, TEST_OPTIONS)
+        assert attr.ino not in fs.state.inodes
+        assert sum(fs.state.zone_live_blocks.values()) == 1  # just /keep's block
+        await fs.close()
+    finally:
+        dev.close()
+    report = fsck(image)
+    assert report.clean, report.findings
