@@ -69,7 +69,14 @@ def _open_image(path: str, size_bytes: int, *, read_only: bool) -> ZonedDevice:
         raise DeviceRefused(f"{path} is a regular file of {size_bytes} bytes that is not a "
                             f"valid zonefs-py emulator image (too small, damaged or another "
                             f"format); {_EXPECTED} (create one with `zonefs-py emu create`)")
-    device: ZonedDevice = emulated.EmulatedZonedDevice.open(path, read_only=read_only)
+    from zonefs_py.device.emu_faults import EnvTestHook
+
+    hook = EnvTestHook.from_env()  # TEST HOOK (tests/torture); None unless the variable is set
+    dev = emulated.EmulatedZonedDevice.open(
+        path, read_only=read_only, volatile_cache=bool(hook and hook.volatile_cache))
+    if hook is not None and not read_only:
+        hook.install(dev)
+    device: ZonedDevice = dev
     return device
 
 
