@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from zonefs_py import errors
-from zonefs_py.device.base import Zone, ZonedDevice, ZoneCond
+from zonefs_py.device.base import Zone, ZoneCond, ZonedDevice
 from zonefs_py.format.checksum import first_bad_block
 from zonefs_py.format.constants import Stream
 from zonefs_py.format.superblock import Superblock
@@ -151,7 +151,7 @@ def check_inv6_zone_accounting(state: State, report: Report) -> None:
             counted[e.dev // state.zone_size] += e.nblocks
             spans.append((e.dev, e.dev + e.nblocks * bs, inode.ino))
     spans.sort()
-    for (a0, a1, ia), (b0, _b1, ib) in zip(spans, spans[1:], strict=False):
+    for (_a0, a1, ia), (b0, _b1, ib) in zip(spans, spans[1:], strict=False):
         if b0 < a1:
             report.add("INV-6", f"device bytes [{b0}, {a1}) belong to inodes {ia} and {ib}")
     for zone, live in state.zone_live_blocks.items():

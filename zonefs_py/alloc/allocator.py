@@ -6,7 +6,8 @@ race for the same bytes and the device's write pointer never surprises us.
 
 Write heads are keyed by (stream, owner): owner 0 is the shared head of a
 stream (small files are packed together per stream); a file that is written
-sequentially and grows past `private_head_bytes` gets a head of its own, so its
+sequentially and grows past `private_head_bytes` (a zone's capacity), and every
+checkpoint-stream file, gets a head of its own, so its
 zones hold nothing else and deleting it frees them whole (INV-9).
 
 Budget (ZenFS-style tokens): the device's max active zones, less what the
@@ -26,6 +27,7 @@ pointing into a reset zone.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from zonefs_py import errors
@@ -54,10 +56,16 @@ class DataZone:
     resets: int = 0
     head_of: tuple[int, int] | None = None
     unusable: bool = False
+    #: When data was last appended (mount time for zones written before it).
+    last_write_ns: int = 0
 
     @property
     def remaining(self) -> int:
         return 0 if self.unusable else self.capacity - self.reserved
+
+
+class NeedCleaning(errors.NoSpace):
+    """No empty zone is left for users; the cleaner must make one (or it is ENOSPC)."""
 
 
 class Allocator:
@@ -82,9 +90,16 @@ class Allocator:
             self.zones[z.index] = dz
         self.reserve_bytes = sb.reserve_bytes
         cap = max((z.capacity for z in self.zones.values()), default=0)
-        self.private_head_bytes = private_head_bytes or max(cap // 4, 1 << 20)
+        self.private_head_bytes = private_head_bytes or max(cap, 1 << 20)
+        #: Empty zones only the cleaner may take, so cleaning always has room (INV-14).
+        self.reserve_zones = max(2, -(-sb.reserve_bytes // cap)) if cap else 2
+        now = time.time_ns()
+        for dz in self.zones.values():
+            dz.last_write_ns = now
         limit = info.max_active_zones
         self.head_budget = max(1, limit - RESERVED_ACTIVE) if limit else SOFT_HEAD_BUDGET
+        # Never let partly written zones take more than a quarter of the data zones.
+        self.head_budget = min(self.head_budget, max(4, len(self.zones) // 4))
         self.heads: dict[tuple[int, int], int] = {}
         #: (zone, journal transaction that must be durable first)
         self.pending_resets: list[tuple[int, int]] = []
@@ -150,6 +165,7 @@ class Allocator:
         granted = min(nbytes, dz.remaining)
         dz.reserved += granted
         dz.inflight += 1
+        dz.last_write_ns = time.time_ns()
         if dz.remaining <= 0:
             self._drop_head(key)
         return zone_idx, granted
@@ -226,10 +242,17 @@ class Allocator:
                 assert victim.head_of is not None
                 self._drop_head(victim.head_of)
                 self._mark_finished(victim, to_finish)
-        pending = {z for z, _ in self.pending_resets}
-        empty = [dz for dz in self.zones.values()
-                 if dz.reserved == 0 and not dz.unusable and dz.head_of is None
-                 and dz.idx not in pending]
+        empty = self.empty_zones()
+        if key[0] != Stream.CLEANER and len(empty) <= self.reserve_zones + 1:
+            # Empty zones are scarce: share a head of the same stream that has room
+            # rather than opening a zone (INV-9 only keeps streams apart).
+            same = [self.zones[z] for k, z in self.heads.items()
+                    if k[0] == key[0] and self.zones[z].remaining > 0]
+            if same:
+                return max(same, key=lambda dz: dz.remaining).idx
+            if len(empty) <= self.reserve_zones:
+                raise NeedCleaning(
+                    f"{len(empty)} empty data zones left, all kept for the cleaner")
         if not empty:
             raise errors.NoSpace("no empty data zone left")
         dz = min(empty, key=lambda z: (z.resets, z.idx))
@@ -240,6 +263,20 @@ class Allocator:
         self.state.apply(op)
         journal_ops.append(op)
         return dz.idx
+
+    def empty_zones(self) -> list[DataZone]:
+        """Zones that can become a new head now (empty, usable, not awaiting reset)."""
+        pending = {z for z, _ in self.pending_resets}
+        return [dz for dz in self.zones.values()
+                if dz.reserved == 0 and not dz.unusable and dz.head_of is None
+                and dz.idx not in pending]
+
+    def live_total_bytes(self) -> int:
+        return sum(self.state.zone_live_blocks.values()) * self.block_size
+
+    def user_capacity_bytes(self) -> int:
+        """What users may fill with live data: capacity less the over-provisioning."""
+        return max(0, self.total_capacity() - self.reserve_bytes)
 
     # -- freeing ------------------------------------------------------------------
     def zone_emptied(self, zone_idx: int) -> None:
@@ -278,6 +315,7 @@ class Allocator:
         self.dead_bytes_reset += dz.reserved
         dz.reserved = 0
         dz.resets += 1
+        self.state.zone_owners.pop(zone_idx, None)
         op = (OpType.ZONE_STATE, zone_idx, Stream.DEFAULT, 0, dz.resets)
         self.state.apply(op)
         journal_ops.append(op)

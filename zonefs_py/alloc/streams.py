@@ -79,9 +79,9 @@ def classify(state: State, parent_ino: int, name: bytes) -> int:
     lower = name.lower()
     if _LOG.search(lower):
         return Stream.LOG
-    if ckpt_path or _CKPT_WORD.search(lower):
-        if lower.endswith(_CKPT_EXT) or _TEMP.search(lower) or ckpt_path:
-            return Stream.CHECKPOINT
+    if ckpt_path or (_CKPT_WORD.search(lower)
+                     and (lower.endswith(_CKPT_EXT) or _TEMP.search(lower))):
+        return Stream.CHECKPOINT
     if lower.endswith(_DATA_EXT) or _SHARD.search(lower):
         return Stream.DATASET
     if _TEMP.search(lower):

@@ -13,7 +13,7 @@ from zonefs_py import errors
 from zonefs_py.cli.progress import progress_printer
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("fsck", help="check (and repair) a zonefs-py filesystem",
                        description="Check every numbered invariant of a zonefs-py filesystem. "
                        "Exit status: 0 clean, 1 corrected, 4 uncorrected, 8 operational error, "

@@ -9,7 +9,7 @@ from zonefs_py import errors
 from zonefs_py.cli.progress import progress_printer
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("mkfs", help="create a zonefs-py filesystem on a zoned device",
                        description="Create a zonefs-py filesystem on a zoned block device or "
                        "emulator image. Exit status: 0 done, 8 operational error, 16 usage.")

@@ -34,16 +34,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import trio
 
 from zonefs_py import errors
-from zonefs_py.alloc.allocator import Allocator
+from zonefs_py.alloc.allocator import Allocator, NeedCleaning
 from zonefs_py.alloc.streams import classify_stream
 from zonefs_py.device.base import ZonedDevice
 from zonefs_py.format.checksum import block_checksums, first_bad_block
-from zonefs_py.format.constants import OpType
+from zonefs_py.format.constants import OpType, Stream
 from zonefs_py.format.ops import Op
 from zonefs_py.fs.state import Inode, State
 from zonefs_py.journal.journal import Journal
@@ -107,7 +107,9 @@ class DataPath:
         self.locks: dict[int, trio.Lock] = {}
         self.path_of = path_of
         self.inflight: dict[int, list[Chunk]] = {}
-        self.write_errors: dict[int, errors.IOFailure] = {}
+        self.write_errors: dict[int, errors.ZoneFSError] = {}
+        #: Foreground cleaning, set by the engine: returns False when nothing was freed.
+        self.on_need_space: Callable[[], Awaitable[bool]] | None = None
         self.counters = state.counters
         self.stream_hint: Callable[[Inode], int] = lambda inode: classify_stream(
             self.state, inode)
@@ -118,6 +120,11 @@ class DataPath:
         if lk is None:
             lk = self.locks[ino] = trio.Lock()
         return lk
+
+    def pending_bytes(self) -> int:
+        """File bytes accepted but not yet placed on the device."""
+        return sum(len(b.data) for b in self.buffers.values()) + sum(
+            len(c.data) for chunks in self.inflight.values() for c in chunks)
 
     def visible_size(self, inode: Inode) -> int:
         buf = self.buffers.get(inode.ino)
@@ -168,8 +175,10 @@ class DataPath:
         return len(data)
 
     async def flush(self, inode: Inode) -> None:
-        """Write the file's buffer to the device (not yet durable: see Journal.commit)."""
-        if inode.ino not in self.buffers:
+        """Write the file's buffer and in-flight chunks to the device (not yet durable:
+        see Journal.commit); raise the error of a chunk that could not be written."""
+        ino = inode.ino
+        if ino not in self.buffers and ino not in self.inflight and ino not in self.write_errors:
             return
         async with self.lock(inode.ino):
             await self._flush_locked(inode, final=True)
@@ -237,11 +246,11 @@ class DataPath:
     async def _write_chunk(self, inode: Inode, chunk: Chunk) -> None:
         """Write one chunk and apply its ops after its predecessor's. Never raises."""
         ops: list[Op] = []
-        error: errors.IOFailure | None = None
+        error: errors.ZoneFSError | None = None
         try:
             placed = await self._place_file_data(inode, chunk.fblock, chunk.data)
         except errors.ZoneFSError as exc:
-            error = exc if isinstance(exc, errors.IOFailure) else errors.IOFailure(str(exc))
+            error = exc
             placed = []
         except BaseException as exc:  # a system task must not raise
             log.exception("unexpected error writing file data of inode %d", inode.ino)
@@ -291,8 +300,13 @@ class DataPath:
         while pos < len(data):
             to_finish: list[int] = []
             zone_ops: list[Op] = []
-            zone, granted = self.alloc.reserve(stream, owner, len(data) - pos, zone_ops,
-                                               to_finish)
+            try:
+                zone, granted = self.alloc.reserve(stream, owner, len(data) - pos, zone_ops,
+                                                   to_finish)
+            except NeedCleaning:
+                if self.on_need_space is not None and await self.on_need_space():
+                    continue
+                raise errors.NoSpace("no space left on the device") from None
             if zone_ops:
                 self.journal.add(zone_ops)
             piece = memoryview(data)[pos:pos + granted]
@@ -332,9 +346,10 @@ class DataPath:
         return ops
 
     def _wants_private_head(self, inode: Inode, fblock: int, nbytes: int) -> bool:
-        """A file written sequentially past the threshold gets zones of its own."""
+        """Checkpoint files, and files written sequentially past a zone's worth, get zones
+        of their own: they die together, so their zones are reset, never cleaned."""
         end = fblock * self.bs + nbytes
-        if end < self.alloc.private_head_bytes:
+        if inode.stream != Stream.CHECKPOINT and end < self.alloc.private_head_bytes:
             return False
         assert inode.extents is not None
         # Sequential: the chunk continues the file's last mapped block.

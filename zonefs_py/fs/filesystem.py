@@ -17,7 +17,6 @@ Caveats:
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import stat as statmod
@@ -29,14 +28,25 @@ import trio
 from zonefs_py import errors
 from zonefs_py.alloc.allocator import Allocator
 from zonefs_py.alloc.streams import STREAM_XATTR, classify, parse_stream_name
-from zonefs_py.device.base import ZonedDevice, ZoneCond
-from zonefs_py.format.constants import OpType, Stream
+from zonefs_py.device.base import ZonedDevice
+from zonefs_py.format.constants import OpType
 from zonefs_py.format.ops import Op
 from zonefs_py.fs.api import (
-    FILE_SIZE_MAX, NAME_MAX, ROOT_INO, XATTR_NAME_MAX, XATTR_SIZE_MAX, Attr, Ctx, DirEntry,
-    FileSystemAPI, RenameFlags, SetAttrRequest, StatFs, XattrFlags,
+    FILE_SIZE_MAX,
+    NAME_MAX,
+    ROOT_INO,
+    XATTR_NAME_MAX,
+    XATTR_SIZE_MAX,
+    Attr,
+    Ctx,
+    DirEntry,
+    FileSystemAPI,
+    RenameFlags,
+    SetAttrRequest,
+    StatFs,
+    XattrFlags,
 )
-from zonefs_py.fs.datapath import FLAG_STREAM_SET, DataPath
+from zonefs_py.fs.datapath import C_META_BYTES, FLAG_STREAM_SET, DataPath
 from zonefs_py.fs.options import FsOptions
 from zonefs_py.fs.state import Inode, State
 from zonefs_py.journal.journal import Journal
@@ -74,6 +84,11 @@ class ZoneFS(FileSystemAPI):
         self.state.on_zone_emptied = self.alloc.zone_emptied
         self.data = DataPath(dev, self.state, self.journal, self.alloc, self.limiter,
                              self.path_of)
+        from zonefs_py.cleaner.cleaner import Cleaner
+
+        self.cleaner = Cleaner(self)
+        self._meta_base = self.state.counters.get(C_META_BYTES, 0)
+        self.data.on_need_space = self.cleaner.clean_for_space
         self.files: dict[int, int] = {}  # fh -> ino
         self.dirs: dict[int, _DirHandle] = {}
         self._next_fh = 1
@@ -158,9 +173,21 @@ class ZoneFS(FileSystemAPI):
     async def background_step(self) -> None:
         """One round of background work (also used by tests)."""
         if self.journal.pending_bytes or self.journal.data_dirty:
+            self._record_counters()
             await self.journal.commit()
         if self.journal.checkpoint_needed(self.options.checkpoint_journal_bytes):
             await self.journal.checkpoint()
+        await self._reset_dead_zones()
+        await self.cleaner.background_pass()
+
+    def metadata_bytes_written(self) -> int:
+        """Metadata bytes written over the filesystem's life (earlier mounts + this one)."""
+        return (self._meta_base + self.journal.log.bytes_written
+                + self.journal.sbstore.bytes_written)
+
+    async def commit_and_reset(self) -> None:
+        """Make queued changes durable, then reset the zones they left dead."""
+        await self.journal.commit()
         await self._reset_dead_zones()
 
     def wake_background(self) -> None:
@@ -205,7 +232,8 @@ class ZoneFS(FileSystemAPI):
             self.journal.add(ops)
 
     def _record_counters(self) -> None:
-        self.state.counters[3] = self.journal.log.bytes_written + self.journal.sbstore.bytes_written
+        """Queue the write counters so that they survive a crash (persisted figures)."""
+        self.state.counters[C_META_BYTES] = self.metadata_bytes_written()
         self._txn([(OpType.COUNTERS, dict(self.state.counters))])
 
     # -- helpers ----------------------------------------------------------------------
@@ -521,7 +549,8 @@ class ZoneFS(FileSystemAPI):
             raise errors.InvalidArgument("cannot rename . or ..")
         src_dir = self._dir(old_parent_ino)
         dst_dir = self._dir(new_parent_ino)
-        assert src_dir.entries is not None and dst_dir.entries is not None
+        assert src_dir.entries is not None
+        assert dst_dir.entries is not None
         src_ino = src_dir.entries.get(old_name)
         if src_ino is None:
             raise errors.NotFound(f"{old_name!r} not found")
@@ -644,8 +673,9 @@ class ZoneFS(FileSystemAPI):
         grow = offset + len(data) - self.data.visible_size(inode)
         if grow > 0:
             self._check_quota(inode, grow)
-            if grow > self.alloc.free_bytes() + len(data) and len(data) > 0:
-                pass  # the allocator decides; ENOSPC comes from reserve()
+            live = self.alloc.live_total_bytes() + self.data.pending_bytes()
+            if live + grow > self.alloc.user_capacity_bytes():
+                raise errors.NoSpace("the live data would not fit on the device")
         n = await self.data.write(inode, offset, data)
         if self.journal.pending_bytes > (4 << 20):
             self.wake_background()

@@ -7,7 +7,9 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 
 @dataclass(slots=True)
@@ -25,7 +27,7 @@ class FsOptions:
     #: Cleaner victim policy: "cost-benefit" or "greedy".
     cleaner_policy: str = "cost-benefit"
 
-    _MOUNT_NAMES = {
+    _MOUNT_NAMES: ClassVar[dict[str, tuple[str, Callable[[str], object]]]] = {
         "commit": ("commit_interval_s", float),
         "checkpoint_mb": ("checkpoint_journal_bytes", lambda v: int(v) << 20),
         "io_threads": ("max_device_threads", int),
@@ -34,7 +36,8 @@ class FsOptions:
     }
 
     @classmethod
-    def from_mount_options(cls, opts: dict[str, str | None]) -> tuple[FsOptions, dict[str, str | None]]:
+    def from_mount_options(
+            cls, opts: dict[str, str | None]) -> tuple[FsOptions, dict[str, str | None]]:
         """Split -o options into ours (parsed) and the rest (for FUSE).
 
         Raises ValueError with a one-line message for a bad value.

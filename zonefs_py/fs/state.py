@@ -90,6 +90,9 @@ class State:
         #: zone -> device blocks referenced by some extent (INV-6).
         self.zone_live_blocks: dict[int, int] = {}
         self.counters: dict[int, int] = {}
+        #: zone -> inodes that have (or had, since the zone's last reset) extents in it;
+        #: a superset, so the cleaner scans only these files for a victim's extents.
+        self.zone_owners: dict[int, set[int]] = {}
         #: Called with (zone_idx) when a zone's live block count drops to zero.
         self.on_zone_emptied: Callable[[int], None] | None = None
         self._dispatch = {
@@ -187,6 +190,10 @@ class State:
         freed = inode.extents.insert(fblock, nblocks, dev, csums, self.block_size,
                                      self.zone_size)
         self.zone_live_blocks[zone] = self.zone_live_blocks.get(zone, 0) + nblocks
+        owners = self.zone_owners.get(zone)
+        if owners is None:
+            owners = self.zone_owners[zone] = set()
+        owners.add(ino)
         self._release(freed)
 
     def _apply_truncate(self, op: Op) -> None:

@@ -29,7 +29,11 @@ def zone_roles(fs: ZoneFS) -> dict[int, ZoneRole]:
 def build_status(fs: ZoneFS) -> dict[str, object]:
     """Return zones by condition, space, write amplification, streams and journal state."""
     from zonefs_py.fs.datapath import (
-        C_CLEANER_BYTES, C_DATA_BYTES, C_PAD_BYTES, C_STREAM_BASE, C_USER_BYTES,
+        C_CLEANER_BYTES,
+        C_DATA_BYTES,
+        C_PAD_BYTES,
+        C_STREAM_BASE,
+        C_USER_BYTES,
     )
 
     zones = fs.dev.report_zones()
@@ -39,7 +43,7 @@ def build_status(fs: ZoneFS) -> dict[str, object]:
     c = fs.state.counters
     user = c.get(C_USER_BYTES, 0)
     data = c.get(C_DATA_BYTES, 0)
-    meta = fs.journal.log.bytes_written + fs.journal.sbstore.bytes_written + c.get(3, 0)
+    meta = fs.metadata_bytes_written()
     cleaner = c.get(C_CLEANER_BYTES, 0)
     device_total = data + meta + cleaner
     live = sum(fs.state.zone_live_blocks.values()) * bs
@@ -80,6 +84,14 @@ def build_status(fs: ZoneFS) -> dict[str, object]:
         "write_amplification": round(device_total / user, 4) if user else None,
         "streams": streams,
         "wear": fs.alloc.wear(),
+        "cleaner": {"policy": fs.cleaner.policy,
+                    "rate_mb_s": fs.options.cleaner_rate_mb_s,
+                    "zones_cleaned": fs.cleaner.stats.zones_cleaned,
+                    "bytes_copied_this_mount": fs.cleaner.stats.bytes_copied,
+                    "background_passes": fs.cleaner.stats.passes,
+                    "foreground_passes": fs.cleaner.stats.foreground_passes,
+                    "reserve_zones": fs.alloc.reserve_zones,
+                    "empty_zones": len(fs.alloc.empty_zones())},
         "journal": {"commits": fs.journal.commits,
                     "checkpoints": fs.journal.checkpoints_written,
                     "pending_bytes": fs.journal.pending_bytes,
