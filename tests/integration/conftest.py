@@ -44,15 +44,15 @@ def env() -> dict[str, str]:
     return e
 
 
-def zonefs(*args: str, check: bool = True, timeout: float = 300,
-           **kwargs: object) -> subprocess.CompletedProcess[str]:
+def zonefs(*args: str, check: bool = True,
+           timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """Run the `zonefs-py` CLI of this checkout and capture its output."""
     proc = subprocess.run([*ZONEFS, *args], env=env(), capture_output=True, text=True,
-                          timeout=timeout, **kwargs)  # type: ignore[call-overload]
+                          timeout=timeout)
     if check and proc.returncode != 0:
         pytest.fail(f"zonefs-py {' '.join(args)} exited {proc.returncode}:\n"
                     f"{proc.stdout}{proc.stderr}")
-    return proc  # type: ignore[no-any-return]
+    return proc
 
 
 def _why_unavailable() -> str | None:

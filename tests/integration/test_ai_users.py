@@ -105,7 +105,8 @@ def test_dataloader_two_workers(mounted: Mount) -> None:
         path.write_bytes(blob)
         expected[i] = hashlib.sha256(blob).hexdigest()
         paths.append(str(path))
-    loader = DataLoader(_SampleFiles(paths), batch_size=8, shuffle=True, num_workers=2,
+    dataset: Any = _SampleFiles(paths)  # a map-style Dataset by protocol
+    loader: Any = DataLoader(dataset, batch_size=8, shuffle=True, num_workers=2,
                         collate_fn=lambda batch: batch,
                         generator=torch.Generator().manual_seed(0))
     seen: dict[int, str] = {}

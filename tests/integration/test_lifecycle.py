@@ -347,3 +347,27 @@ def test_fstab_line(image: Path, mount_factory: Mount, mount_helper: object,
         assert (mnt / "f").read_bytes() == b"via fstab"
     finally:
         _wait_helper_daemon_gone(image, mnt)
+
+
+def drop_kernel_caches() -> None:
+    """Make the kernel forget unused inodes (and so send FORGET for them)."""
+    subprocess.run(["sync"], check=True)
+    Path("/proc/sys/vm/drop_caches").write_text("2\n")
+
+
+def test_readdirplus_lookup_counts_are_released(mounted: Mount) -> None:
+    if not os.access("/proc/sys/vm/drop_caches", os.W_OK):
+        pytest.skip("cannot write /proc/sys/vm/drop_caches here")
+    d = mounted.path / "d"
+    d.mkdir()
+    for i in range(300):
+        (d / f"f{i}").write_bytes(b"x")
+    drop_kernel_caches()
+    assert len(os.listdir(d)) == 300  # READDIRPLUS hands the kernel 300 references
+    for i in range(300):
+        os.unlink(d / f"f{i}")
+    os.rmdir(d)
+    drop_kernel_caches()
+    doc = json.loads(os.getxattr(mounted.path, "trusted.zonefs.status"))
+    # Every reference was forgotten, so the unlinked inodes are gone: only the root is left.
+    assert doc["filesystem"]["inodes"] == 1
