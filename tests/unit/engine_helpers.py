@@ -308,3 +308,19 @@ def pattern(tag: int, length: int) -> bytes:
     rng = random.Random(tag)
     block = bytes(rng.randrange(1, 256) for _ in range(1021))
     return (block * (length // len(block) + 1))[:length]
+
+
+def corrupt_image(path: Path, dev_offset: int, *, xor: int = 0x01) -> None:
+    """Flip bits of the byte at device offset `dev_offset` inside a closed image file."""
+    dev = EmulatedZonedDevice.open(path, read_only=True)
+    try:
+        file_offset = dev.geometry.data_offset + dev_offset
+    finally:
+        dev.close()
+    fd = os.open(path, os.O_RDWR)
+    try:
+        old = os.pread(fd, 1, file_offset)
+        os.pwrite(fd, bytes([old[0] ^ xor]), file_offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)

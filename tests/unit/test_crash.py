@@ -22,8 +22,20 @@ from pathlib import Path
 
 import pytest
 from engine_helpers import (
-    CTX, KiB, SMALL, TEST_OPTIONS, TINY, CountingDevice, Geometry, fsck, new_image,
-    parent_and_name, pattern, read_tree, resolve, write_file,
+    CTX,
+    SMALL,
+    TEST_OPTIONS,
+    TINY,
+    CountingDevice,
+    Geometry,
+    KiB,
+    fsck,
+    new_image,
+    parent_and_name,
+    pattern,
+    read_tree,
+    resolve,
+    write_file,
 )
 
 from zonefs_py import errors
