@@ -45,6 +45,7 @@ class OpType(enum.IntEnum):
     ZONE_STATE = 10
     COUNTERS = 11
     NEXT_INO = 12
+    TENANT_BYTES = 13
 
 
 class Stream(enum.IntEnum):

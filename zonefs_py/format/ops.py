@@ -18,6 +18,7 @@ u32 body length, body (docs/SPEC.md "Operations").
     ZONE_STATE  (zone_idx, stream, flags, reset_count)
     COUNTERS    (dict[int, int])   counter id -> value
     NEXT_INO    (next_ino,)
+    TENANT_BYTES (dir_ino, bytes_written)   user bytes written below a top-level directory
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def encode_op(op: Op) -> bytes:
         body = _DIRENT_DEL.pack(op[1], len(op[2])) + op[2]
     elif kind == OpType.EXTENT:
         body = _EXTENT.pack(op[1], op[2], op[3], op[4]) + op[5]
-    elif kind == OpType.TRUNCATE:
+    elif kind == OpType.TRUNCATE or kind == OpType.TENANT_BYTES:
         body = _QQ.pack(op[1], op[2])
     elif kind == OpType.SYMLINK:
         body = _Q.pack(op[1]) + op[2]
@@ -128,6 +129,8 @@ def _decode_body(kind: int, payload: bytes, mv: memoryview, pos: int, bend: int)
         return (OpType.EXTENT, ino, fblock, nblocks, dev, bytes(mv[start:bend]))
     if kind == OpType.TRUNCATE:
         return (OpType.TRUNCATE, *_QQ.unpack_from(payload, pos))
+    if kind == OpType.TENANT_BYTES:
+        return (OpType.TENANT_BYTES, *_QQ.unpack_from(payload, pos))
     if kind == OpType.SYMLINK:
         (ino,) = _Q.unpack_from(payload, pos)
         return (OpType.SYMLINK, ino, bytes(mv[pos + 8:bend]))

@@ -48,6 +48,7 @@ from zonefs_py.fs.api import (
 )
 from zonefs_py.fs.datapath import C_META_BYTES, FLAG_STREAM_SET, DataPath
 from zonefs_py.fs.options import FsOptions
+from zonefs_py.fs.quota import QUOTA_XATTR, QuotaTracker
 from zonefs_py.fs.state import Inode, State
 from zonefs_py.journal.journal import Journal
 from zonefs_py.journal.recovery import Recovered, recover
@@ -55,7 +56,6 @@ from zonefs_py.journal.recovery import Recovered, recover
 log = logging.getLogger(__name__)
 
 LINK_MAX = 65000
-QUOTA_XATTR = b"user.zonefs.quota"
 _XATTR_PREFIXES = (b"user.", b"trusted.", b"security.")
 
 
@@ -87,6 +87,7 @@ class ZoneFS(FileSystemAPI):
         from zonefs_py.cleaner.cleaner import Cleaner
 
         self.cleaner = Cleaner(self)
+        self.quota = QuotaTracker(self.state)
         self._meta_base = self.state.counters.get(C_META_BYTES, 0)
         self.data.on_need_space = self.cleaner.clean_for_space
         self.files: dict[int, int] = {}  # fh -> ino
@@ -234,7 +235,12 @@ class ZoneFS(FileSystemAPI):
     def _record_counters(self) -> None:
         """Queue the write counters so that they survive a crash (persisted figures)."""
         self.state.counters[C_META_BYTES] = self.metadata_bytes_written()
-        self._txn([(OpType.COUNTERS, dict(self.state.counters))])
+        ops: list[Op] = [(OpType.COUNTERS, dict(self.state.counters))]
+        for tenant in self.quota.dirty_tenants:
+            if tenant in self.state.inodes:
+                ops.append((OpType.TENANT_BYTES, tenant, self.state.tenant_written.get(tenant, 0)))
+        self.quota.dirty_tenants.clear()
+        self._txn(ops)
 
     # -- helpers ----------------------------------------------------------------------
     def _txn(self, ops: list[Op]) -> None:
@@ -605,6 +611,8 @@ class ZoneFS(FileSystemAPI):
             p = self.state.inodes[pino]
             ops.append(p.op(nlink=p.nlink + delta, mtime=now, ctime=now))
         self._txn(ops)
+        if old_parent_ino != new_parent_ino and self.quota.quotas:
+            self.quota.stale = True
         if dst is not None and not flags & RenameFlags.EXCHANGE:
             self._free_if_unused(dst)
 
@@ -613,10 +621,8 @@ class ZoneFS(FileSystemAPI):
         return classify(self.state, d.ino, name) | FLAG_STREAM_SET
 
     def _check_quota(self, inode: Inode, extra_bytes: int) -> None:
-        """Raise QuotaExceeded if growing `inode` breaks a user.zonefs.quota (see cleaner)."""
-        quota = getattr(self, "quota", None)
-        if quota is not None:
-            quota.check(inode, extra_bytes)
+        """Raise QuotaExceeded if growing `inode` breaks a user.zonefs.quota above it."""
+        self.quota.check(inode, extra_bytes)
 
     # -- files ---------------------------------------------------------------------------
     def _new_fh(self, ino: int) -> int:
@@ -677,6 +683,7 @@ class ZoneFS(FileSystemAPI):
             if live + grow > self.alloc.user_capacity_bytes():
                 raise errors.NoSpace("the live data would not fit on the device")
         n = await self.data.write(inode, offset, data)
+        self.quota.count_written(inode, n)
         if self.journal.pending_bytes > (4 << 20):
             self.wake_background()
         return n
@@ -817,6 +824,8 @@ class ZoneFS(FileSystemAPI):
                 raise errors.InvalidArgument("quota must be a byte count") from None
         self._txn([(OpType.XATTR_SET, ino, name, bytes(value)),
                    inode.op(ctime=time.time_ns())])
+        if name == QUOTA_XATTR:
+            self.quota.stale = True
 
     async def listxattr(self, ino: int) -> list[bytes]:
         inode = self.inode(ino)
@@ -829,6 +838,8 @@ class ZoneFS(FileSystemAPI):
         if not inode.xattrs or name not in inode.xattrs:
             raise errors.NoAttribute(f"no attribute {name!r}")
         self._txn([(OpType.XATTR_DEL, ino, name), inode.op(ctime=time.time_ns())])
+        if name == QUOTA_XATTR:
+            self.quota.stale = True
 
     # -- whole filesystem -----------------------------------------------------------------------
     async def statfs(self) -> StatFs:

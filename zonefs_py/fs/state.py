@@ -90,6 +90,10 @@ class State:
         #: zone -> device blocks referenced by some extent (INV-6).
         self.zone_live_blocks: dict[int, int] = {}
         self.counters: dict[int, int] = {}
+        #: top-level directory ino -> user bytes written below it (TENANT_BYTES ops).
+        self.tenant_written: dict[int, int] = {}
+        #: Called with (ino, delta_blocks) when a file's stored blocks change (quotas).
+        self.on_blocks_changed: Callable[[int, int], None] | None = None
         #: zone -> inodes that have (or had, since the zone's last reset) extents in it;
         #: a superset, so the cleaner scans only these files for a victim's extents.
         self.zone_owners: dict[int, set[int]] = {}
@@ -108,6 +112,7 @@ class State:
             OpType.ZONE_STATE: self._apply_zone_state,
             OpType.COUNTERS: self._apply_counters,
             OpType.NEXT_INO: self._apply_next_ino,
+            OpType.TENANT_BYTES: self._apply_tenant_bytes,
         }
 
     # -- applying ops --------------------------------------------------------
@@ -160,8 +165,11 @@ class State:
             raise StateError(f"INODE_FREE of unknown inode {op[1]}")
         if inode.entries:
             raise StateError(f"INODE_FREE of non-empty directory {op[1]}")
+        self.tenant_written.pop(op[1], None)
         if inode.extents is not None:
-            self._release(inode.extents.clear(self.block_size))
+            freed = inode.extents.clear(self.block_size)
+            self._notify_blocks(op[1], -sum(n for _, n in freed))
+            self._release(freed)
 
     def _apply_dirent_add(self, op: Op) -> None:
         _, parent_ino, ino, name = op
@@ -170,8 +178,9 @@ class State:
             raise StateError(f"DIRENT_ADD into non-directory {parent_ino}")
         child = self.get(ino)
         parent.entries[name] = ino
-        if child.entries is not None:
-            child.parent = parent_ino
+        # Directories: their one parent. Other files: the directory of their newest
+        # name (the "primary parent" that quotas and tenants account them to).
+        child.parent = parent_ino
 
     def _apply_dirent_del(self, op: Op) -> None:
         _, parent_ino, name = op
@@ -194,13 +203,16 @@ class State:
         if owners is None:
             owners = self.zone_owners[zone] = set()
         owners.add(ino)
+        self._notify_blocks(ino, nblocks - sum(n for _, n in freed))
         self._release(freed)
 
     def _apply_truncate(self, op: Op) -> None:
         inode = self.get(op[1])
         if inode.extents is None:
             raise StateError(f"TRUNCATE on non-file inode {op[1]}")
-        self._release(inode.extents.truncate(op[2], self.block_size))
+        freed = inode.extents.truncate(op[2], self.block_size)
+        self._notify_blocks(op[1], -sum(n for _, n in freed))
+        self._release(freed)
 
     def _apply_symlink(self, op: Op) -> None:
         self.get(op[1]).target = op[2]
@@ -228,6 +240,13 @@ class State:
     def _apply_next_ino(self, op: Op) -> None:
         self.next_ino = max(self.next_ino, op[1])
 
+    def _apply_tenant_bytes(self, op: Op) -> None:
+        self.tenant_written[op[1]] = op[2]
+
+    def _notify_blocks(self, ino: int, delta: int) -> None:
+        if delta and self.on_blocks_changed is not None:
+            self.on_blocks_changed(ino, delta)
+
     def _release(self, freed: list[Freed]) -> None:
         for dev, nblocks in freed:
             zone = dev // self.zone_size
@@ -247,6 +266,8 @@ class State:
         """
         yield (OpType.NEXT_INO, self.next_ino)
         yield (OpType.COUNTERS, dict(self.counters))
+        for dir_ino, written in self.tenant_written.items():
+            yield (OpType.TENANT_BYTES, dir_ino, written)
         for zone, (stream, flags, resets) in sorted(self.zone_info.items()):
             yield (OpType.ZONE_STATE, zone, stream, flags, resets)
         for inode in self.inodes.values():

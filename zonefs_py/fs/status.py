@@ -84,6 +84,7 @@ def build_status(fs: ZoneFS) -> dict[str, object]:
         "write_amplification": round(device_total / user, 4) if user else None,
         "streams": streams,
         "wear": fs.alloc.wear(),
+        "tenants": fs.quota.tenant_report(),
         "cleaner": {"policy": fs.cleaner.policy,
                     "rate_mb_s": fs.options.cleaner_rate_mb_s,
                     "zones_cleaned": fs.cleaner.stats.zones_cleaned,
