@@ -63,7 +63,8 @@ async def test_create_lookup_getattr(fs: ZoneFS) -> None:
     await fs.release(fh)
     got = await lookup(fs, ROOT_INO, b"f")
     assert got.ino == attr.ino
-    assert stat.S_IMODE(got.mode) == 0o640 and stat.S_ISREG(got.mode)
+    assert stat.S_IMODE(got.mode) == 0o640
+    assert stat.S_ISREG(got.mode)
     assert (got.uid, got.gid, got.nlink, got.size) == (7, 8, 1, 5)
     assert (await fs.getattr(attr.ino)).size == 5
     with pytest.raises(errors.NotFound):
@@ -120,7 +121,8 @@ async def test_hard_links_and_nlink(fs: ZoneFS) -> None:
 async def test_symlink_and_readlink(fs: ZoneFS) -> None:
     attr = await fs.symlink(ROOT_INO, b"s", b"../some/where", CTX)
     fs.forget([(attr.ino, 1)])
-    assert stat.S_ISLNK(attr.mode) and attr.size == len(b"../some/where")
+    assert stat.S_ISLNK(attr.mode)
+    assert attr.size == len(b"../some/where")
     assert await fs.readlink(attr.ino) == b"../some/where"
     f = await mkfile(fs, ROOT_INO, b"f")
     with pytest.raises(errors.InvalidArgument):
@@ -134,10 +136,12 @@ async def test_mknod_special_files_keep_rdev(tmp_path: Path, fmt: int, rdev: int
     async with mounted(image, create=True) as fs:
         attr = await fs.mknod(ROOT_INO, b"node", fmt | 0o600, rdev, CTX)
         fs.forget([(attr.ino, 1)])
-        assert stat.S_IFMT(attr.mode) == fmt and attr.rdev == rdev
+        assert stat.S_IFMT(attr.mode) == fmt
+        assert attr.rdev == rdev
     async with mounted(image) as fs:
         again = await lookup(fs, ROOT_INO, b"node")
-        assert stat.S_IFMT(again.mode) == fmt and again.rdev == rdev
+        assert stat.S_IFMT(again.mode) == fmt
+        assert again.rdev == rdev
 
 
 async def test_rename_over_a_file(fs: ZoneFS) -> None:
@@ -330,7 +334,8 @@ async def test_orphan_held_by_lookup_is_freed_on_clean_unmount(tmp_path: Path) -
 async def test_setattr_mode_owner_times_size(fs: ZoneFS) -> None:
     f = await mkfile(fs, ROOT_INO, b"f", b"0123456789")
     attr = await fs.setattr(f, SetAttrRequest(mode=0o4755), CTX)
-    assert stat.S_IMODE(attr.mode) == 0o4755 and stat.S_ISREG(attr.mode)
+    assert stat.S_IMODE(attr.mode) == 0o4755
+    assert stat.S_ISREG(attr.mode)
     attr = await fs.setattr(f, SetAttrRequest(uid=5, gid=6), CTX)
     assert (attr.uid, attr.gid) == (5, 6)
     assert not attr.mode & stat.S_ISUID  # chown clears set-user-ID
@@ -346,7 +351,8 @@ async def test_setattr_mode_owner_times_size(fs: ZoneFS) -> None:
 
 async def test_statfs_figures(fs: ZoneFS) -> None:
     before = await fs.statfs()
-    assert before.block_size == 4096 and before.name_max == NAME_MAX
+    assert before.block_size == 4096
+    assert before.name_max == NAME_MAX
     assert 0 < before.free_blocks <= before.total_blocks
     assert before.total_blocks * 4096 <= fs.alloc.total_capacity() - fs.sb.reserve_bytes
     await write_file(fs, "/big", b"b" * (3 << 20))
