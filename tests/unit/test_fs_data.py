@@ -1,0 +1,225 @@
+"""File data: write coalescing, overwrite, holes, truncate, checksums, private zones."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from engine_helpers import (
+    CTX,
+    TEST_OPTIONS,
+    CountingDevice,
+    MiB,
+    Model,
+    assert_fsck_clean,
+    mounted,
+    new_image,
+    pattern,
+    read_file,
+    resolve,
+    write_file,
+)
+
+from zonefs_py import errors
+from zonefs_py.device.base import ZoneCond
+from zonefs_py.device.emulated import EmulatedZonedDevice
+from zonefs_py.fs.api import ROOT_INO, SetAttrRequest
+from zonefs_py.fs.filesystem import ZoneFS
+
+
+@pytest.fixture
+async def counted(tmp_path: Path) -> AsyncIterator[tuple[ZoneFS, CountingDevice]]:
+    image = tmp_path / "fs.img"
+    new_image(image)
+    dev = EmulatedZonedDevice.open(image)
+    cdev = CountingDevice(dev)
+    try:
+        fs = await ZoneFS.load(cdev, TEST_OPTIONS)  # type: ignore[arg-type]
+        yield fs, cdev
+        await fs.close()
+    finally:
+        dev.close()
+    assert_fsck_clean(image)
+
+
+@pytest.fixture
+async def fs(tmp_path: Path) -> AsyncIterator[ZoneFS]:
+    async with mounted(tmp_path / "fs.img", create=True) as f:
+        yield f
+
+
+async def open_new(fs: ZoneFS, name: bytes) -> tuple[int, int]:
+    fh, attr = await fs.create(ROOT_INO, name, 0o644, os.O_RDWR, CTX)
+    fs.forget([(attr.ino, 1)])
+    return fh, attr.ino
+
+
+def data_appends(fs: ZoneFS, calls: list[int]) -> int:
+    return sum(1 for z in calls if z >= fs.sb.data_first_zone)
+
+
+async def test_sequential_small_writes_coalesce_into_1mib_appends(
+        counted: tuple[ZoneFS, CountingDevice]) -> None:
+    fs, cdev = counted
+    zones: list[int] = []
+    real_append = cdev.dev.append
+
+    def spy(zone_idx: int, data: bytes | bytearray | memoryview) -> int:
+        zones.append(zone_idx)
+        return real_append(zone_idx, data)
+
+    cdev.dev.append = spy  # type: ignore[method-assign]
+    fh, ino = await open_new(fs, b"seq")
+    data = pattern(1, 4 * MiB)
+    for off in range(0, len(data), 32 * 1024):
+        await fs.write(fh, off, data[off:off + 32 * 1024])
+    assert data_appends(fs, zones) <= 4, zones  # chunks may still be in flight
+    await fs.fsync(fh, False)
+    assert data_appends(fs, zones) == 4, zones  # one per MiB, nothing left over
+    await fs.release(fh)
+    assert await read_file(fs, "/seq") == data
+
+
+async def test_overwrite_in_place(fs: ZoneFS) -> None:
+    model = Model(files={"/f": pattern(2, 20000)})
+    await write_file(fs, "/f", model.files["/f"])
+    ino = await resolve(fs, "/f")
+    for off, tag, n in ((5000, 3, 100), (0, 4, 4096), (19990, 5, 30), (4095, 6, 2)):
+        fh = await fs.open(ino, os.O_WRONLY)
+        await fs.write(fh, off, pattern(tag, n))
+        await fs.fsync(fh, False)
+        await fs.release(fh)
+        model.write("/f", off, pattern(tag, n))
+        assert await read_file(fs, "/f") == model.files["/f"]
+    assert (await fs.getattr(ino)).size == 20020
+
+
+async def test_sparse_file_holes_read_as_zeros(fs: ZoneFS) -> None:
+    fh, ino = await open_new(fs, b"sparse")
+    await fs.write(fh, 10 * MiB + 7, b"tail")
+    await fs.write(fh, 3, b"head")
+    await fs.fsync(fh, False)
+    attr = await fs.getattr(ino)
+    assert attr.size == 10 * MiB + 11
+    assert attr.blocks * 512 == 2 * 4096  # only the two written blocks are stored
+    assert await fs.read(fh, 0, 16) == b"\0\0\0head" + bytes(9)
+    assert await fs.read(fh, 5 * MiB, 4096) == bytes(4096)
+    assert await fs.read(fh, 10 * MiB, 16) == bytes(7) + b"tail"
+    assert await fs.read(fh, 10 * MiB + 11, 100) == b""
+    await fs.release(fh)
+
+
+async def test_truncate_shrink_mid_block_then_extend_reads_zeros(tmp_path: Path) -> None:
+    image = tmp_path / "fs.img"
+    async with mounted(image, create=True) as fs:
+        fh, ino = await open_new(fs, b"t")
+        await fs.write(fh, 0, b"\xaa" * 10000)
+        await fs.fsync(fh, False)
+        await fs.setattr(ino, SetAttrRequest(size=5000), CTX)
+        assert (await fs.getattr(ino)).size == 5000
+        await fs.setattr(ino, SetAttrRequest(size=12000), CTX)
+        assert await fs.read(fh, 0, 20000) == b"\xaa" * 5000 + bytes(7000)
+        await fs.write(fh, 11999, b"Z")  # extend by writing too
+        await fs.fsync(fh, False)
+        await fs.release(fh)
+    async with mounted(image) as fs:
+        assert await read_file(fs, "/t") == b"\xaa" * 5000 + bytes(6999) + b"Z"
+
+
+async def test_truncate_of_buffered_data_and_to_zero(fs: ZoneFS) -> None:
+    fh, ino = await open_new(fs, b"t")
+    await fs.write(fh, 0, pattern(7, 9000))  # still in the write buffer
+    await fs.setattr(ino, SetAttrRequest(size=4097), CTX)
+    assert await fs.read(fh, 0, 9000) == pattern(7, 4097)
+    await fs.setattr(ino, SetAttrRequest(size=0), CTX)
+    assert await fs.read(fh, 0, 10) == b""
+    await fs.setattr(ino, SetAttrRequest(size=8192), CTX)
+    assert await fs.read(fh, 0, 9000) == bytes(8192)
+    await fs.release(fh)
+    assert (await fs.getattr(ino)).blocks == 0
+
+
+async def test_open_with_o_trunc(fs: ZoneFS) -> None:
+    await write_file(fs, "/f", b"old content")
+    ino = await resolve(fs, "/f")
+    fh = await fs.open(ino, os.O_WRONLY | os.O_TRUNC)
+    assert (await fs.getattr(ino)).size == 0
+    await fs.write(fh, 0, b"new")
+    await fs.release(fh)
+    assert await read_file(fs, "/f") == b"new"
+
+
+async def test_reads_merge_write_buffer_and_extents(fs: ZoneFS) -> None:
+    model = Model(files={"/m": b""})
+    fh, _ino = await open_new(fs, b"m")
+    steps = [(0, pattern(8, 8192), True), (8192, pattern(9, 100), False),
+             (8292, pattern(10, 5000), False), (4000, pattern(11, 50), False),
+             (13000, pattern(12, 3), False)]
+    for off, data, sync in steps:
+        await fs.write(fh, off, data)
+        model.write("/m", off, data)
+        if sync:
+            await fs.fsync(fh, False)
+        assert await fs.read(fh, 0, 20000) == model.files["/m"]
+        assert await fs.read(fh, 4090, 4200) == model.files["/m"][4090:8290]
+    await fs.release(fh)
+    assert await read_file(fs, "/m") == model.files["/m"]
+
+
+async def test_bit_flip_in_a_data_block_is_an_io_failure(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    image = tmp_path / "fs.img"
+    async with mounted(image, create=True) as fs:
+        await write_file(fs, "/victim", pattern(13, 3 * 4096))
+        await write_file(fs, "/bystander", pattern(14, 4096))
+    dev = EmulatedZonedDevice.open(image)
+    try:
+        fs = await ZoneFS.load(dev, TEST_OPTIONS)
+        ino = await resolve(fs, "/victim")
+        ext = next(iter(fs.state.inodes[ino].extents or []))
+        dev.faults.flip_bit_on_read(ext.dev + 4096 + 17, bit=3)  # second block
+        fh = await fs.open(ino, os.O_RDONLY)
+        with caplog.at_level(logging.ERROR), pytest.raises(errors.IOFailure, match="4096"):
+            await fs.read(fh, 0, 3 * 4096)
+        assert await fs.read(fh, 0, 4096) == pattern(13, 4096)  # the good block still reads
+        with pytest.raises(errors.IOFailure):
+            await fs.read(fh, 5000, 10)
+        await fs.release(fh)
+        assert await read_file(fs, "/bystander") == pattern(14, 4096)
+        await fs.close()
+    finally:
+        dev.close()
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any("/victim" in line and "offset 4096" in line for line in lines), lines
+
+
+async def test_large_file_gets_private_zones_and_delete_resets_them(
+        counted: tuple[ZoneFS, CountingDevice]) -> None:
+    fs, cdev = counted
+    await write_file(fs, "/small", b"s" * 5000)
+    big = pattern(15, 7 * MiB)  # zones are 2 MiB: spans four zones
+    await write_file(fs, "/big", big)
+    big_ino = await resolve(fs, "/big")
+    small_ino = await resolve(fs, "/small")
+    zsize = fs.dev.info.zone_size_bytes
+    big_zones = {e.dev // zsize for e in fs.state.inodes[big_ino].extents or []}
+    small_zones = {e.dev // zsize for e in fs.state.inodes[small_ino].extents or []}
+    assert len(big_zones) >= 3
+    assert not (big_zones - {min(big_zones)}) & small_zones  # whole zones of its own
+    full_before = fs.status()["zones_by_condition"]
+    assert isinstance(full_before, dict)
+    assert full_before.get("FULL", 0) >= 2
+    appends_before = cdev.appends
+    await fs.unlink(ROOT_INO, b"big")
+    await fs.sync()
+    await fs.background_step()
+    private = sorted(z for z in big_zones if z not in small_zones)
+    conds = [z.cond for z in fs.dev.report_zones(private[0], private[-1] - private[0] + 1)]
+    assert all(c == ZoneCond.EMPTY for c in conds), conds
+    data_appends_after = cdev.appends - appends_before
+    assert data_appends_after <= 2, "deleting must not copy data (only journal records)"
+    assert fs.alloc.dead_bytes_reset >= 3 * MiB
+    assert await read_file(fs, "/small") == b"s" * 5000
