@@ -68,6 +68,18 @@ def read_superblock(dev: ZonedDevice) -> tuple[Superblock, SuperblockStore]:
         raise errors.CorruptionError(
             f"{info.path}: superblock geometry (block {sb.block_size}, zone {sb.zone_size}, "
             f"{sb.nr_zones} zones) does not match the device; run 'zonefs-py fsck'")
+    meta_end = sb.meta_first_zone + sb.meta_zone_count
+    cp_start = sb.checkpoint_zone * sb.zone_size
+    if not (sb.meta_first_zone >= 0 and sb.meta_zone_count > 0 and meta_end <= sb.nr_zones
+            and sb.data_first_zone + sb.data_zone_count <= sb.nr_zones
+            and sb.meta_first_zone <= sb.checkpoint_zone < meta_end
+            and cp_start <= sb.checkpoint_offset < cp_start + sb.zone_size
+            and sb.checkpoint_offset % sb.block_size == 0):
+        # A valid checksum over impossible fields: refuse, never index with them.
+        raise errors.CorruptionError(
+            f"{info.path}: superblock layout (meta zones {sb.meta_first_zone}+"
+            f"{sb.meta_zone_count}, checkpoint zone {sb.checkpoint_zone} at "
+            f"{sb.checkpoint_offset}) is impossible; run 'zonefs-py fsck'")
     return sb, store
 
 
