@@ -173,9 +173,17 @@ def check_inv9_streams_apart(state: State, report: Report) -> None:
         if zone_stream == Stream.CLEANER:
             continue
         if len(streams) > 1 or (streams and zone_stream not in streams):
-            names = sorted(Stream(s).name for s in streams)
-            report.add("INV-9", f"zone {zone} ({Stream(zone_stream).name}) holds data of "
+            names = sorted(_stream_name(s) for s in streams)
+            report.add("INV-9", f"zone {zone} ({_stream_name(zone_stream)}) holds data of "
                        f"streams {names}")
+
+
+def _stream_name(value: int) -> str:
+    """The stream's name, or its number when it is no stream (damaged metadata)."""
+    try:
+        return Stream(value).name
+    except ValueError:
+        return f"unknown stream {value}"
 
 
 def check_inv11_namespace(state: State, report: Report) -> None:
