@@ -140,6 +140,22 @@ def run_suite(contenders: list[Contender], cfg: Config, selected: list[Workload]
         w.name: {c.key: [] for c in contenders} for w in selected}
     names = {w.name for w in selected}
     size = cfg.backing_bytes()
+    interrupted = False
+    try:
+        _run_reps(contenders, cfg, selected, status, reps, names, size)
+    except KeyboardInterrupt:
+        # Mounts and loop devices are already torn down by the context managers.
+        log("interrupted: reporting the repetitions finished so far")
+        interrupted = True
+    return {"contenders": status, "workloads": _summarise(selected, reps),
+            "interrupted": interrupted}
+
+
+def _run_reps(contenders: list[Contender], cfg: Config, selected: list[Workload],
+              status: dict[str, dict[str, Any]],
+              reps: dict[str, dict[str, list[dict[str, object]]]], names: set[str],
+              size: int) -> None:
+    """Run the repetitions, appending each workload's figures to `reps`."""
     for rep in range(cfg.reps):
         for contender in contenders:
             if not status[contender.key]["available"]:
@@ -162,7 +178,6 @@ def run_suite(contenders: list[Contender], cfg: Config, selected: list[Workload]
                     status[contender.key].update(available=False, reason=str(exc)[:500])
                 else:
                     status[contender.key].setdefault("errors", []).append(str(exc)[:500])
-    return {"contenders": status, "workloads": _summarise(selected, reps)}
 
 
 def _summarise(selected: list[Workload], reps: dict[str, dict[str, list[dict[str, object]]]]
