@@ -357,7 +357,11 @@ class Daemon:
             time.sleep(0.01)
 
     def end(self, mode: str) -> None:
-        """End the daemon: SIGKILL, or a power cut through the TEST HOOK (then it kills itself)."""
+        """End the daemon: SIGKILL, or a power cut through the TEST HOOK (then it kills itself).
+
+        The dead mount stays until `lazy_unmount`: workers still running must
+        see ENOTCONN, not the empty directory under the mount point.
+        """
         self.proc.send_signal(signal.SIGKILL if mode == "kill" else signal.SIGUSR1)
         try:
             self.proc.wait(timeout=30)
@@ -366,7 +370,6 @@ class Daemon:
             self.proc.wait(timeout=30)
             raise TortureFailure(f"daemon did not die after {mode} (hang)") from None
         finally:
-            self.lazy_unmount()
             if self.proc.stderr:
                 self.proc.stderr.close()
 
@@ -475,6 +478,7 @@ def run_torture(workdir: Path, *, seed: int, cycles: int, size: str = "1G",
                 w.join(JOIN_DEADLINE_S)
                 if w.is_alive():
                     raise TortureFailure(f"{where}: {w.kind} worker hung after the crash")
+            daemon.lazy_unmount()
             for w in early:
                 raise TortureFailure(f"{where}: {w.kind} failed before the crash: {w.error!r}")
             for w in workers:
