@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,7 @@ from zonefs_py import errors
 from zonefs_py.device.emulated import EmulatedZonedDevice
 from zonefs_py.fs.api import ROOT_INO, RenameFlags, SetAttrRequest
 from zonefs_py.fs.filesystem import ZoneFS
+from zonefs_py.journal.recovery import read_superblock
 
 DIR = "<dir>"
 Version = bytes | str | None  # content, DIR, or absent
@@ -258,12 +260,22 @@ async def run_scenario(image: Path, scenario: Scenario, *, cut_after: int | None
     return Run(t, cdev.writes, cut_after is not None and cdev.writes >= cut_after)
 
 
-async def verify_after_crash(image: Path, t: Tracker, where: str) -> None:
+async def verify_after_crash(image: Path, t: Tracker, where: str) -> set[str]:
+    """Check the image after a cut; return which recovery paths the mount took."""
+    paths: set[str] = set()
     before = fsck(image)
     assert before.clean, f"{where}: fsck before remount: {before.findings}"
     dev = EmulatedZonedDevice.open(image)
     try:
+        sb_checkpoint = read_superblock(dev)[0].checkpoint_offset
         fs = await ZoneFS.load(dev, TEST_OPTIONS)
+        rec = fs.recovered
+        if rec.scan.torn_tail:
+            paths.add("torn tail")
+        if rec.torn_checkpoint is not None:
+            paths.add("torn checkpoint")
+        if rec.newest_checkpoint and rec.newest_checkpoint.offset != sb_checkpoint:
+            paths.add("checkpoint newer than superblock")
         files, dirs = await read_tree(fs)
         try:
             t.check(files, dirs)
@@ -274,14 +286,16 @@ async def verify_after_crash(image: Path, t: Tracker, where: str) -> None:
         dev.close()
     after = fsck(image)
     assert after.clean, f"{where}: fsck after remount: {after.findings}"
+    return paths
 
 
-async def sweep(tmp_path: Path, name: str, mode: str) -> int:
+async def sweep(tmp_path: Path, name: str, mode: str) -> tuple[int, Counter[str]]:
     scenario, geo = SCENARIOS[name]
     base = tmp_path / "count.img"
     new_image(base, geo)
     total = (await run_scenario(base, scenario)).writes
     assert total >= 10, f"{name}: only {total} device writes, the sweep would prove little"
+    seen: Counter[str] = Counter()
     for k in range(1, total + 1):
         seed = k * 7919 + len(name)
         where = f"scenario={name} mode={mode} cut_after={k}/{total} seed={seed}"
@@ -290,20 +304,24 @@ async def sweep(tmp_path: Path, name: str, mode: str) -> int:
         try:
             run = await run_scenario(image, scenario, cut_after=k, mode=mode, seed=seed)
             assert run.cut, f"{where}: the scenario made only {run.writes} writes this time"
-            await verify_after_crash(image, run.tracker, where)
+            seen.update(await verify_after_crash(image, run.tracker, where))
         except AssertionError:
             raise
         except Exception as exc:
             raise AssertionError(f"{where}: {type(exc).__name__}: {exc}") from exc
         image.unlink()
-    return total
+    return total, seen
 
 
 @pytest.mark.parametrize("mode", ["drop", "tear"])
 @pytest.mark.parametrize("name", list(SCENARIOS))
 async def test_power_cut_after_every_write(tmp_path: Path, name: str, mode: str) -> None:
-    total = await sweep(tmp_path, name, mode)
-    print(f"{name} {mode}: {total} cut points")
+    total, seen = await sweep(tmp_path, name, mode)
+    print(f"{name} {mode}: {total} cut points; recovery paths taken: {dict(seen)}")
+    if name == "meta_zone_roll":  # the sweep must reach the hard recovery paths
+        assert seen["checkpoint newer than superblock"] > 0, seen
+        if mode == "tear":
+            assert seen["torn checkpoint"] > 0 and seen["torn tail"] > 0, seen
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))

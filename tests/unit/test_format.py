@@ -136,6 +136,7 @@ OP_STRATEGIES = {
     OpType.ZONE_STATE: st.tuples(st.just(OpType.ZONE_STATE), u32, u8, u8, u32),
     OpType.COUNTERS: st.tuples(st.just(OpType.COUNTERS), st.dictionaries(u16, u64, max_size=20)),
     OpType.NEXT_INO: st.tuples(st.just(OpType.NEXT_INO), u64),
+    OpType.TENANT_BYTES: st.tuples(st.just(OpType.TENANT_BYTES), u64, u64),
 }
 OPS = st.one_of(*OP_STRATEGIES.values())
 
