@@ -206,6 +206,7 @@ class CheckpointWorker(Worker):
         data = self.rng.randbytes(self.rng.choice([16 << 10, 300 << 10, 1 << 20, 3 << 20]))
         tmp, dst = self.dir / (name + ".tmp"), self.dir / name
         mt, md = self.model.get(self.rel(tmp)), self.model.get(self.rel(dst), atomic=True)
+        mt.add(b"")
         mt.add(data)
         write_file(tmp, data, fsync=True)
         mt.collapse(data)
@@ -247,6 +248,7 @@ class DatasetWorker(Worker):
                 m.collapse(None)
             return
         data = self.rng.randbytes(self.rng.randrange(1, 64) * (64 << 10) + self.rng.randrange(4096))
+        m.add(b"")  # O_CREAT|O_TRUNC first: empty, then the data
         m.add(data)
         sync = self.rng.random() < 0.8
         write_file(path, data, fsync=sync)
@@ -298,6 +300,7 @@ class ChurnWorker(Worker):
         cur = m.versions[-1]
         if r < 0.4 or cur is None:
             data = self.rng.randbytes(self.rng.randrange(1, 40000))
+            m.add(b"")  # O_CREAT|O_TRUNC first: empty, then the data
             m.add(data)
             sync = self.rng.random() < 0.5
             write_file(path, data, fsync=sync)
