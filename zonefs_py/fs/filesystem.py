@@ -680,7 +680,8 @@ class ZoneFS(FileSystemAPI):
         if grow > 0:
             self._check_quota(inode, grow)
             live = self.alloc.live_total_bytes() + self.data.pending_bytes()
-            if live + grow > self.alloc.user_capacity_bytes():
+            # A hole takes no space: only the written bytes can become live data.
+            if live + min(grow, len(data)) > self.alloc.user_capacity_bytes():
                 raise errors.NoSpace("the live data would not fit on the device")
         n = await self.data.write(inode, offset, data)
         self.quota.count_written(inode, n)
