@@ -144,18 +144,22 @@ def test_xattrs_at_and_beyond_their_limits(mounted: Mount) -> None:
         os.setxattr(f, long_name + "n", b"v")
     assert info.value.errno == errno.ERANGE
     # Many attributes: each set either works or fails with ENOSPC/E2BIG, never anything else.
-    stored = 0
+    stored, refused = 0, []
     for i in range(200):
         try:
             os.setxattr(f, f"user.many{i}", bytes(4000))
             stored += 1
         except OSError as exc:
-            assert exc.errno in (errno.ENOSPC, errno.E2BIG), exc
+            refused.append(exc.errno)
+    assert set(refused) <= {errno.ENOSPC, errno.E2BIG}, refused
     try:
-        names = os.listxattr(f)
-        assert len([n for n in names if n.startswith("user.many")]) == stored
+        names: list[str] | None = os.listxattr(f)
+        listed_errno = 0
     except OSError as exc:
-        assert exc.errno == errno.E2BIG  # the list itself beyond 64 KiB
+        names, listed_errno = None, exc.errno
+    assert listed_errno in (0, errno.E2BIG)  # E2BIG: the list itself beyond 64 KiB
+    if names is not None:
+        assert len([n for n in names if n.startswith("user.many")]) == stored
     remount(mounted)
     assert os.getxattr(f, "user.big") == big
     assert os.getxattr(f, long_name) == b"v"
@@ -285,7 +289,7 @@ def test_unprivileged_user_cannot_reach_root_controls_or_files(image: Path,
     os.chmod(shared, 0o644)
     out = _as_nobody(PROBE, str(m.path), str(secret), str(shared)).split()
     assert out[0] in ("ENODATA", "EPERM")  # trusted.* is invisible to non-root
-    assert out[1] == "EPERM" and out[2] == "EPERM"
+    assert out[1:3] == ["EPERM", "EPERM"]
     assert out[3:] == ["EACCES", "EACCES", "EACCES", "EPERM", "EPERM", "EACCES", "EACCES"]
     # Nothing changed: not failsafe, files intact.
     (m.path / "after").write_bytes(b"still writable")

@@ -1,0 +1,114 @@
+"""Full device through a mount: fill to ENOSPC, delete some, write again; 20 rounds.
+
+Nothing but ENOSPC/EDQUOT may ever come back, deleted space must come back
+(zone resets, the cleaner for shared zones), the daemon must never hang (every
+round runs under a deadline), and the teardown's fsck must be clean.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import threading
+from pathlib import Path
+
+import pytest
+from conftest import Mount, make_image, zonefs
+
+pytestmark = pytest.mark.integration
+
+ROUNDS = 20
+ROUND_DEADLINE_S = 120.0
+MiB = 1 << 20
+
+
+def _status(m: Mount) -> dict[str, object]:
+    return dict(json.loads(zonefs("stat", "--json", str(m.path)).stdout))
+
+
+def _fill(m: Mount, rng: random.Random, round_no: int, files: dict[str, int]) -> int:
+    """Write big and small files until ENOSPC; return the bytes acknowledged."""
+    written = 0
+    chunk = rng.randbytes(1 << 20)
+    i = 0
+    while True:
+        big = rng.random() < 0.3
+        size = rng.randrange(2, 12) * MiB if big else rng.randrange(1, 64) * 1024
+        name = f"r{round_no:02d}-{i:05d}-{'big' if big else 'small'}"
+        i += 1
+        path = m.path / name
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+            try:
+                for pos in range(0, size, len(chunk)):
+                    os.write(fd, chunk[:min(len(chunk), size - pos)])
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            try:
+                os.unlink(path)  # the partial file: a full device must allow deleting it
+            except FileNotFoundError:
+                pass
+            return written
+        files[name] = size
+        written += size
+
+
+def test_fill_delete_refill_20_rounds(workdir: Path, mount_factory: Mount) -> None:
+    make_image(workdir, size="256M", zone_size="8M")
+    m = mount_factory.start()
+    rng = random.Random(7)
+    files: dict[str, int] = {}
+    per_round: list[tuple[int, int, int]] = []
+    failure: list[BaseException] = []
+
+    def one_round(round_no: int) -> None:
+        try:
+            written = _fill(m, rng, round_no, files)
+            victims = rng.sample(sorted(files), k=len(files) // 2)
+            freed = 0
+            for name in victims:
+                os.unlink(m.path / name)
+                freed += files.pop(name)
+            fd = os.open(m.path, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+            per_round.append((written, freed, sum(files.values())))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
+            failure.append(exc)
+
+    for round_no in range(ROUNDS):
+        t = threading.Thread(target=one_round, args=(round_no,), daemon=True)
+        t.start()
+        t.join(ROUND_DEADLINE_S)
+        assert not t.is_alive(), f"round {round_no} hung for {ROUND_DEADLINE_S}s"
+        if failure:
+            raise failure[0]
+    end = _status(m)
+    for round_no, (written, freed, live) in enumerate(per_round):
+        print(f"round {round_no:2d}: wrote {written / MiB:6.1f} MiB until ENOSPC, "
+              f"deleted {freed / MiB:6.1f} MiB, live {live / MiB:6.1f} MiB")
+    for key in ("space", "cleaner", "zones_by_condition", "zones_by_role"):
+        print(f"{key}: {end.get(key)}")
+    capacity = per_round[0][0]
+    assert capacity >= 150 * MiB, per_round  # the first fill uses most of the 256 MiB
+    # Deleting always gives space back: every later round writes something again.
+    assert all(written > 0 for written, _f, _l in per_round[1:]), per_round
+    assert end["cleaner"]["zones_cleaned"] > 0 or end["space"]["dead_bytes"] == 0  # type: ignore[index]
+    # Live data at ENOSPC should stay near the first fill (dead space reclaimed in time).
+    full_live = [written + live_before for (written, _f, _l), (_w0, _f0, live_before)
+                 in zip(per_round[1:], per_round, strict=False)]
+    worst = min(full_live)
+    print(f"live data at ENOSPC: first {capacity / MiB:.0f} MiB, worst later round "
+          f"{worst / MiB:.0f} MiB; dead at the end {end['space']['dead_bytes'] / MiB:.0f} MiB")  # type: ignore[index]
+    assert m.unmount() == 0
+    if worst < capacity * 0.7:
+        # Known weakness (reported): dead space piles up faster than it is reclaimed, so
+        # ENOSPC comes with most of the device dead. Kept visible as an xfail with figures.
+        pytest.xfail(f"ENOSPC with only {worst / MiB:.0f} MiB live of {capacity / MiB:.0f} MiB "
+                     f"(dead space not reclaimed in time)")
