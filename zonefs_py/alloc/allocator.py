@@ -88,11 +88,14 @@ class Allocator:
             elif z.cond == ZoneCond.FULL:
                 dz.reserved = dz.capacity
             self.zones[z.index] = dz
-        self.reserve_bytes = sb.reserve_bytes
         cap = max((z.capacity for z in self.zones.values()), default=0)
         self.private_head_bytes = private_head_bytes or max(cap, 1 << 20)
         #: Empty zones only the cleaner may take, so cleaning always has room (INV-14).
         self.reserve_zones = max(2, -(-sb.reserve_bytes // cap)) if cap else 2
+        # What users can never fill: the mkfs over-provisioning, but at least the
+        # cleaner's zones plus one zone of slack for out-of-place overwrites (a full
+        # filesystem must still be able to take an overwrite and clean after it).
+        self.reserve_bytes = max(sb.reserve_bytes, (self.reserve_zones + 1) * cap)
         now = time.time_ns()
         for dz in self.zones.values():
             dz.last_write_ns = now

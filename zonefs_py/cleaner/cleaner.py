@@ -19,8 +19,8 @@ Policies: "cost-benefit" (Sprite LFS: benefit/cost = (1 - u) * age / (1 + u),
 u = live fraction, age = time since the zone was last written) and "greedy"
 (most dead bytes first). Background cleaning is rate-limited by a token bucket
 (`cleaner_rate_mb_s`) and starts when empty zones fall below a low watermark;
-foreground cleaning runs, unthrottled, when a writer finds no empty zone left
-for users (`NeedCleaning`). The empty zones held back for the cleaner
+foreground cleaning runs, unthrottled and with the same policy, when a writer
+finds no empty zone left for users (`NeedCleaning`). The empty zones held back for the cleaner
 (`Allocator.reserve_zones`) mean cleaning always has somewhere to write
 (INV-14); a victim is only taken if its live data fits in the cleaner's room.
 
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: Largest piece copied with one read and one append.
-COPY_UNIT = 1 << 20
+COPY_UNIT = 256 << 10
 C_CLEANER_BYTES = 4
 
 
@@ -237,7 +237,7 @@ class Cleaner:
 
     # -- passes --------------------------------------------------------------------------
     async def clean_for_space(self) -> bool:
-        """Foreground: clean (unthrottled, greedy) until users have an empty zone again.
+        """Foreground: clean (unthrottled) until users have an empty zone again.
 
         Returns False when nothing could be freed (then the caller's ENOSPC is real).
         """
@@ -248,7 +248,7 @@ class Cleaner:
                 await self.fs.commit_and_reset()
                 if len(self.alloc.empty_zones()) > self.alloc.reserve_zones:
                     return True
-                victim = self.pick_victim("greedy")
+                victim = self.pick_victim()
                 if victim is None:
                     return freed
                 await self.clean_zone(victim.idx, throttle=False)

@@ -79,6 +79,7 @@ class ZoneFS(FileSystemAPI):
         self.bs = dev.info.block_size
         self.limiter = trio.CapacityLimiter(options.max_device_threads)
         self.journal = Journal(dev, rec.log, rec.sbstore, rec.sb, self.state, self.limiter)
+        self.journal.journal_limit = options.checkpoint_journal_bytes
         self.alloc = Allocator(dev.info, rec.sb, self.state, dev.report_zones())
         self.alloc.current_txn = lambda: self.journal.added_txn  # type: ignore[method-assign]
         self.state.on_zone_emptied = self.alloc.zone_emptied
@@ -845,8 +846,9 @@ class ZoneFS(FileSystemAPI):
     # -- whole filesystem -----------------------------------------------------------------------
     async def statfs(self) -> StatFs:
         bs = self.bs
-        total = max(0, self.alloc.total_capacity() - self.sb.reserve_bytes) // bs
-        free = max(0, self.alloc.free_bytes() - self.sb.reserve_bytes) // bs
+        total = self.alloc.user_capacity_bytes() // bs
+        free = max(0, self.alloc.user_capacity_bytes() - self.alloc.live_total_bytes()
+                   - self.data.pending_bytes()) // bs
         free = min(free, total)
         files_max = 1 << 32
         return StatFs(bs, total, free, free, files_max, files_max - len(self.state.inodes))

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Callable
 
 from zonefs_py import errors
-from zonefs_py.device.base import ZonedDevice, ZoneCond
+from zonefs_py.device.base import ZoneCond, ZonedDevice
 from zonefs_py.format.constants import OpType
 from zonefs_py.format.superblock import LABEL_MAX, Superblock
 from zonefs_py.fs.api import ROOT_INO

@@ -70,7 +70,7 @@ def build_status(fs: ZoneFS) -> dict[str, object]:
                        "inodes": len(fs.state.inodes)},
         "zones_by_condition": dict(sorted(by_cond.items())),
         "zones_by_role": dict(Counter(r.name.lower() for r in roles.values())),
-        "space": {"capacity_bytes": total, "reserve_bytes": fs.sb.reserve_bytes,
+        "space": {"capacity_bytes": total, "reserve_bytes": fs.alloc.reserve_bytes,
                   "live_bytes": live, "free_bytes": fs.alloc.free_bytes(),
                   "dead_bytes": max(0, sum(dz.reserved for dz in fs.alloc.zones.values())
                                     - live),

@@ -34,7 +34,7 @@ from zonefs_py.format.constants import RecordType
 from zonefs_py.format.ops import Op, encode_op
 from zonefs_py.format.superblock import Superblock
 from zonefs_py.fs.state import State
-from zonefs_py.journal.log import LogPosition, MetaLog
+from zonefs_py.journal.log import LogFull, LogPosition, MetaLog
 from zonefs_py.journal.sbstore import SuperblockStore
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,8 @@ class Journal:
         #: Set when a device error left the journal unable to make progress.
         self.broken: str | None = None
         self.on_durable: list[Callable[[int], None]] = []
+        #: Journal bytes after which a commit becomes a checkpoint (mount option).
+        self.journal_limit = 64 << 20
 
     # -- adding ------------------------------------------------------------------
     def add(self, ops: list[Op]) -> int:
@@ -117,7 +119,12 @@ class Journal:
             async with self._write_lock:
                 if self.durable_txn >= target:
                     break
-                await self._commit_locked()
+                if self.checkpoint_needed(self.journal_limit):
+                    # Meta zones run short (or the journal is long): a checkpoint
+                    # makes the queued transactions durable and frees old zones.
+                    await self._checkpoint_locked()
+                else:
+                    await self._commit_locked()
 
     async def _commit_locked(self) -> None:
         batch, upto = self._take_batch()
@@ -132,7 +139,7 @@ class Journal:
         self.data_dirty = False
         try:
             await self._run(self._write_records, records, flush_first)
-        except OSError as exc:
+        except (OSError, LogFull) as exc:
             self.broken = f"journal write failed: {exc}"
             log.error("%s", self.broken)
             self._set_durable(self.durable_txn)
@@ -169,34 +176,38 @@ class Journal:
         """Write a checkpoint of the State and point the superblock at it."""
         self._check_broken()
         async with self._write_lock:
-            # Atomic (no await): the pending transactions are folded into the snapshot.
-            _batch, upto = self._take_batch()
-            records = checkpoint_records(self.state, upto)
-            flush_first = self.data_dirty
-            self.data_dirty = False
-            try:
-                positions = await self._run(self._write_records, records, flush_first, True)
-                assert isinstance(positions, list)
-                self._set_durable(upto)
-                first = positions[0]
-                sb = self.sb.with_checkpoint(first.zone, first.offset, first.seq)
-                await self._run(self.sbstore.write, sb)
-                self.sb = sb
-                first_zone_seq = self.log.zone_first_seq[first.zone]
-                obsolete = self.log.zones_before(first_zone_seq)
-                if obsolete:
-                    await self._run(self.log.reset_zones, obsolete)
-            except OSError as exc:
-                self.broken = f"checkpoint write failed: {exc}"
-                log.error("%s", self.broken)
-                self._set_durable(self.durable_txn)
-                self._check_broken()
-            total = sum(len(p) for _, p in records)
-            self.last_checkpoint_bytes = total
-            self.journal_bytes_since_checkpoint = 0
-            self.checkpoints_written += 1
-            log.info("checkpoint written: %d bytes in %d records, %d meta zones reset",
-                     total, len(records), len(obsolete))
+            await self._checkpoint_locked()
+
+    async def _checkpoint_locked(self) -> None:
+        """Write a checkpoint; the caller holds `_write_lock`."""
+        # Atomic (no await): the pending transactions are folded into the snapshot.
+        _batch, upto = self._take_batch()
+        records = checkpoint_records(self.state, upto)
+        flush_first = self.data_dirty
+        self.data_dirty = False
+        try:
+            positions = await self._run(self._write_records, records, flush_first, True)
+            assert isinstance(positions, list)
+            self._set_durable(upto)
+            first = positions[0]
+            sb = self.sb.with_checkpoint(first.zone, first.offset, first.seq)
+            await self._run(self.sbstore.write, sb)
+            self.sb = sb
+            first_zone_seq = self.log.zone_first_seq[first.zone]
+            obsolete = self.log.zones_before(first_zone_seq)
+            if obsolete:
+                await self._run(self.log.reset_zones, obsolete)
+        except (OSError, LogFull) as exc:
+            self.broken = f"checkpoint write failed: {exc}"
+            log.error("%s", self.broken)
+            self._set_durable(self.durable_txn)
+            self._check_broken()
+        total = sum(len(p) for _, p in records)
+        self.last_checkpoint_bytes = total
+        self.journal_bytes_since_checkpoint = 0
+        self.checkpoints_written += 1
+        log.info("checkpoint written: %d bytes in %d records, %d meta zones reset",
+                 total, len(records), len(obsolete))
 
 
 def checkpoint_records(state: State, upto_txn: int) -> list[tuple[RecordType, bytes]]:

@@ -23,7 +23,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from zonefs_py.device.base import Zone, ZonedDevice, ZoneCond
+from zonefs_py.device.base import Zone, ZoneCond, ZonedDevice
 from zonefs_py.format.constants import RecordType
 from zonefs_py.format.records import Record, RecordError, decode_record, encode_record
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 
-from zonefs_py.device.base import ZonedDevice, ZoneCond
+from zonefs_py.device.base import ZoneCond, ZonedDevice
 from zonefs_py.format.constants import RecordType
 from zonefs_py.format.records import RecordError, decode_record, encode_record, padded_size
 from zonefs_py.format.superblock import Superblock, SuperblockError
