@@ -27,6 +27,7 @@ Caveats:
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import logging.handlers
@@ -114,7 +115,17 @@ class MountConfig:
         mountpoint = os.path.abspath(mountpoint)
         if not os.path.exists(device):
             raise MountError(f"{device}: no such device or image")
-        if not os.path.isdir(mountpoint):
+        try:
+            # statfs always reaches the filesystem (stat may be answered from the
+            # kernel's cache), so a FUSE mount whose daemon died shows here.
+            os.statvfs(mountpoint)
+            is_dir = stat.S_ISDIR(os.stat(mountpoint).st_mode)
+        except OSError as exc:
+            if exc.errno == errno.ENOTCONN:
+                raise MountError(f"{mountpoint}: stale FUSE mount (its daemon is gone); "
+                                 f"run fusermount3 -u {mountpoint}") from None
+            is_dir = False
+        if not is_dir:
             raise MountError(f"{mountpoint}: mount point is not a directory")
         opts = parse_option_strings(option_strings)
         try:
@@ -338,6 +349,14 @@ def _serve_reporting(cfg: MountConfig, report: Reporter | None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # noqa: BLE001 - a bug during setup: traceback to the log, one line out
+        log.exception("mount failed with an internal error")
+        msg = f"internal error: {type(exc).__name__}: {exc}"
+        if report is not None:
+            report(msg)
+        else:
+            print(f"zonefs-py: {msg}", file=sys.stderr)
+        return 1
 
 
 # -- serving -------------------------------------------------------------------------------

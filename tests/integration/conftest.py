@@ -164,8 +164,15 @@ class Mount:
                 assert self.proc is not None
                 self.proc.kill()
                 self.wait_exit()
-        if os.path.ismount(self.path):
+        if in_mount_table(self.path):  # also a dead connection, where ismount() is False
             subprocess.run(["fusermount3", "-u", "-z", str(self.path)], timeout=60)
+
+
+def in_mount_table(path: Path) -> bool:
+    """True if `path` is a mount point in /proc/self/mounts (alive or not)."""
+    target = str(path).replace(" ", "\\040")
+    with open("/proc/self/mounts") as f:
+        return any(line.split()[1] == target for line in f)
 
 
 def make_image(directory: Path, size: str = IMAGE_SIZE, zone_size: str = ZONE_SIZE) -> Path:

@@ -371,3 +371,13 @@ def test_readdirplus_lookup_counts_are_released(mounted: Mount) -> None:
     doc = json.loads(os.getxattr(mounted.path, "trusted.zonefs.status"))
     # Every reference was forgotten, so the unlinked inodes are gone: only the root is left.
     assert doc["filesystem"]["inodes"] == 1
+
+
+def test_stale_mount_after_kill9_is_explained(mounted: Mount) -> None:
+    assert mounted.proc is not None
+    mounted.proc.kill()
+    mounted.wait_exit()
+    proc = zonefs("mount", "-f", str(mounted.image), str(mounted.path), check=False)
+    assert proc.returncode == 1
+    assert "stale FUSE mount" in proc.stderr
+    assert "fusermount3 -u" in proc.stderr

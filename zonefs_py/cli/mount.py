@@ -31,7 +31,7 @@ from zonefs_py.daemon import DAEMON_OPTIONS, MountConfig, MountError, run_mount
 HELPER_NAME = "mount.fuse.zonefs-py"
 DEFAULT_HELPER_DIR = "/sbin"
 
-OPTIONS_HELP = textwrap.dedent(f"""\
+OPTIONS_HELP = textwrap.dedent("""\
     mount options (-o, comma separated, may repeat):
       FUSE:   ro, allow_other, allow_root, fsname=NAME (default: DEVICE),
               subtype=NAME (default: zonefs-py), noatime/relatime/..., nodev, nosuid, noexec;
@@ -41,9 +41,10 @@ OPTIONS_HELP = textwrap.dedent(f"""\
               io_threads=N (device calls in flight, default 16),
               cleaner_rate=MB/s (0 disables background cleaning, default 64),
               cleaner_policy=cost-benefit|greedy.
-      daemon: {chr(10).join(f"{k}={v}" for k, v in DAEMON_OPTIONS.items())}
+      daemon: {daemon}
       ignored (fstab): rw, defaults, auto, noauto, _netdev, user, users, nofail, x-*, comment=*.
-    """)
+      mount(8) helper only: log_file=PATH.
+    """).replace("{daemon}", "\n          ".join(f"{k}={v}" for k, v in DAEMON_OPTIONS.items()))
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
