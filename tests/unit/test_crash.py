@@ -220,7 +220,28 @@ async def explicit_checkpoint(fs: ZoneFS, t: Tracker) -> None:
     t.ack("/c4")
 
 
+async def cleaning_pass(fs: ZoneFS, t: Tracker) -> None:
+    """Fill a zone with four files, delete one, clean that zone (relocate, commit, reset)."""
+    for i in range(4):
+        data = pattern(90 + i, 600 * KiB)
+        t.expect(f"/k{i}", b"")
+        t.expect(f"/k{i}", data)
+        await write_file(fs, f"/k{i}", data)
+        t.ack(f"/k{i}")
+    t.expect("/k1", None)
+    await fs.unlink(ROOT_INO, b"k1")
+    await fs.sync()
+    t.ack("/k1")
+    victim = fs.cleaner.pick_victim()
+    assert victim is not None, "the scenario must leave a zone worth cleaning"
+    copied = await fs.cleaner.clean_zone(victim.idx, throttle=False)
+    assert copied > 0
+    await fs.commit_and_reset()
+    assert fs.alloc.zones[victim.idx].reserved == 0, "the cleaned zone must have been reset"
+
+
 SCENARIOS: dict[str, tuple[Scenario, Geometry]] = {
+    "cleaning_pass": (cleaning_pass, SMALL),
     "save_via_rename": (save_via_rename, SMALL),
     "overwrite_in_place": (overwrite_in_place, SMALL),
     "truncate_fsync": (truncate_fsync, SMALL),
