@@ -128,7 +128,11 @@ class DataPath:
 
     def visible_size(self, inode: Inode) -> int:
         buf = self.buffers.get(inode.ino)
-        return max(inode.size, buf.end) if buf is not None else inode.size
+        size = max(inode.size, buf.end) if buf is not None else inode.size
+        # Chunks in flight left the buffer but have not grown inode.size yet.
+        for chunk in self.inflight.get(inode.ino, ()):
+            size = max(size, chunk.logical_end)
+        return size
 
     def _count(self, key: int, n: int) -> None:
         self.counters[key] = self.counters.get(key, 0) + n
