@@ -156,6 +156,7 @@ class Operations(pyfuse3.Operations):
         self.negative_timeout_s = negative_timeout_s
         #: Set once the first unexpected error switched the mount to failsafe.
         self.failsafe_reason: str | None = None
+        self._failsafe_repeats = 0
         #: mtime_ns and size of each inode when the kernel last had it open, for keep_cache.
         self._cached_version: dict[int, tuple[int, int]] = {}
         #: Open file handle -> inode, to record the version on release.
@@ -168,8 +169,10 @@ class Operations(pyfuse3.Operations):
             self.failsafe_reason = reason
             log.error("switching to read-only failsafe: %s", reason, exc_info=exc)
         else:
-            # Already read-only: one line, no traceback flood.
-            log.warning("error while in failsafe: %s", reason)
+            # Already read-only: one line for the first few, then every 1000th (no flood).
+            self._failsafe_repeats += 1
+            if self._failsafe_repeats <= 10 or self._failsafe_repeats % 1000 == 0:
+                log.warning("error while in failsafe (#%d): %s", self._failsafe_repeats, reason)
         enter = getattr(self.fs, "enter_failsafe", None)
         if enter is not None:
             try:
