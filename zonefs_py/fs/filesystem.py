@@ -67,6 +67,39 @@ class _DirHandle:
         self.names = names
 
 
+def _refuse_non_tree(state: State, path: str) -> None:
+    """Raise CorruptionError unless every linked directory has one name, reachable from the root.
+
+    INV-11; checked at mount so that the kernel never walks a loop or a
+    directory alias, whatever a damaged (but checksummed) log says.
+    Directories with nlink 0 (removed while open before a crash) are freed later.
+    """
+    names: dict[int, int] = {}
+    for d in state.inodes.values():
+        for child in (d.entries or {}).values():
+            c = state.inodes.get(child)
+            if c is not None and c.is_dir:
+                names[child] = names.get(child, 0) + 1
+    root = state.inodes.get(ROOT_INO)
+    if root is None or not root.is_dir:
+        raise errors.CorruptionError(f"{path}: the root directory is missing; "
+                                     "run 'zonefs-py fsck'")
+    reached, stack = {ROOT_INO}, [ROOT_INO]
+    while stack:
+        for child in (state.inodes[stack.pop()].entries or {}).values():
+            c = state.inodes.get(child)
+            if c is not None and c.is_dir and child not in reached:
+                reached.add(child)
+                stack.append(child)
+    for ino, inode in state.inodes.items():
+        if not inode.is_dir or ino == ROOT_INO or (inode.nlink == 0 and ino not in names):
+            continue
+        if names.get(ino, 0) != 1 or ino not in reached:
+            raise errors.CorruptionError(
+                f"{path}: directory {ino} has {names.get(ino, 0)} names or is not reachable "
+                "from the root (INV-11); run 'zonefs-py fsck'")
+
+
 class ZoneFS(FileSystemAPI):
     """A mounted zonefs-py filesystem. Create with `await ZoneFS.load(...)`."""
 
@@ -110,6 +143,7 @@ class ZoneFS(FileSystemAPI):
         """
         options = options or FsOptions()
         rec = await trio.to_thread.run_sync(recover, dev)
+        _refuse_non_tree(rec.state, dev.info.path)
         fs = cls(dev, rec, options)
         log.info("recovered %s: %d records, %d ops in %.2f s (torn tail: %s)", dev.info.path,
                  rec.records, rec.ops, rec.seconds, rec.scan.torn_tail)
