@@ -86,17 +86,32 @@ def encode_ops(ops: list[Op]) -> bytes:
 def decode_ops(payload: bytes) -> list[Op]:
     """Decode a payload into ops. Raises OpDecodeError on any inconsistency."""
     ops: list[Op] = []
+    append = ops.append
     pos = 0
     end = len(payload)
     mv = memoryview(payload)
+    frame = _FRAME.unpack_from
+    inode = _INODE.unpack_from
+    dirent = _DIRENT_ADD.unpack_from
+    inode_len = _INODE.size
+    t_inode, t_dirent = OpType.INODE, OpType.DIRENT_ADD
     try:
         while pos < end:
-            kind, blen = _FRAME.unpack_from(payload, pos)
-            pos += _FRAME.size
+            kind, blen = frame(payload, pos)
+            pos += 5
             bend = pos + blen
             if bend > end:
                 raise OpDecodeError(f"op body runs past the payload at byte {pos}")
-            ops.append(_decode_body(kind, payload, mv, pos, bend))
+            # Fast paths for the two ops that make up most of a checkpoint.
+            if kind == 1 and blen == inode_len:
+                append((t_inode, *inode(payload, pos)))
+            elif kind == 3:
+                parent, ino, nlen = dirent(payload, pos)
+                if pos + 18 + nlen != bend:
+                    raise OpDecodeError("inconsistent DIRENT_ADD name length")
+                append((t_dirent, parent, ino, payload[pos + 18:bend]))
+            else:
+                append(_decode_body(kind, payload, mv, pos, bend))
             pos = bend
     except struct.error as exc:
         raise OpDecodeError(f"truncated op at byte {pos}: {exc}") from None

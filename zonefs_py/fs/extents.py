@@ -118,11 +118,16 @@ class ExtentMap:
         return freed
 
     def clear(self, block_size: int) -> list[Freed]:
+        if not self.exts:
+            return []
         freed = [(e.dev, e.nblocks) for e in self.exts]
         self.starts.clear()
         self.exts.clear()
         self.mapped_blocks = 0
         return freed
+
+    def is_shared_empty(self) -> bool:
+        return self is EMPTY_EXTENTS
 
     def lookup(self, fblock: int, nblocks: int) -> list[tuple[int, int, Extent | None]]:
         """Cover [fblock, fblock+nblocks) with pieces (start, count, extent-or-None for a hole)."""
@@ -145,3 +150,9 @@ class ExtentMap:
             pos = hi
             i += 1
         return out
+
+
+#: The extent map of every regular file that has no data yet (most files of a
+#: big namespace are small or empty): shared and never mutated, replaced by a
+#: map of its own at the file's first EXTENT (saves ~200 bytes per empty file).
+EMPTY_EXTENTS = ExtentMap()

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 
 from zonefs_py.format.constants import OpType
 from zonefs_py.format.ops import Op
-from zonefs_py.fs.extents import ExtentMap, Freed
+from zonefs_py.fs.extents import EMPTY_EXTENTS, ExtentMap, Freed
 
 
 class Inode:
@@ -28,20 +28,24 @@ class Inode:
         "mtime", "nlink", "opens", "parent", "rdev", "size", "target", "uid", "xattrs",
     )
 
-    def __init__(self, ino: int) -> None:
+    def __init__(self, ino: int, mode: int = 0, uid: int = 0, gid: int = 0, nlink: int = 0,
+                 rdev: int = 0, size: int = 0, atime: int = 0, mtime: int = 0, ctime: int = 0,
+                 flags: int = 0) -> None:
         self.ino = ino
-        self.mode = 0
-        self.uid = 0
-        self.gid = 0
-        self.nlink = 0
-        self.rdev = 0
-        self.size = 0
-        self.atime = 0
-        self.mtime = 0
-        self.ctime = 0
-        self.flags = 0
-        self.entries: dict[bytes, int] | None = None
-        self.extents: ExtentMap | None = None
+        self.mode = mode
+        self.uid = uid
+        self.gid = gid
+        self.nlink = nlink
+        self.rdev = rdev
+        self.size = size
+        self.atime = atime
+        self.mtime = mtime
+        self.ctime = ctime
+        self.flags = flags
+        fmt = mode & 0o170000
+        self.entries: dict[bytes, int] | None = {} if fmt == statmod.S_IFDIR else None
+        #: Regular files only (the shared EMPTY_EXTENTS until their first extent).
+        self.extents: ExtentMap | None = EMPTY_EXTENTS if fmt == statmod.S_IFREG else None
         self.target: bytes | None = None
         self.xattrs: dict[bytes, bytes] | None = None
         self.parent = 0
@@ -138,15 +142,12 @@ class State:
         (_, ino, mode, uid, gid, nlink, rdev, size, atime, mtime, ctime, flags) = op
         inode = self.inodes.get(ino)
         if inode is None:
-            inode = Inode(ino)
-            self.inodes[ino] = inode
-            if statmod.S_ISDIR(mode):
-                inode.entries = {}
-            elif statmod.S_ISREG(mode):
-                inode.extents = ExtentMap()
+            self.inodes[ino] = Inode(ino, mode, uid, gid, nlink, rdev, size, atime, mtime,
+                                     ctime, flags)
             if ino >= self.next_ino:
                 self.next_ino = ino + 1
-        elif statmod.S_IFMT(mode) != statmod.S_IFMT(inode.mode):
+            return
+        if statmod.S_IFMT(mode) != statmod.S_IFMT(inode.mode):
             raise StateError(f"inode {ino} changes its file type")
         inode.mode = mode
         inode.uid = uid
@@ -196,6 +197,8 @@ class State:
         zone = dev // self.zone_size
         if (dev + nblocks * self.block_size - 1) // self.zone_size != zone:
             raise StateError(f"EXTENT of inode {ino} spans zones at {dev}")
+        if inode.extents is EMPTY_EXTENTS:
+            inode.extents = ExtentMap()
         freed = inode.extents.insert(fblock, nblocks, dev, csums, self.block_size,
                                      self.zone_size)
         self.zone_live_blocks[zone] = self.zone_live_blocks.get(zone, 0) + nblocks

@@ -10,6 +10,7 @@ scan learned about the log (where to append next, zones to reset). Raises:
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -84,6 +85,21 @@ def read_superblock(dev: ZonedDevice) -> tuple[Superblock, SuperblockStore]:
 
 
 def recover(dev: ZonedDevice, *, salvage: bool = False) -> Recovered:
+    """Rebuild the State (see `_recover`), with the cyclic GC paused meanwhile.
+
+    Recovery creates millions of small objects and no garbage cycles; letting
+    the collector scan them over and over made mount ~15% slower.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _recover(dev, salvage=salvage)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _recover(dev: ZonedDevice, *, salvage: bool = False) -> Recovered:
     """Rebuild the State from the newest checkpoint and the journal after it.
 
     `salvage` (fsck --repair only) stops at the first damaged record instead of
