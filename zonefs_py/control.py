@@ -8,8 +8,7 @@ that are not stored anywhere:
     reads it with getxattr(2).
   * ``trusted.zonefs.ctl`` (write): a command, one ASCII word:
       - ``sync``        make everything acknowledged so far durable (`fs.sync()`).
-      - ``checkpoint``  write a journal checkpoint now (`fs.checkpoint()`, when
-                        the engine offers it; EOPNOTSUPP otherwise).
+      - ``checkpoint``  write a journal checkpoint now (`fs.checkpoint()`).
       - ``failsafe``    switch the mount to read-only failsafe (for drills and
                         tests; a remount clears it).
     Reading it gives ENODATA; unknown commands give EINVAL.
@@ -81,11 +80,8 @@ async def command(fs: FileSystemAPI, name: bytes, value: bytes, ctx: Ctx) -> Non
     if word == "sync":
         await fs.sync()
     elif word == "checkpoint":
-        checkpoint = getattr(fs, "checkpoint", None)
-        if checkpoint is None:
-            raise errors.NotSupported("this engine has no explicit checkpoint")
-        await checkpoint()
+        await fs.checkpoint()
     elif word == "failsafe":
-        fs.enter_failsafe("requested through trusted.zonefs.ctl")  # type: ignore[attr-defined]
+        fs.enter_failsafe("requested through trusted.zonefs.ctl")
     else:
         raise errors.InvalidArgument(f"unknown control command {word!r}; known: {COMMANDS}")

@@ -209,7 +209,7 @@ class Operations(pyfuse3.Operations):
 
     def _add_lookup(self, ino: int) -> None:
         """Count one kernel reference to `ino` taken through READDIRPLUS."""
-        self.fs.add_lookup(ino)  # type: ignore[attr-defined]
+        self.fs.add_lookup(ino)
 
     # -- lookups and attributes ------------------------------------------------------
     @_handler

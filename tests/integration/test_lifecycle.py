@@ -267,6 +267,16 @@ def test_control_sync(mounted: Mount) -> None:
     assert doc["journal"]["pending_bytes"] == 0
 
 
+def test_control_checkpoint(mounted: Mount) -> None:
+    (mounted.path / "f").write_bytes(b"y" * 70_000)
+    before = json.loads(os.getxattr(mounted.path, "trusted.zonefs.status"))["journal"]
+    os.setxattr(mounted.path, "trusted.zonefs.ctl", b"checkpoint")
+    after = json.loads(os.getxattr(mounted.path, "trusted.zonefs.status"))["journal"]
+    assert after["checkpoints"] == before["checkpoints"] + 1
+    assert after["pending_bytes"] == 0
+    assert after["bytes_since_checkpoint"] == 0
+
+
 def test_control_unknown_command_is_einval(mounted: Mount) -> None:
     with pytest.raises(OSError) as info:
         os.setxattr(mounted.path, "trusted.zonefs.ctl", b"explode")

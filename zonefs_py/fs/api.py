@@ -115,6 +115,10 @@ class FileSystemAPI(abc.ABC):
     async def lookup(self, parent_ino: int, name: bytes) -> Attr: ...
 
     @abc.abstractmethod
+    def add_lookup(self, ino: int) -> None:
+        """Count one kernel reference handed out by READDIRPLUS (an accepted entry)."""
+
+    @abc.abstractmethod
     def forget(self, forgets: Sequence[tuple[int, int]]) -> None:
         """Drop lookup counts: a list of (ino, nlookup). Never awaits, never raises."""
 
@@ -214,6 +218,23 @@ class FileSystemAPI(abc.ABC):
     @abc.abstractmethod
     async def sync(self) -> None:
         """Make everything acknowledged so far durable (journal commit + device flush)."""
+
+    @abc.abstractmethod
+    async def checkpoint(self) -> None:
+        """Write a metadata checkpoint now (buffers flushed, journal folded in)."""
+
+    # -- daemon lifecycle --------------------------------------------------------
+    @abc.abstractmethod
+    async def serve_background(self) -> None:
+        """Run periodic commits, checkpoints, resets and cleaning until `close()`."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Clean unmount: everything durable, checkpoint written. Leaves the device open."""
+
+    @abc.abstractmethod
+    def enter_failsafe(self, reason: str) -> None:
+        """Refuse every later change (ReadOnly) until remount; reads go on."""
 
     @abc.abstractmethod
     def status(self) -> dict[str, object]:

@@ -887,6 +887,13 @@ class ZoneFS(FileSystemAPI):
         files_max = 1 << 32
         return StatFs(bs, total, free, free, files_max, files_max - len(self.state.inodes))
 
+    async def checkpoint(self) -> None:
+        self._writable()
+        await self.data.flush_all()
+        self._record_counters()
+        await self.journal.checkpoint()
+        await self._reset_dead_zones()
+
     async def sync(self) -> None:
         if self.options.read_only:
             return

@@ -58,6 +58,8 @@ def build_status(fs: ZoneFS) -> dict[str, object]:
                 "live_bytes": sum(fs.alloc.live_bytes(dz.idx) for dz in zones_of),
             }
     zone_map = "".join(_zone_char(fs, z, roles[z.index]) for z in zones)
+    if len(zone_map) > MAP_CHARS_MAX:
+        zone_map = _run_length(zone_map)
     total = fs.alloc.total_capacity()
     return {
         "device": {"path": fs.dev.info.path, "kind": fs.dev.info.kind,
@@ -103,6 +105,23 @@ def build_status(fs: ZoneFS) -> dict[str, object]:
                     "broken": fs.journal.broken},
         "zone_map": zone_map,
     }
+
+
+#: Beyond this many zones the map is run-length encoded ("D*120 .*30"), so that the
+#: status stays well under the 64 KiB an xattr can carry.
+MAP_CHARS_MAX = 8192
+
+
+def _run_length(chars: str) -> str:
+    runs: list[str] = []
+    i = 0
+    while i < len(chars):
+        j = i
+        while j < len(chars) and chars[j] == chars[i]:
+            j += 1
+        runs.append(chars[i] if j - i == 1 else f"{chars[i]}*{j - i}")
+        i = j
+    return " ".join(runs)
 
 
 def _zone_char(fs: ZoneFS, z: object, role: ZoneRole) -> str:
