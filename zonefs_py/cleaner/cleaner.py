@@ -160,7 +160,7 @@ class Cleaner:
             if throttle:
                 await self._throttle(nbytes)
             data = await trio.to_thread.run_sync(self._read_verified, dev_off, nbytes, csums,
-                                                 limiter=self.fs.limiter)
+                                                 limiter=self.fs.cleaner_limiter)
             if data is None:
                 self.skip.add(victim)
                 self.stats.checksum_failures += 1
@@ -196,10 +196,10 @@ class Cleaner:
             try:
                 for z in to_finish:
                     await trio.to_thread.run_sync(self.fs.dev.finish_zone, z,
-                                                  limiter=self.fs.limiter)
+                                                  limiter=self.fs.cleaner_limiter)
                 new_dev = await trio.to_thread.run_sync(
                     self.fs.dev.append, zone, memoryview(data)[pos:pos + granted],
-                    limiter=self.fs.limiter)
+                    limiter=self.fs.cleaner_limiter)
             except OSError as exc:
                 self.alloc.append_done(zone, ok=False)
                 raise errors.IOFailure(f"cleaner write to zone {zone} failed: {exc}") from exc

@@ -96,12 +96,14 @@ class Chunk:
 
 class DataPath:
     def __init__(self, dev: ZonedDevice, state: State, journal: Journal, alloc: Allocator,
-                 limiter: trio.CapacityLimiter, path_of: Callable[[int], str]) -> None:
+                 limiter: trio.CapacityLimiter, path_of: Callable[[int], str],
+                 read_limiter: trio.CapacityLimiter | None = None) -> None:
         self.dev = dev
         self.state = state
         self.journal = journal
         self.alloc = alloc
         self.limiter = limiter
+        self.read_limiter = read_limiter or limiter
         self.bs = dev.info.block_size
         self.buffers: dict[int, WriteBuffer] = {}
         self.locks: dict[int, trio.Lock] = {}
@@ -410,7 +412,7 @@ class DataPath:
             csums = ext.csums[rel * 4:(rel + count) * 4]
             parts.append(await trio.to_thread.run_sync(
                 self._read_verify, inode.ino, start, dev_off, count * bs, csums,
-                limiter=self.limiter))
+                limiter=self.read_limiter))
         blob = b"".join(parts) if len(parts) != 1 else parts[0]
         skip = offset - fb0 * bs
         out = blob[skip:skip + (end - offset)]

@@ -110,14 +110,20 @@ class ZoneFS(FileSystemAPI):
         self.state: State = rec.state
         self.recovered = rec
         self.bs = dev.info.block_size
-        self.limiter = trio.CapacityLimiter(options.max_device_threads)
-        self.journal = Journal(dev, rec.log, rec.sbstore, rec.sb, self.state, self.limiter)
+        # Separate thread budgets so that reads never queue behind writes (dataset
+        # reads keep their latency under checkpoint bursts) and a commit never
+        # queues behind bulk data appends. io_threads= sets the read budget.
+        self.read_limiter = trio.CapacityLimiter(options.max_device_threads)
+        self.limiter = trio.CapacityLimiter(max(2, options.max_device_threads // 4))
+        self.meta_limiter = trio.CapacityLimiter(2)
+        self.cleaner_limiter = trio.CapacityLimiter(1)
+        self.journal = Journal(dev, rec.log, rec.sbstore, rec.sb, self.state, self.meta_limiter)
         self.journal.journal_limit = options.checkpoint_journal_bytes
         self.alloc = Allocator(dev.info, rec.sb, self.state, dev.report_zones())
         self.alloc.current_txn = lambda: self.journal.added_txn  # type: ignore[method-assign]
         self.state.on_zone_emptied = self.alloc.zone_emptied
         self.data = DataPath(dev, self.state, self.journal, self.alloc, self.limiter,
-                             self.path_of)
+                             self.path_of, read_limiter=self.read_limiter)
         from zonefs_py.cleaner.cleaner import Cleaner
 
         self.cleaner = Cleaner(self)

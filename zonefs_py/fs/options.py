@@ -20,7 +20,8 @@ class FsOptions:
     read_only: bool = False
     #: Journal bytes since the last checkpoint that trigger a new checkpoint.
     checkpoint_journal_bytes: int = 64 << 20
-    #: Most device calls in flight from worker threads at once.
+    #: Most file-data reads in flight in worker threads at once (writes get a quarter,
+    #: metadata commits 2, the cleaner 1, each from a budget of its own).
     max_device_threads: int = 16
     #: Cleaner rate limit, MB/s (token bucket); 0 disables background cleaning.
     cleaner_rate_mb_s: float = 64.0
