@@ -459,6 +459,13 @@ async def _serve_mounted(cfg: MountConfig, fs: Any, ops: Any, signals: Any) -> i
             nursery.start_soon(_set_readahead_after_init, cfg.mountpoint, cfg.readahead_kb)
         try:
             await pyfuse3.main(min_tasks=1, max_tasks=cfg.max_tasks)
+        except OSError as exc:
+            # An unmount racing requests still in flight (e.g. RELEASEDIR of many
+            # descriptors closed just before fusermount3 -u) aborts the session with
+            # ECONNABORTED instead of ENODEV: it ended all the same.
+            if exc.errno != errno.ECONNABORTED:
+                raise
+            log.info("FUSE session aborted by the unmount (%s)", exc)
         finally:
             # Unmount first so no request can arrive, then make everything durable.
             with trio.CancelScope(shield=True):
