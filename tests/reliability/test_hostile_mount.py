@@ -25,7 +25,8 @@ ALLOWED_RENAME_ERRNOS = {errno.EINVAL, errno.ENOENT, errno.ENOTEMPTY, errno.EEXI
 
 
 def remount(m: Mount) -> None:
-    assert m.unmount() == 0
+    rc = m.unmount()
+    assert rc == 0, m.log_text()[-3000:]
     m.start()
 
 
