@@ -5,8 +5,9 @@
 
 Writers (checkpoint, dataset, small files; round robin over the 8 threads)
 write self-verifying files (a 48-byte header: magic, length, blake2b of the
-body) under new names, replace checkpoints with temp + fsync + rename, and
-delete their old files so the live data stays bounded. Readers read random
+body), each as NAME.tmp, fsync'ed and renamed into place; checkpoints are
+replaced with temp + fsync + rename; old files are deleted so the live data
+stays bounded. Readers read random
 files whole and verify them (a name vanishing under them is fine; anything
 else is an error). Figures: daemon RSS and open fds at the start (after a
 warm-up) and at the end, zones by condition, errors, bytes moved. At the end
@@ -118,13 +119,15 @@ def writer(idx: int, root: Path, stop: threading.Event, fig: Figures) -> None:
                 fsync_dir(d)
             elif kind == "data":
                 data = make_content(rng, rng.randrange(1, 4) << 20)
-                write_whole(d / f"shard-{n:06d}", data)
+                write_whole(d / f"shard-{n:06d}.tmp", data)  # readers skip *.tmp
+                os.rename(d / f"shard-{n:06d}.tmp", d / f"shard-{n:06d}")
                 old = d / f"shard-{n - 8:06d}"
                 if n > 8:
                     os.unlink(old)
             else:
                 data = make_content(rng, rng.randrange(1, 64) << 10)
-                write_whole(d / f"s-{n:07d}", data)
+                write_whole(d / f"s-{n:07d}.tmp", data)
+                os.rename(d / f"s-{n:07d}.tmp", d / f"s-{n:07d}")
                 if n > 200:
                     os.unlink(d / f"s-{n - 200:07d}")
             with fig.lock:
