@@ -13,6 +13,10 @@ moment in one of three ways:
     zonefs_py/device/emu_faults.py): the daemon's own emulator runs
     `simulate_power_cut` (unflushed data dropped, or a random prefix of each
     zone's unflushed appends kept) and then SIGKILLs itself.
+  * ``cut``: the daemon's emulator dies right after its N-th write (TEST HOOK
+    `cut_after_writes=N`, N random below 300): power is lost at an exact
+    write boundary while the daemon keeps running on a dead device (its
+    answers are EIO/EROFS), then SIGKILL.
 
 Then `fsck` of the crashed image (read-only recovery, data checksums) must be
 clean, and the next mount must show, for every path:
@@ -52,9 +56,11 @@ REPO = Path(__file__).resolve().parents[2]
 ZONEFS = [sys.executable, "-m", "zonefs_py.cli.main"]
 MOUNT_DEADLINE_S = 60.0
 JOIN_DEADLINE_S = 60.0
-MODES = ("kill", "drop", "tear")
+MODES = ("kill", "drop", "tear", "cut")
 #: errno values a workload thread sees once the daemon is gone.
 DEAD_ERRNOS = {errno.ENOTCONN, errno.ECONNABORTED, errno.EIO, errno.ENODEV}
+#: ... and what it may answer while alive on a device that lost power ("cut").
+CUT_ERRNOS = DEAD_ERRNOS | {errno.EROFS}
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -365,7 +371,7 @@ class Daemon:
         The dead mount stays until `lazy_unmount`: workers still running must
         see ENOTCONN, not the empty directory under the mount point.
         """
-        self.proc.send_signal(signal.SIGKILL if mode == "kill" else signal.SIGUSR1)
+        self.proc.send_signal(signal.SIGUSR1 if mode in ("drop", "tear") else signal.SIGKILL)
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
@@ -462,7 +468,8 @@ def run_torture(workdir: Path, *, seed: int, cycles: int, size: str = "1G",
             mode = rng.choice(MODES)
             options = [rng.choice(["commit=5", "commit=0.2"]),
                        rng.choice(["checkpoint_mb=64", "checkpoint_mb=1"])]
-            hook = None if mode == "kill" else f"powercut={mode},seed={rng.randrange(1 << 30)}"
+            hook = {"kill": None, "cut": f"cut_after_writes={rng.randrange(1, 300)}"}.get(
+                mode, f"powercut={mode},seed={rng.randrange(1 << 30)}")
             where = f"seed {seed} cycle {cycle} ({mode}, {' '.join(options)})"
             daemon = Daemon(image, mnt, log, hook, options)
             problems = verify(mnt, model)
@@ -474,7 +481,8 @@ def run_torture(workdir: Path, *, seed: int, cycles: int, size: str = "1G",
             for w in workers:
                 w.start()
             time.sleep(rng.uniform(0.05, 1.5))
-            early = [w for w in workers if w.error is not None or not w.is_alive()]
+            early = [w for w in workers if (w.error is not None or not w.is_alive()) and not (
+                mode == "cut" and isinstance(w.error, OSError) and w.error.errno in CUT_ERRNOS)]
             daemon.end(mode)
             stop.set()
             for w in workers:
@@ -486,7 +494,7 @@ def run_torture(workdir: Path, *, seed: int, cycles: int, size: str = "1G",
                 raise TortureFailure(f"{where}: {w.kind} failed before the crash: {w.error!r}")
             for w in workers:
                 if (w.error is not None and not (isinstance(w.error, OSError)
-                                                 and w.error.errno in DEAD_ERRNOS)):
+                                                 and w.error.errno in CUT_ERRNOS)):
                     raise TortureFailure(f"{where}: {w.kind}: unexpected {w.error!r}")
                 stats.ops += w.ops
             daemon = None
