@@ -265,15 +265,18 @@ class DataPath:
         if chunk.prev is not None:
             await chunk.prev.applied.wait()
         try:
+            # Always account the placed pieces (their zones' in-flight marks), even
+            # when the file was deleted meanwhile: then they are garbage, not leaks.
+            ops = self._apply_placed(inode, placed)
             if error is None and inode.ino in self.state.inodes:
-                ops = self._apply_placed(inode, placed)
                 op = inode.op(size=max(inode.size, chunk.logical_end), mtime=chunk.mtime,
                               ctime=chunk.mtime, flags=inode.flags)
                 self.state.apply(op)
                 ops.append(op)
-                self.journal.add(ops)
             elif error is not None:
                 self.write_errors[inode.ino] = error
+            if ops:
+                self.journal.add(ops)
         finally:
             chunks = self.inflight.get(inode.ino)
             if chunks and chunks[0] is chunk:
@@ -301,6 +304,19 @@ class DataPath:
                                               limiter=self.limiter)
         owner = inode.ino if self._wants_private_head(inode, fblock, len(data)) else 0
         placed: list[tuple[Op, int]] = []
+        try:
+            await self._place_pieces(inode, fblock, data, csums, stream, owner, placed)
+        except BaseException:
+            # The pieces already written are garbage now; give their zones back.
+            for _op, zone in placed:
+                self.alloc.append_done(zone, ok=True)
+            raise
+        self.journal.data_dirty = True
+        return placed
+
+    async def _place_pieces(self, inode: Inode, fblock: int, data: bytes, csums: bytes,
+                            stream: int, owner: int, placed: list[tuple[Op, int]]) -> None:
+        """Reserve, append and describe each piece of `data` (appended to `placed`)."""
         pos = 0
         failures = 0
         while pos < len(data):
@@ -338,8 +354,6 @@ class DataPath:
             self._count(C_DATA_BYTES, granted)
             self._count(C_STREAM_BASE + stream, granted)
             pos += granted
-        self.journal.data_dirty = True
-        return placed
 
     def _apply_placed(self, inode: Inode, placed: list[tuple[Op, int]]) -> list[Op]:
         """Apply placed EXTENT ops (never awaits) and release their zones' in-flight marks."""
