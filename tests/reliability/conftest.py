@@ -2,25 +2,17 @@
 
 `mount_factory` / `mounted` / `image` / `workdir` are those of
 tests/integration/conftest.py (a `zonefs-py mount -f` subprocess, always
-unmounted, fsck'ed after the test). Tests that mount carry the `integration`
-marker and skip, saying why, where FUSE is missing.
+unmounted, fsck'ed after the test), re-exported through `mounts.py`. Tests
+that mount carry the `integration` marker.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from integration.conftest import (  # noqa: E402,F401 - fixtures re-exported
-    Mount,
+from mounts import (  # noqa: F401 - fixtures and the skip-without-FUSE hook
     image,
-    make_image,
     mount_factory,
     mounted,
+    pytest_collection_modifyitems,
     template_image,
     workdir,
-    zonefs,
 )
-from integration.conftest import _why_unavailable as why_no_fuse  # noqa: E402,F401

@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import Mount, make_image, zonefs
+from mounts import Mount, make_image, zonefs
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Mount
+from mounts import Mount
 
 pytestmark = pytest.mark.integration
 

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import Mount, make_image
+from mounts import Mount, make_image
 from soak import run_soak
 
 pytestmark = pytest.mark.integration
