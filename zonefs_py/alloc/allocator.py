@@ -294,7 +294,9 @@ class Allocator:
             return
         if any(z == zone_idx for z, _ in self.pending_resets):
             return
-        self.pending_resets.append((zone_idx, self.current_txn()))
+        # Called from State.apply, before the engine adds the releasing transaction to the
+        # journal: that transaction is the *next* one, and it must be durable first (INV-8).
+        self.pending_resets.append((zone_idx, self.current_txn() + 1))
 
     def current_txn(self) -> int:
         """Overridden by the engine: the number of the last journal transaction added."""
