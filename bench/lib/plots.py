@@ -54,8 +54,9 @@ def plot_throughput(results: dict[str, Any], path: Path) -> bool:
             med = summary["median"]
             err = [[med - summary["min"]], [summary["max"] - med]]
             ax.bar(idx, med, color=COLOURS.get(key, "#333"), yerr=err, capsize=3)
-            ax.text(idx, med, f"{med:,.0f}" if med >= 10 else f"{med:.2f}", ha="center",
-                    va="bottom", fontsize=7)
+            # Label above the max whisker so it never collides with the error bar.
+            ax.text(idx, summary["max"], f"{med:,.0f}" if med >= 10 else f"{med:.2f}",
+                    ha="center", va="bottom", fontsize=7)
         ax.set_title(f"{name} ({wl['primary']})", fontsize=9)
         ax.set_ylabel(wl["primary"], fontsize=8)
         ax.set_xticks(range(len(keys)))
