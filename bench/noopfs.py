@@ -12,7 +12,10 @@ Usage: noopfs.py MOUNTPOINT  (always foreground; unmount with fusermount3 -u)
 Caveats:
 - Like pyfuse3's examples it runs every handler in the trio loop without
   threads; there is no I/O to wait for anyway.
-- No writeback cache, no permission checks beyond `default_permissions`.
+- Same kernel-side settings as zonefs-py's mount, so that it stays an upper
+  bound for them: writeback cache on, readahead window 4 MiB (set after FUSE
+  INIT, as zonefs-py's daemon does). No permission checks beyond
+  `default_permissions`.
 - torch.load of a checkpoint written here fails (the bytes read back are zeros).
 """
 
@@ -49,7 +52,7 @@ class NoopOperations(pyfuse3.Operations):
     """Accept every write, return zeros on read, keep only the namespace."""
 
     supports_dot_lookup = True
-    enable_writeback_cache = False
+    enable_writeback_cache = True
     enable_acl = False
 
     def __init__(self) -> None:
@@ -220,6 +223,27 @@ class NoopOperations(pyfuse3.Operations):
         return None
 
 
+async def serve(mountpoint: str) -> None:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(set_readahead, mountpoint, 4096)
+        await pyfuse3.main()
+        nursery.cancel_scope.cancel()
+
+
+async def set_readahead(mountpoint: str, kib: int) -> None:
+    """Widen the mount's readahead window once FUSE INIT is done (as zonefs-py does)."""
+    await trio.to_thread.run_sync(os.statvfs, mountpoint, cancellable=True)
+    await trio.to_thread.run_sync(write_readahead, mountpoint, kib)
+
+
+def write_readahead(mountpoint: str, kib: int) -> None:
+    with open("/proc/self/mountinfo") as f:
+        devs = [line.split()[2] for line in f if line.split()[4] == mountpoint]
+    if devs:
+        with open(f"/sys/class/bdi/{devs[-1]}/read_ahead_kb", "w") as f:
+            f.write(str(kib))
+
+
 def main() -> None:
     """Mount the no-op filesystem in the foreground until unmounted."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -229,7 +253,7 @@ def main() -> None:
     options.add("fsname=bench-noopfs")
     pyfuse3.init(NoopOperations(), args.mountpoint, options)
     try:
-        trio.run(pyfuse3.main)
+        trio.run(serve, os.path.abspath(args.mountpoint))
     finally:
         pyfuse3.close(unmount=True)
 

@@ -421,7 +421,7 @@ async def _set_readahead_after_init(mountpoint: str, kib: int) -> None:
     except OSError as exc:
         log.warning("could not set the readahead window of %s: %s", mountpoint, exc)
         return
-    set_readahead(mountpoint, kib)
+    await trio.to_thread.run_sync(set_readahead, mountpoint, kib)
 
 
 def set_readahead(mountpoint: str, kib: int) -> None:
