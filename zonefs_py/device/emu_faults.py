@@ -204,13 +204,16 @@ class EnvTestHook:
         process SIGKILLs itself, so a test can cut power of a running daemon
         (a plain SIGKILL loses no write the emulator acknowledged).
       * ``seed=N``: seed of the tear (default 0).
-      * ``cut_after_writes=N``: the device dies after N mutating calls.
+      * ``cut_after_writes=N``: the device dies after N mutating calls, counted
+        from open, or (with ``arm=sigusr2``) from when the process gets SIGUSR2,
+        so that a test can let mount and recovery finish first.
     Crash-torture runs (tests/torture) set it; users never should.
     """
 
     powercut: str | None = None
     seed: int = 0
     cut_after_writes: int | None = None
+    arm_on_sigusr2: bool = False
 
     @classmethod
     def from_env(cls) -> EnvTestHook | None:
@@ -229,6 +232,8 @@ class EnvTestHook:
                 hook.seed = int(value)
             elif key == "cut_after_writes":
                 hook.cut_after_writes = int(value)
+            elif key == "arm" and value == "sigusr2":
+                hook.arm_on_sigusr2 = True
             else:
                 raise ValueError(f"{ENV_HOOK}: bad item {item!r}")
         return hook
@@ -244,9 +249,18 @@ class EnvTestHook:
         import random
         import signal
 
-        if self.cut_after_writes is not None:
-            dev.faults.cut_after_writes(self.cut_after_writes)
-        if self.powercut is None or threading.current_thread() is not threading.main_thread():
+        main = threading.current_thread() is threading.main_thread()
+        count = self.cut_after_writes
+        if count is not None and self.arm_on_sigusr2 and main:
+
+            def arm(_signum: int, _frame: object) -> None:
+                threading.Thread(target=dev.faults.cut_after_writes, args=(count,),
+                                 name="emu-arm-cut", daemon=True).start()
+
+            signal.signal(signal.SIGUSR2, arm)
+        elif count is not None:
+            dev.faults.cut_after_writes(count)
+        if self.powercut is None or not main:
             return
         mode = self.powercut
         rng = random.Random(self.seed)
