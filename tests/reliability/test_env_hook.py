@@ -39,6 +39,10 @@ def test_parse(monkeypatch: pytest.MonkeyPatch) -> None:
     hook = EnvTestHook.from_env()
     assert hook is not None
     assert (hook.cut_after_writes, hook.volatile_cache) == (5, False)
+    monkeypatch.setenv(ENV_HOOK, "cut_after_writes=9,arm=sigusr2")
+    hook = EnvTestHook.from_env()
+    assert hook is not None
+    assert (hook.cut_after_writes, hook.arm_on_sigusr2) == (9, True)
     monkeypatch.setenv(ENV_HOOK, "powercut=melt")
     with pytest.raises(ValueError, match="bad item"):
         EnvTestHook.from_env()

@@ -13,8 +13,9 @@ moment in one of three ways:
     zonefs_py/device/emu_faults.py): the daemon's own emulator runs
     `simulate_power_cut` (unflushed data dropped, or a random prefix of each
     zone's unflushed appends kept) and then SIGKILLs itself.
-  * ``cut``: the daemon's emulator dies right after its N-th write (TEST HOOK
-    `cut_after_writes=N`, N random below 300): power is lost at an exact
+  * ``cut``: the daemon's emulator dies right after its N-th write once the
+    workload starts (TEST HOOK `cut_after_writes=N,arm=sigusr2`, N random
+    below 300, armed by SIGUSR2 after the verification): power is lost at an exact
     write boundary while the daemon keeps running on a dead device (its
     answers are EIO/EROFS), then SIGKILL.
 
@@ -468,7 +469,8 @@ def run_torture(workdir: Path, *, seed: int, cycles: int, size: str = "1G",
             mode = rng.choice(MODES)
             options = [rng.choice(["commit=5", "commit=0.2"]),
                        rng.choice(["checkpoint_mb=64", "checkpoint_mb=1"])]
-            hook = {"kill": None, "cut": f"cut_after_writes={rng.randrange(1, 300)}"}.get(
+            hook = {"kill": None,
+                    "cut": f"cut_after_writes={rng.randrange(1, 300)},arm=sigusr2"}.get(
                 mode, f"powercut={mode},seed={rng.randrange(1 << 30)}")
             where = f"seed {seed} cycle {cycle} ({mode}, {' '.join(options)})"
             daemon = Daemon(image, mnt, log, hook, options)
@@ -476,6 +478,8 @@ def run_torture(workdir: Path, *, seed: int, cycles: int, size: str = "1G",
             if problems:
                 raise TortureFailure(f"{where}: after the previous crash:\n  "
                                      + "\n  ".join(problems[:20]))
+            if mode == "cut":  # count the N writes from now on, not from mount and recovery
+                daemon.proc.send_signal(signal.SIGUSR2)
             stop = threading.Event()
             workers = [cls(mnt, model, random.Random(rng.random()), stop) for cls in WORKERS]
             for w in workers:
