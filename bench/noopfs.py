@@ -12,10 +12,11 @@ Usage: noopfs.py MOUNTPOINT  (always foreground; unmount with fusermount3 -u)
 Caveats:
 - Like pyfuse3's examples it runs every handler in the trio loop without
   threads; there is no I/O to wait for anyway.
-- Same kernel-side settings as zonefs-py's mount, so that it stays an upper
-  bound for them: writeback cache on, readahead window 4 MiB (set after FUSE
-  INIT, as zonefs-py's daemon does). No permission checks beyond
-  `default_permissions`.
+- Readahead window 4 MiB (set after FUSE INIT, as zonefs-py's daemon does), so
+  that it stays an upper bound for zonefs-py's reads. No writeback cache (its
+  namespace does not keep up with what the kernel caches then): buffered
+  writes through zonefs-py's writeback cache can beat it. No permission
+  checks beyond `default_permissions`.
 - torch.load of a checkpoint written here fails (the bytes read back are zeros).
 """
 
@@ -52,7 +53,7 @@ class NoopOperations(pyfuse3.Operations):
     """Accept every write, return zeros on read, keep only the namespace."""
 
     supports_dot_lookup = True
-    enable_writeback_cache = True
+    enable_writeback_cache = False
     enable_acl = False
 
     def __init__(self) -> None:
