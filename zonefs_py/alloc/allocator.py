@@ -283,10 +283,23 @@ class Allocator:
 
     # -- freeing ------------------------------------------------------------------
     def zone_emptied(self, zone_idx: int) -> None:
-        """State callback: the zone's last live block was released."""
-        self._maybe_dead(zone_idx)
+        """State callback: the zone's last live block was released.
 
-    def _maybe_dead(self, zone_idx: int) -> None:
+        Called from inside State.apply, before the engine queues the releasing
+        transaction: that transaction is the *next* one, and it must be durable
+        before the reset (INV-8).
+        """
+        self._maybe_dead(zone_idx, after_next_txn=True)
+
+    def _maybe_dead(self, zone_idx: int, after_next_txn: bool = False) -> None:
+        """Queue the zone for reset if nothing references or writes it any more.
+
+        Outside State.apply (a head dropped, an append done, a zone finished) the
+        transaction that released the zone's data is already queued, since every
+        path queues its ops right after applying them without awaiting: the reset
+        then waits for the current transaction only (waiting for a later one
+        could leave a dead zone unreset for as long as nothing else happens).
+        """
         dz = self.zones.get(zone_idx)
         if dz is None or dz.head_of is not None or dz.inflight or dz.reserved == 0:
             return
@@ -294,9 +307,8 @@ class Allocator:
             return
         if any(z == zone_idx for z, _ in self.pending_resets):
             return
-        # Called from State.apply, before the engine adds the releasing transaction to the
-        # journal: that transaction is the *next* one, and it must be durable first (INV-8).
-        self.pending_resets.append((zone_idx, self.current_txn() + 1))
+        txn = self.current_txn() + (1 if after_next_txn else 0)
+        self.pending_resets.append((zone_idx, txn))
 
     def current_txn(self) -> int:
         """Overridden by the engine: the number of the last journal transaction added."""
