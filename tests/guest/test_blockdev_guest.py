@@ -8,7 +8,6 @@ the kernel's open/active limit errors, write-pointer caching and recovery.
 from __future__ import annotations
 
 import errno
-import threading
 from pathlib import Path
 
 import pytest
@@ -162,28 +161,6 @@ def test_reads_past_wp_are_zeros_though_kernel_gives_ff(nullblk_factory: NullBlk
         assert dev.read(0, 2 * BLK) == blocks(1, 7) + bytes(BLK)
     finally:
         dev.close()
-
-
-def test_concurrent_appends_to_one_zone_are_serialised(nullblk_factory: NullBlkFactory) -> None:
-    dev = nullblk_factory(nr_zones=4)
-    offsets: list[int] = []
-    lock = threading.Lock()
-
-    def worker(fill: int) -> None:
-        for _ in range(8):
-            off = dev.append(1, blocks(1, fill))
-            with lock:
-                offsets.append(off)
-
-    threads = [threading.Thread(target=worker, args=(i + 1,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert sorted(offsets) == [4 * MiB + i * BLK for i in range(32)]
-    data = dev.read(4 * MiB, 32 * BLK)
-    assert all(data[i * BLK] != 0 and len(set(data[i * BLK:(i + 1) * BLK])) == 1
-               for i in range(32))
 
 
 def test_conventional_zone_rules(nullblk_factory: NullBlkFactory) -> None:
