@@ -231,3 +231,12 @@ def mount_factory(workdir: Path) -> Iterator[Mount]:
 def mounted(image: Path, mount_factory: Mount) -> Mount:
     """The image, mounted with default options."""
     return mount_factory.start()
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory (makes its entries durable, as checkpointers do after rename)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

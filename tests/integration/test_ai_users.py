@@ -6,26 +6,17 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .conftest import Mount
+from .conftest import Mount, fsync_dir
 
 pytestmark = pytest.mark.integration
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 HAVE_NUMPY = importlib.util.find_spec("numpy") is not None
 HAVE_SAFETENSORS = importlib.util.find_spec("safetensors") is not None
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def model_state(seed: int) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import EXIT_DEADLINE_S, Mount, make_image, zonefs
+from .conftest import EXIT_DEADLINE_S, Mount, fsync_dir, make_image, zonefs
 
 pytestmark = pytest.mark.integration
 
@@ -25,14 +25,6 @@ def rand_bytes(n: int, seed: int) -> bytes:
     import random
 
     return random.Random(seed).randbytes(n)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def daemon_pid(image: Path) -> int:
