@@ -154,6 +154,9 @@ def check_inv6_zone_accounting(state: State, report: Report) -> None:
     for (_a0, a1, ia), (b0, _b1, ib) in zip(spans, spans[1:], strict=False):
         if b0 < a1:
             report.add("INV-6", f"device bytes [{b0}, {a1}) belong to inodes {ia} and {ib}")
+    if state.live_blocks_total != sum(state.zone_live_blocks.values()):
+        report.add("INV-6", f"live block total {state.live_blocks_total} does not match the "
+                   f"zones' {sum(state.zone_live_blocks.values())}")
     for zone, live in state.zone_live_blocks.items():
         if live != counted.get(zone, 0):
             report.add("INV-6", f"zone {zone}: live count {live} but extents hold "

@@ -275,7 +275,7 @@ class Allocator:
                 and dz.idx not in pending]
 
     def live_total_bytes(self) -> int:
-        return sum(self.state.zone_live_blocks.values()) * self.block_size
+        return self.state.live_blocks_total * self.block_size
 
     def user_capacity_bytes(self) -> int:
         """What users may fill with live data: capacity less the over-provisioning."""

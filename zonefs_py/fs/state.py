@@ -93,6 +93,8 @@ class State:
         self.zone_info: dict[int, tuple[int, int, int]] = {}
         #: zone -> device blocks referenced by some extent (INV-6).
         self.zone_live_blocks: dict[int, int] = {}
+        #: Sum of zone_live_blocks, kept alongside it (read on every growing write).
+        self.live_blocks_total = 0
         self.counters: dict[int, int] = {}
         #: top-level directory ino -> user bytes written below it (TENANT_BYTES ops).
         self.tenant_written: dict[int, int] = {}
@@ -202,6 +204,7 @@ class State:
         freed = inode.extents.insert(fblock, nblocks, dev, csums, self.block_size,
                                      self.zone_size)
         self.zone_live_blocks[zone] = self.zone_live_blocks.get(zone, 0) + nblocks
+        self.live_blocks_total += nblocks
         owners = self.zone_owners.get(zone)
         if owners is None:
             owners = self.zone_owners[zone] = set()
@@ -257,6 +260,7 @@ class State:
             if left < 0:
                 raise StateError(f"live block count of zone {zone} went negative")
             self.zone_live_blocks[zone] = left
+            self.live_blocks_total -= nblocks
             if left == 0 and self.on_zone_emptied is not None:
                 self.on_zone_emptied(zone)
 
