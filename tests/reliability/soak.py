@@ -168,7 +168,7 @@ def reader(idx: int, root: Path, stop: threading.Event, fig: Figures) -> None:
 def zones_summary(st: dict[str, object]) -> dict[str, object]:
     return {"zones_by_condition": st.get("zones_by_condition"),
             "space": {k: v for k, v in (st.get("space") or {}).items()  # type: ignore[union-attr]
-                      if k in ("live_bytes", "dead_bytes", "free_bytes")}}
+                      if k in ("live_bytes", "dead_bytes", "free_bytes", "dead_zones")}}
 
 
 def run_soak(mnt: Path, pid: int, seconds: float, *, warmup_s: float = 10.0) -> dict[str, object]:

@@ -56,6 +56,9 @@ class DataZone:
     resets: int = 0
     head_of: tuple[int, int] | None = None
     unusable: bool = False
+    #: Unusable because an append failed (not READONLY/OFFLINE): once its data is
+    #: dead a reset is tried, and a zone that resets cleanly is used again.
+    write_failed: bool = False
     #: When data was last appended (mount time for zones written before it).
     last_write_ns: int = 0
 
@@ -179,7 +182,7 @@ class Allocator:
         dz.inflight -= 1
         if not ok:
             # A failed write leaves the zone's state unknown: stop using it.
-            dz.unusable = True
+            dz.unusable = dz.write_failed = True
             if dz.head_of is not None:
                 self._drop_head(dz.head_of)
             log.error("data zone %d stopped taking writes after a write error", zone_idx)
@@ -200,10 +203,15 @@ class Allocator:
             if shared not in self.heads and dz.remaining * 4 > dz.capacity:
                 self.heads[shared] = zone_idx
                 dz.head_of = shared
-            elif dz.remaining > 0:
+            elif dz.remaining > 0 and not dz.inflight:
                 self._mark_finished(dz, to_finish)
+            # With appends in flight (another file of the stream shares this zone
+            # while empty zones are scarce) the zone is left active and headless:
+            # finishing it now would fail those appends. `_new_head` finishes it
+            # once idle if the token is needed.
 
     def _mark_finished(self, dz: DataZone, to_finish: list[int]) -> None:
+        assert not dz.inflight, f"finishing zone {dz.idx} with appends in flight"
         self.wasted_bytes += dz.remaining
         dz.reserved = dz.capacity
         to_finish.append(dz.idx)
@@ -303,11 +311,15 @@ class Allocator:
         dz = self.zones.get(zone_idx)
         if dz is None or dz.head_of is not None or dz.inflight or dz.reserved == 0:
             return
-        if self.live_bytes(zone_idx) != 0 or dz.unusable:
-            return
-        if any(z == zone_idx for z, _ in self.pending_resets):
+        if self.live_bytes(zone_idx) != 0 or (dz.unusable and not dz.write_failed):
             return
         txn = self.current_txn() + (1 if after_next_txn else 0)
+        for i, (z, queued) in enumerate(self.pending_resets):
+            if z == zone_idx:
+                # Already queued (it died, was reused as a head, died again): the
+                # reset waits for the later death to be durable too (INV-8).
+                self.pending_resets[i] = (z, max(queued, txn))
+                return
         self.pending_resets.append((zone_idx, txn))
 
     def current_txn(self) -> int:
@@ -327,8 +339,17 @@ class Allocator:
         self.pending_resets = keep
         return ready
 
+    def zone_reset_failed(self, zone_idx: int) -> None:
+        """A reset of a dead zone failed: the zone is out of use for this mount."""
+        dz = self.zones[zone_idx]
+        dz.unusable = True
+        dz.write_failed = False
+
     def zone_was_reset(self, zone_idx: int, journal_ops: list[Op]) -> None:
         dz = self.zones[zone_idx]
+        if dz.unusable:
+            log.info("data zone %d is usable again after a reset", zone_idx)
+        dz.unusable = dz.write_failed = False
         self.dead_bytes_reset += dz.reserved
         dz.reserved = 0
         dz.resets += 1

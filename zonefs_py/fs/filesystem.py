@@ -266,7 +266,15 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
 
     async def _reset_dead_zones(self) -> None:
         for zone in self.alloc.take_resettable(self.journal.durable_txn):
-            await trio.to_thread.run_sync(self.dev.reset_zone, zone, limiter=self.limiter)
+            try:
+                await trio.to_thread.run_sync(self.dev.reset_zone, zone, limiter=self.limiter)
+            except OSError as exc:
+                # The zone's data is dead and durable as such: losing the zone
+                # costs space, not data. Keep going with the others.
+                log.error("reset of dead data zone %d failed (%s); not used again "
+                          "until remount", zone, exc)
+                self.alloc.zone_reset_failed(zone)
+                continue
             ops: list[Op] = []
             self.alloc.zone_was_reset(zone, ops)
             self.journal.add(ops)

@@ -76,7 +76,8 @@ def build_status(fs: ZoneFS) -> dict[str, object]:
                   "live_bytes": live, "free_bytes": fs.alloc.free_bytes(),
                   "dead_bytes": max(0, sum(dz.reserved for dz in fs.alloc.zones.values())
                                     - live),
-                  "wasted_by_finish_bytes": fs.alloc.wasted_bytes},
+                  "wasted_by_finish_bytes": fs.alloc.wasted_bytes,
+                  "dead_zones": _dead_zones(fs)},
         "user_bytes_written": user,
         "device_bytes_written": device_total,
         "data_bytes_written": data,
@@ -105,6 +106,26 @@ def build_status(fs: ZoneFS) -> dict[str, object]:
                     "broken": fs.journal.broken},
         "zone_map": zone_map,
     }
+
+
+def _dead_zones(fs: ZoneFS) -> dict[str, object]:
+    """Zones written but holding no live data, by why they are not reset yet."""
+    pending = {z for z, _ in fs.alloc.pending_resets}
+    why: Counter[str] = Counter()
+    for dz in fs.alloc.zones.values():
+        if dz.reserved == 0 or fs.alloc.live_bytes(dz.idx):
+            continue
+        if dz.unusable:
+            why["unusable"] += 1
+        elif dz.head_of is not None:
+            why["write_head"] += 1
+        elif dz.inflight:
+            why["append_in_flight"] += 1
+        elif dz.idx in pending:
+            why["awaiting_commit"] += 1
+        else:
+            why["unqueued"] += 1
+    return dict(sorted(why.items()))
 
 
 #: Beyond this many zones the map is run-length encoded ("D*120 .*30"), so that the

@@ -1,0 +1,109 @@
+"""The allocator alone (no device I/O): heads, sharing, finishing and deferred resets.
+
+Built on a synthetic zone report, so each test states exactly which zones are
+empty, which are heads and which appends are in flight.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from zonefs_py.alloc.allocator import Allocator
+from zonefs_py.device.base import DeviceInfo, Zone, ZoneCond, ZoneType
+from zonefs_py.format.constants import Stream
+from zonefs_py.format.ops import Op
+from zonefs_py.fs.state import State
+
+ZONE = 1 << 20
+BS = 4096
+
+
+def make_alloc(nr_data: int = 8, max_active: int = 0) -> Allocator:
+    info = DeviceInfo("test", "emulated", BS, ZONE, nr_data + 1, max_active, max_active, 0)
+    zones = [Zone(i, i * ZONE, ZONE, ZONE, i * ZONE, ZoneType.SEQ_WRITE_REQUIRED, ZoneCond.EMPTY)
+             for i in range(nr_data + 1)]
+    sb = SimpleNamespace(data_first_zone=1, data_count=nr_data, data_zone_count=nr_data,
+                         reserve_bytes=0)
+    state = State(BS, ZONE)
+    alloc = Allocator(info, sb, state, zones)  # type: ignore[arg-type]
+    state.on_zone_emptied = alloc.zone_emptied
+    return alloc
+
+
+def take_empty(alloc: Allocator, keep: int) -> None:
+    """Fill every empty zone but `keep` with dead-but-unreset data (reserved, FULL)."""
+    for dz in alloc.empty_zones()[keep:]:
+        dz.reserved = dz.capacity
+
+
+def test_release_never_finishes_a_zone_another_file_is_appending_to() -> None:
+    alloc = make_alloc()
+    ops: list[Op] = []
+    finish: list[int] = []
+    # File 10 gets a private head and fills most of it, then empty zones run short.
+    zone_a, _ = alloc.reserve(Stream.CHECKPOINT, 10, 200 * BS, ops, finish)
+    alloc.append_done(zone_a, ok=True)
+    take_empty(alloc, keep=alloc.reserve_zones + 1)
+    # File 11 of the same stream shares file 10's head, and its append is in flight.
+    zone_b, granted = alloc.reserve(Stream.CHECKPOINT, 11, 32 * BS, ops, finish)
+    assert zone_b == zone_a and granted == 32 * BS
+    # File 10 closes while that append is in flight: the zone must stay writable.
+    alloc.release_owner(10, finish)
+    assert zone_a not in finish
+    alloc.append_done(zone_b, ok=True)
+    assert not alloc.zones[zone_a].unusable
+
+
+def test_idle_headless_zone_is_finished_when_its_token_is_needed() -> None:
+    alloc = make_alloc(nr_data=16, max_active=4 + 2)  # a head budget of 2
+    ops: list[Op] = []
+    finish: list[int] = []
+    za, _ = alloc.reserve(Stream.CHECKPOINT, 10, 64 * BS, ops, finish)
+    zb, _ = alloc.reserve(Stream.DATASET, 11, 64 * BS, ops, finish)
+    alloc.append_done(za, ok=True)
+    alloc.append_done(zb, ok=True)
+    # A third head exceeds the budget: a private head without appends is finished.
+    zc, _ = alloc.reserve(Stream.LOG, 12, 64 * BS, ops, finish)
+    assert zc not in (za, zb)
+    assert len(finish) == 1 and finish[0] in (za, zb)
+
+
+def test_a_zone_that_dies_twice_waits_for_the_later_death() -> None:
+    alloc = make_alloc()
+    alloc.current_txn = lambda: 5  # type: ignore[method-assign]
+    dz = alloc.zones[3]
+    dz.reserved = dz.capacity
+    alloc._maybe_dead(3)
+    assert alloc.pending_resets == [(3, 5)]
+    # Reused (e.g. as a shared head), written, and freed again in transaction 9.
+    alloc.current_txn = lambda: 8  # type: ignore[method-assign]
+    alloc._maybe_dead(3, after_next_txn=True)
+    assert alloc.pending_resets == [(3, 9)]
+    assert alloc.take_resettable(durable_txn=5) == []
+    assert alloc.take_resettable(durable_txn=9) == [3]
+
+
+def test_a_zone_whose_write_failed_is_reset_once_dead_and_used_again() -> None:
+    alloc = make_alloc()
+    ops: list[Op] = []
+    finish: list[int] = []
+    zone, _ = alloc.reserve(Stream.DATASET, 0, 8 * BS, ops, finish)
+    alloc.append_done(zone, ok=False)
+    dz = alloc.zones[zone]
+    assert dz.unusable and dz.remaining == 0 and zone not in [z.idx for z in alloc.empty_zones()]
+    # Nothing live in it: it is queued for a reset like any dead zone.
+    assert alloc.take_resettable(durable_txn=1 << 30) == [zone]
+    alloc.zone_was_reset(zone, ops)
+    assert not dz.unusable and dz.reserved == 0 and dz in alloc.empty_zones()
+
+
+def test_a_zone_that_cannot_be_reset_stays_out_of_use() -> None:
+    alloc = make_alloc()
+    ops: list[Op] = []
+    finish: list[int] = []
+    zone, _ = alloc.reserve(Stream.DATASET, 0, 8 * BS, ops, finish)
+    alloc.append_done(zone, ok=False)
+    assert alloc.take_resettable(durable_txn=1 << 30) == [zone]
+    alloc.zone_reset_failed(zone)
+    alloc._maybe_dead(zone)
+    assert alloc.pending_resets == [] and alloc.zones[zone].unusable
