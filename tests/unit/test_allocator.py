@@ -46,7 +46,8 @@ def test_release_never_finishes_a_zone_another_file_is_appending_to() -> None:
     take_empty(alloc, keep=alloc.reserve_zones + 1)
     # File 11 of the same stream shares file 10's head, and its append is in flight.
     zone_b, granted = alloc.reserve(Stream.CHECKPOINT, 11, 32 * BS, ops, finish)
-    assert zone_b == zone_a and granted == 32 * BS
+    assert zone_b == zone_a
+    assert granted == 32 * BS
     # File 10 closes while that append is in flight: the zone must stay writable.
     alloc.release_owner(10, finish)
     assert zone_a not in finish
@@ -65,7 +66,8 @@ def test_idle_headless_zone_is_finished_when_its_token_is_needed() -> None:
     # A third head exceeds the budget: a private head without appends is finished.
     zc, _ = alloc.reserve(Stream.LOG, 12, 64 * BS, ops, finish)
     assert zc not in (za, zb)
-    assert len(finish) == 1 and finish[0] in (za, zb)
+    assert len(finish) == 1
+    assert finish[0] in (za, zb)
 
 
 def test_a_zone_that_dies_twice_waits_for_the_later_death() -> None:
@@ -90,11 +92,15 @@ def test_a_zone_whose_write_failed_is_reset_once_dead_and_used_again() -> None:
     zone, _ = alloc.reserve(Stream.DATASET, 0, 8 * BS, ops, finish)
     alloc.append_done(zone, ok=False)
     dz = alloc.zones[zone]
-    assert dz.unusable and dz.remaining == 0 and zone not in [z.idx for z in alloc.empty_zones()]
+    assert dz.unusable
+    assert dz.remaining == 0
+    assert zone not in [z.idx for z in alloc.empty_zones()]
     # Nothing live in it: it is queued for a reset like any dead zone.
     assert alloc.take_resettable(durable_txn=1 << 30) == [zone]
     alloc.zone_was_reset(zone, ops)
-    assert not dz.unusable and dz.reserved == 0 and dz in alloc.empty_zones()
+    assert not dz.unusable
+    assert dz.reserved == 0
+    assert dz in alloc.empty_zones()
 
 
 def test_a_zone_that_cannot_be_reset_stays_out_of_use() -> None:
@@ -106,4 +112,5 @@ def test_a_zone_that_cannot_be_reset_stays_out_of_use() -> None:
     assert alloc.take_resettable(durable_txn=1 << 30) == [zone]
     alloc.zone_reset_failed(zone)
     alloc._maybe_dead(zone)
-    assert alloc.pending_resets == [] and alloc.zones[zone].unusable
+    assert alloc.pending_resets == []
+    assert alloc.zones[zone].unusable

@@ -90,8 +90,9 @@ class Cleaner:
         pending = {z for z, _ in self.alloc.pending_resets}
         out = []
         for dz in self.alloc.zones.values():
-            if ((dz.unusable and not dz.write_failed) or dz.head_of is not None or dz.inflight or dz.reserved == 0
-                    or dz.idx in pending or dz.idx in self.skip):
+            if ((dz.unusable and not dz.write_failed) or dz.head_of is not None
+                    or dz.inflight or dz.reserved == 0 or dz.idx in pending
+                    or dz.idx in self.skip):
                 continue
             if self.dead_bytes(dz) > 0 and self.alloc.live_bytes(dz.idx) > 0:
                 out.append(dz)
