@@ -114,3 +114,18 @@ def test_a_zone_that_cannot_be_reset_stays_out_of_use() -> None:
     alloc._maybe_dead(zone)
     assert alloc.pending_resets == []
     assert alloc.zones[zone].unusable
+
+
+def test_a_file_filling_another_files_head_leaves_no_full_head() -> None:
+    alloc = make_alloc()
+    ops: list[Op] = []
+    finish: list[int] = []
+    zone_a, _ = alloc.reserve(Stream.CHECKPOINT, 10, 200 * BS, ops, finish)
+    alloc.append_done(zone_a, ok=True)
+    take_empty(alloc, keep=alloc.reserve_zones + 1)
+    zone_b, _ = alloc.reserve(Stream.CHECKPOINT, 11, 56 * BS, ops, finish)
+    assert zone_b == zone_a
+    alloc.append_done(zone_b, ok=True)
+    assert alloc.zones[zone_a].remaining == 0
+    assert alloc.zones[zone_a].head_of is None
+    assert zone_a not in alloc.heads.values()

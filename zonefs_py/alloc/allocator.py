@@ -172,8 +172,10 @@ class Allocator:
         dz.reserved += granted
         dz.inflight += 1
         dz.last_write_ns = time.time_ns()
-        if dz.remaining <= 0:
-            self._drop_head(key)
+        if dz.remaining <= 0 and dz.head_of is not None:
+            # Whoever's head it is (a file may be sharing another's head): a full
+            # zone is nobody's head any more, so it is reset as soon as it dies.
+            self._drop_head(dz.head_of)
         return zone_idx, granted
 
     def append_done(self, zone_idx: int, ok: bool) -> None:
