@@ -25,6 +25,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/ioctl.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
@@ -735,4 +736,129 @@ int zn_batch(struct zn_ring *ring, int fd, struct zn_pool *pool, uint32_t block_
     free(order);
     free(slots);
     return err;
+}
+
+/* ------------------------------------------------------------ completion-driven reads */
+
+struct zn_aring {
+    struct io_uring ring;
+    int efd;
+    uint32_t entries;
+    uint32_t inflight;
+};
+
+struct zn_aring *zn_aring_new(uint32_t entries, int *err)
+{
+    struct zn_aring *r;
+    int rc;
+
+    if (entries == 0 || entries > 4096) {
+        *err = -EINVAL;
+        return NULL;
+    }
+    r = calloc(1, sizeof(*r));
+    if (!r) {
+        *err = -ENOMEM;
+        return NULL;
+    }
+    rc = io_uring_queue_init(entries, &r->ring, 0);
+    if (rc < 0) {
+        free(r);
+        *err = rc;
+        return NULL;
+    }
+    r->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (r->efd < 0) {
+        rc = -errno;
+        io_uring_queue_exit(&r->ring);
+        free(r);
+        *err = rc;
+        return NULL;
+    }
+    rc = io_uring_register_eventfd(&r->ring, r->efd);
+    if (rc < 0) {
+        close(r->efd);
+        io_uring_queue_exit(&r->ring);
+        free(r);
+        *err = rc;
+        return NULL;
+    }
+    r->entries = r->ring.cq.ring_entries;
+    *err = 0;
+    return r;
+}
+
+void zn_aring_free(struct zn_aring *ring)
+{
+    if (!ring)
+        return;
+    io_uring_queue_exit(&ring->ring);
+    close(ring->efd);
+    free(ring);
+}
+
+int zn_aring_eventfd(struct zn_aring *ring)
+{
+    return ring->efd;
+}
+
+int zn_aring_read(struct zn_aring *ring, int fd, void *buf, uint64_t length,
+                  uint64_t offset, uint64_t tag)
+{
+    struct io_uring_sqe *sqe;
+    int rc;
+
+    if (length == 0 || length > UINT32_MAX)
+        return -EINVAL;
+    /* Never more reads in flight than CQ entries: no completion is ever dropped. */
+    if (ring->inflight >= ring->entries)
+        return -EBUSY;
+    sqe = io_uring_get_sqe(&ring->ring);
+    if (!sqe)
+        return -EBUSY;
+    io_uring_prep_read(sqe, fd, buf, (unsigned)length, offset);
+    io_uring_sqe_set_data64(sqe, tag);
+    do {
+        rc = io_uring_submit(&ring->ring);
+    } while (rc == -EINTR);
+    if (rc < 0)
+        return rc;
+    ring->inflight++;
+    return 0;
+}
+
+int zn_aring_reap(struct zn_aring *ring, uint64_t *tags, int32_t *results, uint32_t max)
+{
+    struct io_uring_cqe *cqe;
+    unsigned head;
+    uint32_t n = 0;
+    uint64_t count;
+
+    /* Clear first: a completion posted after this read signals again. */
+    if (read(ring->efd, &count, sizeof(count)) < 0 && errno != EAGAIN)
+        return -errno;
+    io_uring_for_each_cqe(&ring->ring, head, cqe) {
+        if (n == max)
+            break;
+        tags[n] = io_uring_cqe_get_data64(cqe);
+        results[n] = cqe->res;
+        n++;
+    }
+    io_uring_cq_advance(&ring->ring, n);
+    ring->inflight -= n;
+    return (int)n;
+}
+
+void *zn_aligned_alloc(uint64_t size)
+{
+    void *p = NULL;
+
+    if (posix_memalign(&p, 4096, size ? size : 4096) != 0)
+        return NULL;
+    return p;
+}
+
+void zn_aligned_free(void *ptr)
+{
+    free(ptr);
 }

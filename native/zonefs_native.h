@@ -113,6 +113,24 @@ struct zn_ring *zn_ring_new(uint32_t entries, int *err);
 void zn_ring_free(struct zn_ring *ring);
 int zn_batch(struct zn_ring *ring, int fd, struct zn_pool *pool, uint32_t block_size,
              int is_write, struct zn_io *reqs, uint32_t nr_reqs);
+
+/* Completion-driven reads for an event loop: an io_uring whose completions
+ * signal an eventfd, so that one thread submits reads without blocking and
+ * waits for the eventfd to be readable (no worker thread per read). The
+ * caller owns the (block-aligned) buffers until each tag completes.
+ * Single-threaded: one thread submits and reaps. */
+struct zn_aring;
+struct zn_aring *zn_aring_new(uint32_t entries, int *err);
+void zn_aring_free(struct zn_aring *ring);
+int zn_aring_eventfd(struct zn_aring *ring);
+/* Queue and submit one read; 0, -EBUSY when the ring is full, or -errno. */
+int zn_aring_read(struct zn_aring *ring, int fd, void *buf, uint64_t length,
+                  uint64_t offset, uint64_t tag);
+/* Clear the eventfd, then return up to `max` completions: tags[i] and
+ * results[i] (bytes read, or -errno). */
+int zn_aring_reap(struct zn_aring *ring, uint64_t *tags, int32_t *results, uint32_t max);
+void *zn_aligned_alloc(uint64_t size);
+void zn_aligned_free(void *ptr);
 /* CDEF-END */
 
 #endif /* ZONEFS_NATIVE_H */

@@ -270,6 +270,24 @@ class BlockZonedDevice:
         """Make the zone FULL. Raises OSError (EOVERFLOW/ETOOMANYREFS at the limits)."""
         self._mgmt("finish", zone_idx)
 
+    def direct_read_target(self, offset_bytes: int, length_bytes: int) -> tuple[int, int] | None:
+        """(fd, offset) for a plain O_DIRECT read of written data in one zone, else None.
+
+        None sends the read through `read()` (which masks unwritten bytes).
+        """
+        bs = self._bs
+        if (self._closed or length_bytes <= 0 or offset_bytes < 0 or offset_bytes % bs
+                or length_bytes % bs or offset_bytes + length_bytes > self._info.size_bytes):
+            return None
+        end = offset_bytes + length_bytes
+        zone_idx = offset_bytes // self._zone_size
+        if (end - 1) // self._zone_size != zone_idx:
+            return None
+        st = self._zones[zone_idx]
+        if st.sequential and st.data_end < end:
+            return None
+        return self._fd, offset_bytes
+
     def read(self, offset_bytes: int, length_bytes: int) -> bytes:
         """Read block-aligned bytes; bytes past a zone's written data read as zeros.
 

@@ -309,6 +309,30 @@ class EmulatedZonedDevice:
             data = self.faults.apply_flips(offset_bytes, data)
         return data
 
+    def direct_read_target(self, offset_bytes: int, length_bytes: int) -> tuple[int, int] | None:
+        """Where a plain O_DIRECT read of written data may go: (fd, file offset).
+
+        None when `read()` must serve it: not O_DIRECT, faults armed, power
+        cut or closed, misaligned, spanning zones, past the written data, or
+        a zone that is OFFLINE or conventional. Lets an event loop read
+        without a worker thread (`aread.AsyncReader`).
+        """
+        if (self._closed or self._dead or not self._io.direct or self.faults.io_armed
+                or offset_bytes % self._geo.block_size or length_bytes % self._geo.block_size
+                or length_bytes <= 0 or offset_bytes < 0
+                or offset_bytes + length_bytes > self._info.size_bytes):
+            return None
+        zone_idx = offset_bytes >> self._zone_shift
+        if (offset_bytes + length_bytes - 1) >> self._zone_shift != zone_idx:
+            return None
+        zones = self._zones
+        if zones.cond[zone_idx] in (ZoneCond.OFFLINE, ZoneCond.NOT_WP):
+            return None
+        valid = zones.data_end[zone_idx] - (offset_bytes - (zone_idx << self._zone_shift))
+        if valid < length_bytes:
+            return None
+        return self._io.fd, self._data_offset + offset_bytes
+
     def _read_in_zone(self, zone_idx: int, offset_bytes: int, length_bytes: int) -> bytes:
         zones = self._zones
         cond = zones.cond[zone_idx]

@@ -31,6 +31,7 @@ import trio
 
 from zonefs_py import errors
 from zonefs_py.alloc.allocator import Allocator
+from zonefs_py.device.aread import AsyncReader
 from zonefs_py.device.base import ZonedDevice
 from zonefs_py.format.constants import OpType
 from zonefs_py.format.ops import Op
@@ -122,6 +123,8 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         self.state.on_zone_emptied = self.alloc.zone_emptied
         self.data = DataPath(dev, self.state, self.journal, self.alloc, self.limiter,
                              self.path_of, read_limiter=self.read_limiter)
+        if options.io_uring:
+            self.data.reader = AsyncReader(dev, self.read_limiter)
         from zonefs_py.cleaner.cleaner import Cleaner
 
         self.cleaner = Cleaner(self)
@@ -240,23 +243,30 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         self._closed = True
         self._stop.set()
         self._wake.set()
-        if not self.options.read_only and self.failsafe is None:
-            try:
-                await self.data.flush_all()
-                # Nobody holds an inode after unmount: free the unlinked ones the
-                # kernel still had looked up or open (else they stay as orphans).
-                for inode in [i for i in self.state.inodes.values()
-                              if i.nlink == 0 and i.ino != ROOT_INO]:
-                    inode.lookups = inode.opens = 0
-                    self._free_if_unused(inode)
-                self._record_counters()
-                await self.journal.commit()
-                await self.journal.checkpoint()
-                await self._reset_dead_zones()
-                await trio.to_thread.run_sync(self.dev.flush)
-            except (errors.ZoneFSError, OSError) as exc:
-                log.error("unmount could not write everything: %s", exc)
-                raise
+        try:
+            if not self.options.read_only and self.failsafe is None:
+                await self._write_back_on_close()
+        finally:
+            if self.data.reader is not None:
+                await self.data.reader.aclose()
+
+    async def _write_back_on_close(self) -> None:
+        try:
+            await self.data.flush_all()
+            # Nobody holds an inode after unmount: free the unlinked ones the
+            # kernel still had looked up or open (else they stay as orphans).
+            for inode in [i for i in self.state.inodes.values()
+                          if i.nlink == 0 and i.ino != ROOT_INO]:
+                inode.lookups = inode.opens = 0
+                self._free_if_unused(inode)
+            self._record_counters()
+            await self.journal.commit()
+            await self.journal.checkpoint()
+            await self._reset_dead_zones()
+            await trio.to_thread.run_sync(self.dev.flush)
+        except (errors.ZoneFSError, OSError) as exc:
+            log.error("unmount could not write everything: %s", exc)
+            raise
 
     def enter_failsafe(self, reason: str) -> None:
         """Refuse every later change (EROFS) until remount; keep serving reads."""

@@ -12,6 +12,14 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 
+def _flag(value: str) -> bool:
+    if value in ("1", "on", "yes", "true"):
+        return True
+    if value in ("0", "off", "no", "false"):
+        return False
+    raise ValueError(value)
+
+
 @dataclass(slots=True)
 class FsOptions:
     #: Seconds between background journal commits (like ext4's commit=).
@@ -27,6 +35,9 @@ class FsOptions:
     cleaner_rate_mb_s: float = 64.0
     #: Cleaner victim policy: "cost-benefit" or "greedy".
     cleaner_policy: str = "cost-benefit"
+    #: Read file data through an io_uring polled by the event loop instead of
+    #: worker threads (falls back to threads when io_uring is unavailable).
+    io_uring: bool = True
 
     _MOUNT_NAMES: ClassVar[dict[str, tuple[str, Callable[[str], object]]]] = {
         "commit": ("commit_interval_s", float),
@@ -34,6 +45,7 @@ class FsOptions:
         "io_threads": ("max_device_threads", int),
         "cleaner_rate": ("cleaner_rate_mb_s", float),
         "cleaner_policy": ("cleaner_policy", str),
+        "io_uring": ("io_uring", _flag),
     }
 
     @classmethod
