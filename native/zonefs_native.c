@@ -747,7 +747,7 @@ struct zn_aring {
     uint32_t inflight;
 };
 
-struct zn_aring *zn_aring_new(uint32_t entries, int *err)
+struct zn_aring *zn_aring_new(uint32_t entries, uint32_t sqpoll_idle_ms, int *err)
 {
     struct zn_aring *r;
     int rc;
@@ -761,7 +761,19 @@ struct zn_aring *zn_aring_new(uint32_t entries, int *err)
         *err = -ENOMEM;
         return NULL;
     }
-    rc = io_uring_queue_init(entries, &r->ring, 0);
+    if (sqpoll_idle_ms) {
+        /* A kernel thread takes submissions off the caller's thread; it sleeps
+         * after sqpoll_idle_ms without work. Fall back to plain submission. */
+        struct io_uring_params p;
+        memset(&p, 0, sizeof(p));
+        p.flags = IORING_SETUP_SQPOLL;
+        p.sq_thread_idle = sqpoll_idle_ms;
+        rc = io_uring_queue_init_params(entries, &r->ring, &p);
+        if (rc < 0)
+            rc = io_uring_queue_init(entries, &r->ring, 0);
+    } else {
+        rc = io_uring_queue_init(entries, &r->ring, 0);
+    }
     if (rc < 0) {
         free(r);
         *err = rc;

@@ -120,7 +120,8 @@ int zn_batch(struct zn_ring *ring, int fd, struct zn_pool *pool, uint32_t block_
  * caller owns the (block-aligned) buffers until each tag completes.
  * Single-threaded: one thread submits and reaps. */
 struct zn_aring;
-struct zn_aring *zn_aring_new(uint32_t entries, int *err);
+/* sqpoll_idle_ms > 0: a kernel thread polls submissions (falls back to none). */
+struct zn_aring *zn_aring_new(uint32_t entries, uint32_t sqpoll_idle_ms, int *err);
 void zn_aring_free(struct zn_aring *ring);
 int zn_aring_eventfd(struct zn_aring *ring);
 /* Queue and submit one read; 0, -EBUSY when the ring is full, or -errno. */

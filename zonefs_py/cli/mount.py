@@ -40,7 +40,9 @@ OPTIONS_HELP = textwrap.dedent("""\
               checkpoint_mb=N (journal MiB between checkpoints, default 64),
               io_threads=N (device calls in flight, default 16),
               cleaner_rate=MB/s (0 disables background cleaning, default 64),
-              cleaner_policy=cost-benefit|greedy.
+              cleaner_policy=cost-benefit|greedy,
+              io_uring=on|off (file reads without worker threads, default on),
+              sqpoll_ms=N (io_uring submission polling thread idle time, 0 off, default 2).
       daemon: {daemon}
       ignored (fstab): rw, defaults, auto, noauto, _netdev, user, users, nofail, x-*, comment=*.
       mount(8) helper only: log_file=PATH.

@@ -124,7 +124,7 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         self.data = DataPath(dev, self.state, self.journal, self.alloc, self.limiter,
                              self.path_of, read_limiter=self.read_limiter)
         if options.io_uring:
-            self.data.reader = AsyncReader(dev, self.read_limiter)
+            self.data.reader = AsyncReader(dev, self.read_limiter, options.sqpoll_ms)
         from zonefs_py.cleaner.cleaner import Cleaner
 
         self.cleaner = Cleaner(self)

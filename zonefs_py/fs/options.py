@@ -38,6 +38,9 @@ class FsOptions:
     #: Read file data through an io_uring polled by the event loop instead of
     #: worker threads (falls back to threads when io_uring is unavailable).
     io_uring: bool = True
+    #: With io_uring: a kernel thread polls submissions, sleeping after this many
+    #: ms without reads; 0 submits from the event loop (see device/aread.py).
+    sqpoll_ms: int = 2
 
     _MOUNT_NAMES: ClassVar[dict[str, tuple[str, Callable[[str], object]]]] = {
         "commit": ("commit_interval_s", float),
@@ -46,6 +49,7 @@ class FsOptions:
         "cleaner_rate": ("cleaner_rate_mb_s", float),
         "cleaner_policy": ("cleaner_policy", str),
         "io_uring": ("io_uring", _flag),
+        "sqpoll_ms": ("sqpoll_ms", int),
     }
 
     @classmethod

@@ -1,0 +1,143 @@
+"""AsyncReader: io_uring reads polled by trio, and when they fall back to threads."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import trio
+from engine_helpers import CTX, Geometry, mounted
+
+from zonefs_py import errors
+from zonefs_py.device.aread import AsyncReader
+from zonefs_py.device.emulated import EmulatedZonedDevice
+from zonefs_py.fs.api import ROOT_INO
+from zonefs_py.fs.options import FsOptions
+
+MiB = 1 << 20
+ZONE = 4 * MiB
+
+
+def make_dev(tmp_path: Path) -> EmulatedZonedDevice:
+    return EmulatedZonedDevice.create(tmp_path / "d.img", size_bytes=16 * ZONE,
+                                      zone_size_bytes=ZONE)
+
+
+@pytest.fixture
+def dev(tmp_path: Path) -> EmulatedZonedDevice:
+    d = make_dev(tmp_path)
+    yield d
+    d.close()
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+def ring_or_skip(reader: AsyncReader) -> None:
+    if not reader.uses_ring:
+        pytest.skip("io_uring is not available on this kernel")
+
+
+@pytest.mark.parametrize("sqpoll_ms", [0, 2])
+async def test_ring_reads_return_the_written_bytes(dev: EmulatedZonedDevice,
+                                                   sqpoll_ms: int) -> None:
+    blob = os.urandom(MiB)
+    at = dev.append(2, blob)
+    reader = AsyncReader(dev, sqpoll_ms=sqpoll_ms)
+    ring_or_skip(reader)
+    try:
+        results: dict[int, bytes] = {}
+
+        async def one(i: int) -> None:
+            results[i] = await reader.read(at + i * 4096, 4096)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(200):  # more than the ring holds at once
+                nursery.start_soon(one, i)
+        assert all(results[i] == blob[i * 4096:(i + 1) * 4096] for i in range(200))
+        assert await reader.read(at, MiB) == blob
+        assert reader.ring_reads == 201
+        assert reader.thread_reads == 0
+    finally:
+        await reader.aclose()
+
+
+async def test_reads_the_device_must_emulate_take_the_thread_path(
+        dev: EmulatedZonedDevice) -> None:
+    at = dev.append(3, b"\x01" * 8192)
+    reader = AsyncReader(dev)
+    ring_or_skip(reader)
+    try:
+        # Past the write pointer: zeros come from the emulator, not the image.
+        assert await reader.read(at, 16384) == b"\x01" * 8192 + bytes(8192)
+        # Across a zone boundary.
+        assert len(await reader.read(3 * ZONE - 4096, 8192)) == 8192
+        # With a fault armed the emulator must see every read.
+        dev.faults.fail_reads(3)
+        with pytest.raises(OSError):
+            await reader.read(at, 4096)
+        assert reader.ring_reads == 0
+        assert reader.thread_reads == 3
+    finally:
+        await reader.aclose()
+
+
+async def test_a_cancelled_read_leaves_the_reader_usable(dev: EmulatedZonedDevice) -> None:
+    blob = os.urandom(64 * 4096)
+    at = dev.append(1, blob)
+    reader = AsyncReader(dev)
+    ring_or_skip(reader)
+    try:
+        with trio.move_on_after(0):
+            await reader.read(at, 4096)
+        for _ in range(3):
+            with trio.CancelScope() as scope:
+                scope.cancel()
+                await reader.read(at, 4096)
+        assert await reader.read(at + 4096, 4096) == blob[4096:8192]
+    finally:
+        await reader.aclose()
+    # Closed: reads still work, through threads.
+    assert await reader.read(at, 4096) == blob[:4096]
+    assert not reader.uses_ring
+
+
+async def test_engine_detects_corruption_on_the_ring_path(tmp_path: Path) -> None:
+    path = tmp_path / "fs.img"
+    geo = Geometry(size_bytes=64 * MiB, zone_size_bytes=4 * MiB)
+    async with mounted(path, geo=geo, create=True, fsck_after=False) as fs:
+        fh, attr = await fs.create(ROOT_INO, b"f", 0o100644, os.O_RDWR, CTX)
+        await fs.write(fh, 0, os.urandom(64 * 1024))
+        await fs.fsync(fh, False)
+        ext = next(iter(fs.state.inodes[attr.ino].extents))
+        reader = fs.data.reader
+        assert reader is not None
+        ring_or_skip(reader)
+        # Corrupt the stored block behind the device's back (a flash bit rot).
+        dev_off = ext.dev + 4096
+        image_off = fs.dev._data_offset + dev_off  # type: ignore[attr-defined]
+        flip_byte(path, image_off)
+        before = reader.ring_reads
+        with pytest.raises(errors.IOFailure, match="checksum mismatch at file offset 4096"):
+            await fs.read(fh, 0, 8192)
+        assert reader.ring_reads > before
+        await fs.release(fh)
+
+
+async def test_engine_reads_through_threads_with_io_uring_off(tmp_path: Path) -> None:
+    path = tmp_path / "fs.img"
+    opts = FsOptions(commit_interval_s=3600.0, io_uring=False)
+    async with mounted(path, create=True, options=opts) as fs:
+        assert fs.data.reader is None
+        fh, _attr = await fs.create(ROOT_INO, b"f", 0o100644, os.O_RDWR, CTX)
+        blob = os.urandom(200_000)
+        await fs.write(fh, 0, blob)
+        await fs.fsync(fh, False)
+        assert await fs.read(fh, 0, len(blob)) == blob
+        await fs.release(fh)
