@@ -34,6 +34,7 @@ import logging.handlers
 import os
 import signal
 import stat
+import subprocess
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -67,6 +68,9 @@ DAEMON_OPTIONS = {
     "attr_timeout": "S: seconds the kernel caches attributes and entries (default 60)",
     "readahead_kb": "N: kernel readahead window of the mount in KiB (default 4096; 0 keeps "
                     "the kernel's 128)",
+    "max_background": "N: FUSE background requests (async reads, writeback) in flight "
+                      "(default 64; the kernel's 12 lets O_DIRECT readers starve writeback; "
+                      "0 keeps it)",
 }
 DEFAULT_SUBTYPE = "zonefs-py"
 
@@ -108,6 +112,7 @@ class MountConfig:
     max_tasks: int = 64
     attr_timeout_s: float = 60.0
     readahead_kb: int = 4096
+    max_background: int = 64
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -176,6 +181,10 @@ class MountConfig:
             elif name == "readahead_kb":
                 self.readahead_kb = int(value)
                 if not 0 <= self.readahead_kb <= 65536:
+                    raise ValueError(value)
+            elif name == "max_background":
+                self.max_background = int(value)
+                if not 0 <= self.max_background <= 65535:
                     raise ValueError(value)
         except ValueError:
             raise MountError(f"bad value for mount option {name}: {value!r}") from None
@@ -410,18 +419,67 @@ async def serve(cfg: MountConfig, report: Reporter) -> int:
             lock.release()
 
 
-async def _set_readahead_after_init(mountpoint: str, kib: int) -> None:
-    """Set the readahead window once FUSE INIT is done (the kernel caps it at INIT).
+async def _tune_after_init(cfg: MountConfig) -> None:
+    """Set the readahead window and background limits once FUSE INIT is done.
 
+    The kernel sets both at INIT (pyfuse3 offers no way to choose them then).
     A statvfs from a worker thread returns only after the FUSE loop answered
     INIT and then the STATFS itself.
     """
     try:
-        await trio.to_thread.run_sync(os.statvfs, mountpoint, cancellable=True)
+        await trio.to_thread.run_sync(os.statvfs, cfg.mountpoint, cancellable=True)
     except OSError as exc:
-        log.warning("could not set the readahead window of %s: %s", mountpoint, exc)
+        log.warning("could not tune the FUSE connection of %s: %s", cfg.mountpoint, exc)
         return
-    await trio.to_thread.run_sync(set_readahead, mountpoint, kib)
+    if cfg.readahead_kb:
+        await trio.to_thread.run_sync(set_readahead, cfg.mountpoint, cfg.readahead_kb)
+    if cfg.max_background:
+        await trio.to_thread.run_sync(set_max_background, cfg.mountpoint, cfg.max_background)
+
+
+def _mount_dev(mountpoint: str) -> str:
+    """The mount's device number "major:minor", from /proc/self/mountinfo."""
+    dev = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 4 and fields[4] == mountpoint:
+                dev = fields[2]
+    if dev is None:
+        raise OSError(f"{mountpoint} not found in /proc/self/mountinfo")
+    return dev
+
+
+FUSECTL = "/sys/fs/fuse/connections"
+
+
+def set_max_background(mountpoint: str, limit: int) -> None:
+    """Raise the connection's background request limit (best effort, needs root).
+
+    Async O_DIRECT reads and page writeback both travel as FUSE background
+    requests, at most `max_background` (kernel default 12) in flight; past
+    `congestion_threshold` (9) the bdi counts as congested. A QD16 O_DIRECT
+    reader then holds every slot and a buffered writer waits in
+    balance_dirty_pages: measured 10 MB/s for the writer against 147 MB/s with
+    64. The knobs live in fusectl, mounted here if it is not.
+    """
+    try:
+        minor = _mount_dev(mountpoint).split(":")[1]
+        conn = os.path.join(FUSECTL, minor)
+        if not os.path.isdir(conn) and os.geteuid() == 0:
+            subprocess.run(["mount", "-t", "fusectl", "fusectl", FUSECTL], check=False,
+                           capture_output=True, timeout=10)
+        if not os.path.isdir(conn):
+            raise OSError(f"{conn} is missing (fusectl not mounted, or not root)")
+        threshold = max(1, limit * 3 // 4)
+        with open(os.path.join(conn, "max_background"), "w") as f:
+            f.write(str(limit))
+        with open(os.path.join(conn, "congestion_threshold"), "w") as f:
+            f.write(str(threshold))
+        log.info("FUSE background limit %d, congestion threshold %d", limit, threshold)
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("could not raise the FUSE background limit of %s: %s (O_DIRECT "
+                    "readers may slow buffered writers)", mountpoint, exc)
 
 
 def set_readahead(mountpoint: str, kib: int) -> None:
@@ -432,15 +490,8 @@ def set_readahead(mountpoint: str, kib: int) -> None:
     keep several in flight: checkpoint restore measured 179 -> 580 MB/s. The
     mount's bdi is named by its device number, read from /proc/self/mountinfo.
     """
-    dev = None
     try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) > 4 and fields[4] == mountpoint:
-                    dev = fields[2]
-        if dev is None:
-            raise OSError(f"{mountpoint} not found in /proc/self/mountinfo")
+        dev = _mount_dev(mountpoint)
         with open(f"/sys/class/bdi/{dev}/read_ahead_kb", "w") as f:
             f.write(str(kib))
     except OSError as exc:
@@ -455,8 +506,7 @@ async def _serve_mounted(cfg: MountConfig, fs: Any, ops: Any, signals: Any) -> i
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_run_background, fs, ops)
         nursery.start_soon(_watch_signals, signals)
-        if cfg.readahead_kb:
-            nursery.start_soon(_set_readahead_after_init, cfg.mountpoint, cfg.readahead_kb)
+        nursery.start_soon(_tune_after_init, cfg)
         try:
             await pyfuse3.main(min_tasks=1, max_tasks=cfg.max_tasks)
         except OSError as exc:

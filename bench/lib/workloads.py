@@ -200,9 +200,10 @@ def contention(contender: Contender, cfg: Config) -> dict[str, object]:
     The reader runs until the writer has written and fsynced its file (fio's
     exitall); the figures compare the read latency percentiles of both runs.
     The busy reader is bounded (30x the alone run, at least 120 s): a filesystem
-    whose writeback is starved by the reads (seen with zonefs-py: the reader's
-    async O_DIRECT requests hold FUSE's background slots, the writer waits in
-    balance_dirty_pages) would otherwise hang the suite. `_writer_completed` (in the JSON)
+    whose writeback is starved by the reads (seen with zonefs-py before it raised
+    FUSE's max_background: the reader's async O_DIRECT requests held all 12
+    background slots, the writer waited in balance_dirty_pages) would otherwise
+    hang the suite. `_writer_completed` (in the JSON)
     says whether the writer finished within that bound.
     """
     figures: dict[str, object] = {}

@@ -186,6 +186,38 @@ def test_engine_options_are_accepted(image: Path, mount_factory: Mount) -> None:
     assert "writeback_cache=False, max_tasks=8" in m.log_text()
 
 
+def _fuse_conn(mountpoint: Path) -> Path:
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        if fields[4] == str(mountpoint):
+            return Path("/sys/fs/fuse/connections") / fields[2].split(":")[1]
+    raise AssertionError(f"{mountpoint} is not mounted")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="fusectl and bdi knobs need root")
+def test_connection_is_tuned_after_init(image: Path, mount_factory: Mount) -> None:
+    """Readahead 4 MiB and 64 background requests: O_DIRECT readers must not
+    hold every background slot and starve a buffered writer's writeback."""
+    m = mount_factory.start("io_uring=on,sqpoll_ms=0")
+    (m.path / "f").write_bytes(b"y" * 4096)  # the tuning runs after INIT
+    conn = _fuse_conn(m.path)
+    deadline = time.monotonic() + 10
+    while (not (conn / "max_background").exists()
+           or (conn / "max_background").read_text().strip() != "64"):
+        assert time.monotonic() < deadline, m.log_text()
+        time.sleep(0.05)
+    assert (conn / "congestion_threshold").read_text().strip() == "48"
+    m.unmount()
+    m.start("max_background=20,readahead_kb=1024")
+    (m.path / "f").read_bytes()
+    conn = _fuse_conn(m.path)
+    deadline = time.monotonic() + 10
+    while (conn / "max_background").read_text().strip() != "20":
+        assert time.monotonic() < deadline, m.log_text()
+        time.sleep(0.05)
+    assert (conn / "congestion_threshold").read_text().strip() == "15"
+
+
 def test_read_only_mount(image: Path, mount_factory: Mount) -> None:
     m = mount_factory.start()
     (m.path / "f").write_bytes(b"before ro")
