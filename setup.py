@@ -2,7 +2,7 @@
 
 The extension is compiled in cffi's API (out-of-line) mode by
 native/build_native.py; it needs gcc, the Python headers and liburing's
-headers (Debian: build-essential python3-dev liburing-dev).
+headers (Debian: build-essential python3-dev liburing-dev libxxhash-dev).
 """
 
 from setuptools import find_packages, setup

@@ -3,7 +3,8 @@
 Used by setup.py (`cffi_modules=["native/build_native.py:ffibuilder"]`), so
 `pip install -e .` compiles it; `python native/build_native.py` builds it in
 place for development. Needs gcc, the Python headers and liburing's headers
-and library (Debian 12: build-essential python3-dev liburing-dev pkg-config).
+and library, and xxhash.h (Debian 12: build-essential python3-dev liburing-dev
+libxxhash-dev pkg-config).
 
 The cdef is the part of native/zonefs_native.h between the CDEF-BEGIN and
 CDEF-END markers, so the header is the single source of the C API.

@@ -31,6 +31,9 @@
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
 #define ZN_SECTOR 512ULL
 #define ZN_ALIGN 4096ULL
 
@@ -873,4 +876,44 @@ void *zn_aligned_alloc(uint64_t size)
 void zn_aligned_free(void *ptr)
 {
     free(ptr);
+}
+
+/* ------------------------------------------------------------------ block checksums */
+
+static inline uint32_t block_csum(const uint8_t *p, uint32_t block_size)
+{
+    return (uint32_t)XXH3_64bits(p, block_size);
+}
+
+int zn_block_csums(const void *data, uint64_t length, uint32_t block_size, uint8_t *out)
+{
+    const uint8_t *p = data;
+
+    if (block_size == 0 || length % block_size)
+        return -EINVAL;
+    for (uint64_t i = 0; i < length / block_size; i++) {
+        uint32_t c = block_csum(p + i * block_size, block_size);
+        out[i * 4] = (uint8_t)c;
+        out[i * 4 + 1] = (uint8_t)(c >> 8);
+        out[i * 4 + 2] = (uint8_t)(c >> 16);
+        out[i * 4 + 3] = (uint8_t)(c >> 24);
+    }
+    return 0;
+}
+
+int64_t zn_first_bad_block(const void *data, uint64_t length, uint32_t block_size,
+                           const uint8_t *csums)
+{
+    const uint8_t *p = data;
+
+    if (block_size == 0)
+        return -EINVAL;
+    for (uint64_t i = 0; i < length / block_size; i++) {
+        const uint8_t *e = csums + i * 4;
+        uint32_t want = (uint32_t)e[0] | (uint32_t)e[1] << 8 | (uint32_t)e[2] << 16
+                        | (uint32_t)e[3] << 24;
+        if (block_csum(p + i * block_size, block_size) != want)
+            return (int64_t)i;
+    }
+    return -1;
 }

@@ -132,6 +132,14 @@ int zn_aring_read(struct zn_aring *ring, int fd, void *buf, uint64_t length,
 int zn_aring_reap(struct zn_aring *ring, uint64_t *tags, int32_t *results, uint32_t max);
 void *zn_aligned_alloc(uint64_t size);
 void zn_aligned_free(void *ptr);
+
+/* Per-block checksums (docs/SPEC.md): the low 32 bits of XXH3-64 (seed 0) of
+ * each block_size block of data, stored little-endian, 4 bytes per block.
+ * length must be a multiple of block_size. Pure computation, GIL released. */
+int zn_block_csums(const void *data, uint64_t length, uint32_t block_size, uint8_t *out);
+/* Index of the first block whose checksum differs from csums, or -1. */
+int64_t zn_first_bad_block(const void *data, uint64_t length, uint32_t block_size,
+                           const uint8_t *csums);
 /* CDEF-END */
 
 #endif /* ZONEFS_NATIVE_H */

@@ -223,3 +223,30 @@ async def test_large_file_gets_private_zones_and_delete_resets_them(
     assert data_appends_after <= 2, "deleting must not copy data (only journal records)"
     assert fs.alloc.dead_bytes_reset >= 3 * MiB
     assert await read_file(fs, "/small") == b"s" * 5000
+
+
+async def test_whole_chunk_writes_mixed_with_small_ones_read_back_exactly(fs: ZoneFS) -> None:
+    """Aligned 1 MiB writes skip the buffer (zero-copy chunks); interleave them with
+    small and unaligned writes over the same ranges, reading back all along."""
+    fh, _ino = await open_new(fs, b"mix.bin")
+    model = bytearray()
+
+    async def put(offset: int, data: bytes) -> None:
+        await fs.write(fh, offset, data)
+        if len(model) < offset + len(data):
+            model.extend(bytes(offset + len(data) - len(model)))
+        model[offset:offset + len(data)] = data
+
+    for i in range(6):
+        await put(i * MiB, pattern(i, MiB))                # fast path, pipelined
+    assert await fs.read(fh, 0, 6 * MiB) == bytes(model)  # in-flight chunks are visible
+    await put(MiB + 100, pattern(10, 5000))                # unaligned, over a chunk
+    await put(2 * MiB, pattern(11, 2 * MiB))               # fast path over older data
+    await put(2 * MiB + 4096, pattern(12, 4096))           # small write inside it
+    await put(7 * MiB, pattern(13, MiB + 4096))            # past a hole, > a chunk
+    assert await fs.read(fh, 0, len(model)) == bytes(model)
+    await fs.fsync(fh, False)
+    assert await fs.read(fh, 0, len(model)) == bytes(model)
+    attr = await fs.getattr(_ino)
+    assert attr.size == len(model)
+    await fs.release(fh)

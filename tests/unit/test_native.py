@@ -271,3 +271,19 @@ def test_open_device_refuses_conventional_block_device() -> None:
         pytest.skip("no conventional block device to try on this machine")
     with pytest.raises(DeviceRefused, match="conventional"):
         open_device(disk)
+
+
+@pytest.mark.parametrize("block_size", [512, 4096])
+def test_native_checksums_equal_the_xxhash_module(block_size: int) -> None:
+    from zonefs_py.format import checksum
+
+    for nblocks in (0, 1, 7, 256):
+        data = os.urandom(block_size * nblocks)
+        csums = checksum.block_checksums(data, block_size)
+        assert csums == checksum.py_block_checksums(data, block_size)
+        assert checksum.first_bad_block(data, block_size, csums) is None
+        if nblocks:
+            bad = bytearray(data)
+            bad[-1] ^= 0x80
+            assert checksum.first_bad_block(bad, block_size, csums) == nblocks - 1
+            assert checksum.py_first_bad_block(bad, block_size, csums) == nblocks - 1
