@@ -129,3 +129,17 @@ def test_a_file_filling_another_files_head_leaves_no_full_head() -> None:
     assert alloc.zones[zone_a].remaining == 0
     assert alloc.zones[zone_a].head_of is None
     assert zone_a not in alloc.heads.values()
+
+
+def test_a_zone_being_read_is_not_reset_until_the_read_is_done() -> None:
+    alloc = make_alloc()
+    dz = alloc.zones[4]
+    dz.reserved = dz.capacity
+    alloc._maybe_dead(4)
+    alloc.pin_read(4)
+    alloc.pin_read(4)
+    assert alloc.take_resettable(durable_txn=1 << 30) == []
+    alloc.unpin_read(4)
+    assert alloc.take_resettable(durable_txn=1 << 30) == []
+    alloc.unpin_read(4)
+    assert alloc.take_resettable(durable_txn=1 << 30) == [4]

@@ -109,6 +109,9 @@ class Allocator:
         self.heads: dict[tuple[int, int], int] = {}
         #: (zone, journal transaction that must be durable first)
         self.pending_resets: list[tuple[int, int]] = []
+        #: Device reads in flight per zone: a zone is not reset under a read that
+        #: looked up its extent before the data died (it would read garbage: EIO).
+        self.read_pins: dict[int, int] = {}
         self.dead_bytes_reset = 0
         #: Capacity given up by finishing zones early.
         self.wasted_bytes = 0
@@ -328,13 +331,23 @@ class Allocator:
         """Overridden by the engine: the number of the last journal transaction added."""
         return 0
 
+    def pin_read(self, zone_idx: int) -> None:
+        self.read_pins[zone_idx] = self.read_pins.get(zone_idx, 0) + 1
+
+    def unpin_read(self, zone_idx: int) -> None:
+        left = self.read_pins[zone_idx] - 1
+        if left:
+            self.read_pins[zone_idx] = left
+        else:
+            del self.read_pins[zone_idx]
+
     def take_resettable(self, durable_txn: int) -> list[int]:
-        """Pop zones whose death is durable and that are still dead."""
+        """Pop zones whose death is durable, that are still dead and not being read."""
         ready: list[int] = []
         keep: list[tuple[int, int]] = []
         for zone_idx, txn in self.pending_resets:
             dz = self.zones[zone_idx]
-            if txn > durable_txn:
+            if txn > durable_txn or zone_idx in self.read_pins:
                 keep.append((zone_idx, txn))
             elif self.live_bytes(zone_idx) == 0 and dz.head_of is None and not dz.inflight:
                 ready.append(zone_idx)

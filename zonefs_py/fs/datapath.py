@@ -107,6 +107,7 @@ class DataPath:
         self.limiter = limiter
         self.read_limiter = read_limiter or limiter
         self.bs = dev.info.block_size
+        self.zone_size = dev.info.zone_size_bytes
         self.buffers: dict[int, WriteBuffer] = {}
         self.locks: dict[int, trio.Lock] = {}
         self.path_of = path_of
@@ -453,24 +454,38 @@ class DataPath:
             rel = start - ext.fblock
             dev_off = ext.dev + rel * bs
             csums = ext.csums[rel * 4:(rel + count) * 4]
-            if self.reader is not None and self.reader.uses_ring:
-                # Read without a worker thread; verify here (~0.1 ms per MiB).
-                try:
-                    data = await self.reader.read(dev_off, count * bs)
-                except OSError as exc:
-                    self._read_failed(inode.ino, start, exc)
-                self._verify(inode.ino, start, dev_off, data, csums)
-                parts.append(data)
-                continue
-            parts.append(await trio.to_thread.run_sync(
-                self._read_verify, inode.ino, start, dev_off, count * bs, csums,
-                limiter=self.read_limiter))
+            # The extent may die while we read it (overwrite, cleaning): its zone
+            # is not reset until the read is done.
+            zsize = self.zone_size
+            zones = range(dev_off // zsize, (dev_off + count * bs - 1) // zsize + 1)
+            for z in zones:
+                self.alloc.pin_read(z)
+            try:
+                parts.append(await self._read_extent(inode.ino, start, dev_off, count * bs,
+                                                     csums))
+            finally:
+                for z in zones:
+                    self.alloc.unpin_read(z)
         blob = b"".join(parts) if len(parts) != 1 else parts[0]
         skip = offset - fb0 * bs
         out = blob[skip:skip + (end - offset)]
         if len(out) < length:
             out += bytes(length - len(out))
         return out
+
+    async def _read_extent(self, ino: int, fblock: int, dev_off: int, nbytes: int,
+                           csums: bytes) -> bytes:
+        if self.reader is not None and self.reader.uses_ring:
+            # Read without a worker thread; verify here (C, ~0.1 ms per MiB).
+            try:
+                data = await self.reader.read(dev_off, nbytes)
+            except OSError as exc:
+                self._read_failed(ino, fblock, exc)
+            self._verify(ino, fblock, dev_off, data, csums)
+            return data
+        data = await trio.to_thread.run_sync(self._read_verify, ino, fblock, dev_off, nbytes,
+                                             csums, limiter=self.read_limiter)
+        return data
 
     def _read_verify(self, ino: int, fblock: int, dev_off: int, nbytes: int,
                      csums: bytes) -> bytes:
