@@ -47,6 +47,7 @@ from zonefs_py.device.base import ZonedDevice
 from zonefs_py.format.checksum import block_checksums, first_bad_block
 from zonefs_py.format.constants import OpType, Stream
 from zonefs_py.format.ops import Op
+from zonefs_py.fs.qos import ReadPriority
 from zonefs_py.fs.state import Inode, State
 from zonefs_py.journal.journal import Journal
 
@@ -120,6 +121,8 @@ class DataPath:
             self.state, inode)
         #: Thread-free reads (io_uring), set by the engine when the device allows.
         self.reader: AsyncReader | None = None
+        #: Read QoS gate for appends (disabled until the engine sets a rate).
+        self.qos = ReadPriority(0)
 
     # -- helpers -----------------------------------------------------------------
     def lock(self, ino: int) -> trio.Lock:
@@ -278,6 +281,7 @@ class DataPath:
         ops: list[Op] = []
         error: errors.ZoneFSError | None = None
         try:
+            await self.qos.admit_write(len(chunk.data))
             placed = await self._place_file_data(inode, chunk.fblock, chunk.data)
         except errors.ZoneFSError as exc:
             error = exc
@@ -409,10 +413,14 @@ class DataPath:
         if offset >= size or length <= 0:
             return b""
         length = min(length, size - offset)
-        if inode.ino in self.buffers or inode.ino in self.inflight:
-            async with self.lock(inode.ino):
-                return await self._read_locked(inode, offset, length)
-        return await self._read_stored(inode, offset, length)
+        self.qos.read_started()
+        try:
+            if inode.ino in self.buffers or inode.ino in self.inflight:
+                async with self.lock(inode.ino):
+                    return await self._read_locked(inode, offset, length)
+            return await self._read_stored(inode, offset, length)
+        finally:
+            self.qos.read_done()
 
     async def _read_locked(self, inode: Inode, offset: int, length: int) -> bytes:
         # Snapshot the in-flight chunks first: one that lands while the extents

@@ -47,8 +47,10 @@ from zonefs_py.fs.api import (
     StatFs,
 )
 from zonefs_py.fs.datapath import C_META_BYTES, DataPath
+from zonefs_py.fs.latency import Histogram
 from zonefs_py.fs.namespace import NamespaceOps
 from zonefs_py.fs.options import FsOptions
+from zonefs_py.fs.qos import ReadPriority
 from zonefs_py.fs.quota import QuotaTracker
 from zonefs_py.fs.state import Inode, State
 from zonefs_py.journal.journal import Journal
@@ -123,6 +125,7 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         self.state.on_zone_emptied = self.alloc.zone_emptied
         self.data = DataPath(dev, self.state, self.journal, self.alloc, self.limiter,
                              self.path_of, read_limiter=self.read_limiter)
+        self.data.qos = ReadPriority(options.qos_write_mb_s * 1e6)
         if options.io_uring:
             self.data.reader = AsyncReader(dev, self.read_limiter, options.sqpoll_ms)
         from zonefs_py.cleaner.cleaner import Cleaner
@@ -132,6 +135,9 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         self._meta_base = self.state.counters.get(C_META_BYTES, 0)
         self.data.on_need_space = self.cleaner.clean_for_space
         self.files: dict[int, int] = {}  # fh -> ino
+        #: Time spent in read/write requests by the engine (not FUSE queueing).
+        self.read_latency = Histogram()
+        self.write_latency = Histogram()
         self.dirs: dict[int, _DirHandle] = {}
         self._next_fh = 1
         self.failsafe: str | None = None
@@ -508,7 +514,10 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         inode = self._fh_inode(fh)
         if offset < 0:
             raise errors.InvalidArgument("negative offset")
-        return await self.data.read(inode, offset, length)
+        t0 = time.perf_counter_ns()
+        data = await self.data.read(inode, offset, length)
+        self.read_latency.record(time.perf_counter_ns() - t0)
+        return data
 
     async def write(self, fh: int, offset: int, data: bytes) -> int:
         self._writable()
@@ -524,7 +533,9 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
             # A hole takes no space: only the written bytes can become live data.
             if live + min(grow, len(data)) > self.alloc.user_capacity_bytes():
                 raise errors.NoSpace("the live data would not fit on the device")
+        t0 = time.perf_counter_ns()
         n = await self.data.write(inode, offset, data)
+        self.write_latency.record(time.perf_counter_ns() - t0)
         self.quota.count_written(inode, n)
         if self.journal.pending_bytes > (4 << 20):
             self.wake_background()

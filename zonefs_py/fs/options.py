@@ -41,6 +41,8 @@ class FsOptions:
     #: With io_uring: a kernel thread polls submissions, sleeping after this many
     #: ms without reads; 0 submits from the event loop (see device/aread.py).
     sqpoll_ms: int = 2
+    #: Read QoS: MB/s of file-data appends while reads are being served (0: no limit).
+    qos_write_mb_s: float = 32.0
 
     _MOUNT_NAMES: ClassVar[dict[str, tuple[str, Callable[[str], object]]]] = {
         "commit": ("commit_interval_s", float),
@@ -50,6 +52,7 @@ class FsOptions:
         "cleaner_policy": ("cleaner_policy", str),
         "io_uring": ("io_uring", _flag),
         "sqpoll_ms": ("sqpoll_ms", int),
+        "qos_write_mb": ("qos_write_mb_s", float),
     }
 
     @classmethod

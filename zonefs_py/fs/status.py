@@ -104,6 +104,7 @@ def build_status(fs: ZoneFS) -> dict[str, object]:
                     "meta_zones_free": len(fs.journal.log.free_zones()),
                     "meta_zones": fs.sb.meta_zone_count,
                     "broken": fs.journal.broken},
+        "latency": {"read": fs.read_latency.summary(), "write": fs.write_latency.summary()},
         "zone_map": zone_map,
     }
 
