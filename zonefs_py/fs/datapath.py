@@ -9,10 +9,17 @@ at either end of a flushed range is completed from the file's existing
 content (read-modify-write), so every device block of a file holds exactly
 the file's bytes, and bytes of the last block past EOF are zero (INV-10).
 
+A block-aligned write of a chunk or more that starts where the buffer is
+empty skips the buffer: its bytes object becomes the chunk (no copy).
+
 Reads merge the extent map (device reads, every block checked against its
 xxh3 checksum, a mismatch is `errors.IOFailure` and a log line naming the
-file and offset) with the buffer. Device calls run in worker threads; the
-checksum work runs there too, not on the trio thread.
+file and offset) with the buffer. Reads of written data go through the
+engine's io_uring reader (`device/aread.py`, no worker thread; the checksums,
+in C, are then verified on the trio thread), others through the read thread
+budget. A read pins the zones it reads so that none is reset under it.
+Appends run in worker threads, checksumming (in C, GIL released) and
+appending in one call, behind the read-QoS gate (`fs/qos.py`).
 
 Pipelining: a full chunk carved from a streaming buffer is written by a
 system task while the writer goes on filling the next one (at most
