@@ -63,6 +63,11 @@ async def test_mkfs_write_remount_fsck_on_nullblk(
         await _write(fs, b"shard-%05d.tar" % i, _blob(i, 64 * 1024))
     await fs.sync()
     assert await _read(fs, b"step-1.pt", ckdir) == big
+    # The reads above went to the kernel's zoned device through the io_uring
+    # completion ring (device/aread.py), not worker threads.
+    assert fs.data.reader is not None
+    assert fs.data.reader.uses_ring
+    assert fs.data.reader.ring_reads > 0
     await fs.close()
     report = check_filesystem(dev)
     assert report.clean, [f.message for f in report.findings]
