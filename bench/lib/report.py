@@ -307,6 +307,10 @@ def _notes(results: dict[str, Any]) -> list[str]:
             for err in entry.get("errors", []):
                 notes.append(f"- `{name}` on `{key}` failed: {err}")
             warnings = {r["_warning"] for r in entry["reps"] if "_warning" in r}
+            # A writer starved by the reads (the contention run's bound hit) makes
+            # the busy-read figures look good for the wrong reason: say so.
+            warnings |= {"⚠️ " + r["_writer_note"] for r in entry["reps"]
+                         if "_writer_note" in r}
             for warning in sorted(warnings):
                 notes.append(f"- `{name}` on `{key}`: {warning}")
     return notes
