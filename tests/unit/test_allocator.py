@@ -36,14 +36,21 @@ def take_empty(alloc: Allocator, keep: int) -> None:
         dz.reserved = dz.capacity
 
 
+def fill_private_head_then_run_short(alloc: Allocator, ops: list[Op],
+                                     finish: list[int]) -> int:
+    """File 10 gets a private head and fills most of it, then empty zones run short
+    (so file 11 of the same stream will share that head). Returns the zone."""
+    zone, _ = alloc.reserve(Stream.CHECKPOINT, 10, 200 * BS, ops, finish)
+    alloc.append_done(zone, ok=True)
+    take_empty(alloc, keep=alloc.reserve_zones + 1)
+    return zone
+
+
 def test_release_never_finishes_a_zone_another_file_is_appending_to() -> None:
     alloc = make_alloc()
     ops: list[Op] = []
     finish: list[int] = []
-    # File 10 gets a private head and fills most of it, then empty zones run short.
-    zone_a, _ = alloc.reserve(Stream.CHECKPOINT, 10, 200 * BS, ops, finish)
-    alloc.append_done(zone_a, ok=True)
-    take_empty(alloc, keep=alloc.reserve_zones + 1)
+    zone_a = fill_private_head_then_run_short(alloc, ops, finish)
     # File 11 of the same stream shares file 10's head, and its append is in flight.
     zone_b, granted = alloc.reserve(Stream.CHECKPOINT, 11, 32 * BS, ops, finish)
     assert zone_b == zone_a
@@ -120,9 +127,7 @@ def test_a_file_filling_another_files_head_leaves_no_full_head() -> None:
     alloc = make_alloc()
     ops: list[Op] = []
     finish: list[int] = []
-    zone_a, _ = alloc.reserve(Stream.CHECKPOINT, 10, 200 * BS, ops, finish)
-    alloc.append_done(zone_a, ok=True)
-    take_empty(alloc, keep=alloc.reserve_zones + 1)
+    zone_a = fill_private_head_then_run_short(alloc, ops, finish)
     zone_b, _ = alloc.reserve(Stream.CHECKPOINT, 11, 56 * BS, ops, finish)
     assert zone_b == zone_a
     alloc.append_done(zone_b, ok=True)

@@ -40,6 +40,11 @@ from typing import Any, Protocol
 
 import trio
 
+try:
+    from zonefs_py._native import ffi, lib
+except ImportError:  # pragma: no cover - depends on the build
+    ffi = lib = None
+
 log = logging.getLogger(__name__)
 
 #: Largest read sent through the ring (larger ones take a worker thread).
@@ -80,8 +85,6 @@ class _Ring:
 
     @staticmethod
     def free(ptr: Any, slots: dict[int, _Slot]) -> None:
-        from zonefs_py._native import lib
-
         if slots:
             _LEAKED.extend(s.buf for s in slots.values())
             slots.clear()
@@ -113,9 +116,7 @@ class AsyncReader:
 
     def _open_ring(self) -> _Ring | None:
         """The ring, or None without io_uring (sqpoll_ms falls back to plain submission)."""
-        try:
-            from zonefs_py._native import ffi, lib
-        except ImportError:  # pragma: no cover - depends on the build
+        if lib is None:  # pragma: no cover - depends on the build
             return None
         err = ffi.new("int *")
         ptr = lib.zn_aring_new(RING_ENTRIES, self.sqpoll_ms, err)
@@ -146,8 +147,6 @@ class AsyncReader:
 
     async def _ring_read(self, ring: _Ring, fd: int, pos: int, offset_bytes: int,
                          length_bytes: int) -> bytes:
-        from zonefs_py._native import ffi, lib
-
         buf = self._get_buf(length_bytes)
         tag = self._next_tag
         self._next_tag += 1
@@ -193,8 +192,6 @@ class AsyncReader:
             trio.lowlevel.spawn_system_task(self._reap, name="zonefs-py io_uring reaper")
 
     async def _reap(self) -> None:
-        from zonefs_py._native import ffi, lib
-
         ring = self._ring
         assert ring is not None
         tags = ffi.new("uint64_t[]", RING_ENTRIES)
@@ -227,8 +224,6 @@ class AsyncReader:
             self._reaper_started = False
 
     def _get_buf(self, length: int) -> Any:
-        from zonefs_py._native import ffi, lib
-
         size = max(4096, 1 << (length - 1).bit_length())
         free = self._free.get(size)
         if free:

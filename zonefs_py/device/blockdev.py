@@ -275,10 +275,12 @@ class BlockZonedDevice:
 
         None sends the read through `read()` (which masks unwritten bytes).
         """
-        bs = self._bs
-        if (self._closed or length_bytes <= 0 or offset_bytes < 0 or offset_bytes % bs
-                or length_bytes % bs or offset_bytes + length_bytes > self._info.size_bytes):
+        if self._closed or length_bytes <= 0:
             return None
+        try:
+            self._check_range("read", offset_bytes, length_bytes)
+        except OSError:
+            return None  # read() raises the error
         end = offset_bytes + length_bytes
         zone_idx = offset_bytes // self._zone_size
         if (end - 1) // self._zone_size != zone_idx:

@@ -317,11 +317,12 @@ class EmulatedZonedDevice:
         a zone that is OFFLINE or conventional. Lets an event loop read
         without a worker thread (`aread.AsyncReader`).
         """
-        if (self._closed or self._dead or not self._io.direct or self.faults.io_armed
-                or offset_bytes % self._geo.block_size or length_bytes % self._geo.block_size
-                or length_bytes <= 0 or offset_bytes < 0
-                or offset_bytes + length_bytes > self._info.size_bytes):
+        if self._closed or self._dead or not self._io.direct or self.faults.io_armed:
             return None
+        try:
+            self._check_range(offset_bytes, length_bytes)
+        except OSError:
+            return None  # read() raises the error
         zone_idx = offset_bytes >> self._zone_shift
         if (offset_bytes + length_bytes - 1) >> self._zone_shift != zone_idx:
             return None
