@@ -351,7 +351,10 @@ class Operations(pyfuse3.Operations):
         return self._file_info(fh, None), self.entry(attr)
 
     @_handler
-    async def read(self, fh: int, off: int, size: int) -> bytes:
+    async def read(self, fh: int, off: int, size: int  # type: ignore[override]
+                   ) -> bytes | memoryview:
+        # pyfuse3 replies from any buffer (PyObject_GetBuffer), so a view of the
+        # reader's pooled buffer goes to the kernel without a copy.
         return await self.fs.read(fh, off, size)
 
     @_handler

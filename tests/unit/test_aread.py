@@ -68,6 +68,49 @@ async def test_ring_reads_return_the_written_bytes(dev: EmulatedZonedDevice,
         await reader.aclose()
 
 
+async def test_a_read_lends_its_buffer_until_the_view_is_dropped(
+        dev: EmulatedZonedDevice) -> None:
+    blob = os.urandom(MiB)
+    at = dev.append(2, blob)
+    reader = AsyncReader(dev)
+    ring_or_skip(reader)
+    try:
+        view = await reader.read(at, MiB)
+        assert isinstance(view, memoryview)
+        assert view.readonly
+        assert view == blob
+        # While the view lives, its buffer is not reused by the next read.
+        other = await reader.read(at, 4096)
+        assert view == blob
+        assert other == blob[:4096]
+        assert not reader._free.get(MiB)
+        del view
+        assert len(reader._free[MiB]) == 1  # back on the free list, no copy made
+        again = await reader.read(at + 4096, MiB - 4096)
+        assert again == blob[4096:]
+        assert not reader._free.get(MiB)  # the same buffer was reused
+    finally:
+        await reader.aclose()
+
+
+async def test_small_reads_use_the_polled_ring_large_ones_the_plain_ring(
+        dev: EmulatedZonedDevice) -> None:
+    blob = os.urandom(MiB)
+    at = dev.append(2, blob)
+    reader = AsyncReader(dev, sqpoll_ms=2)
+    ring_or_skip(reader)
+    try:
+        assert reader._polled is not None
+        assert await reader.read(at, 4096) == blob[:4096]
+        assert reader._polled.reaper_started
+        assert not reader._ring.reaper_started
+        assert await reader.read(at, MiB) == blob
+        assert reader._ring.reaper_started
+    finally:
+        await reader.aclose()
+    assert not reader.uses_ring
+
+
 async def test_reads_the_device_must_emulate_take_the_thread_path(
         dev: EmulatedZonedDevice) -> None:
     at = dev.append(3, b"\x01" * 8192)

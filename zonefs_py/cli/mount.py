@@ -42,7 +42,8 @@ OPTIONS_HELP = textwrap.dedent("""\
               cleaner_rate=MB/s (0 disables background cleaning, default 64),
               cleaner_policy=cost-benefit|greedy,
               io_uring=on|off (file reads without worker threads, default on),
-              sqpoll_ms=N (io_uring submission polling thread idle time, 0 off, default 2),
+              sqpoll_ms=N (io_uring submission polling of reads up to 128 KiB,
+                idle time in ms, 0 off, default 2),
               qos_write_mb=MB/s (file-data appends while reads are served, 0 off, default 32).
       daemon: {daemon}
       ignored (fstab): rw, defaults, auto, noauto, _netdev, user, users, nofail, x-*, comment=*.

@@ -169,7 +169,9 @@ class FileSystemAPI(abc.ABC):
                      ctx: Ctx) -> tuple[int, Attr]: ...
 
     @abc.abstractmethod
-    async def read(self, fh: int, offset: int, length: int) -> bytes: ...
+    async def read(self, fh: int, offset: int, length: int) -> bytes | memoryview:
+        """Up to `length` bytes at `offset`; may be a read-only view of a pooled
+        buffer that is reused once the caller drops it (copy it to keep it)."""
 
     @abc.abstractmethod
     async def write(self, fh: int, offset: int, data: bytes) -> int: ...

@@ -51,7 +51,7 @@ from zonefs_py.alloc.allocator import Allocator, NeedCleaning
 from zonefs_py.alloc.streams import classify_stream
 from zonefs_py.device.aread import AsyncReader
 from zonefs_py.device.base import ZonedDevice
-from zonefs_py.format.checksum import block_checksums, first_bad_block
+from zonefs_py.format.checksum import Data, block_checksums, first_bad_block
 from zonefs_py.format.constants import OpType, Stream
 from zonefs_py.format.ops import Op
 from zonefs_py.fs.qos import ReadPriority
@@ -415,7 +415,8 @@ class DataPath:
         return fblock >= last
 
     # -- read ------------------------------------------------------------------------
-    async def read(self, inode: Inode, offset: int, length: int) -> bytes:
+    async def read(self, inode: Inode, offset: int, length: int) -> bytes | memoryview:
+        """The file's bytes; a read-only view when one device read served it."""
         size = self.visible_size(inode)
         if offset >= size or length <= 0:
             return b""
@@ -425,17 +426,18 @@ class DataPath:
             if inode.ino in self.buffers or inode.ino in self.inflight:
                 async with self.lock(inode.ino):
                     return await self._read_locked(inode, offset, length)
-            return await self._read_stored(inode, offset, length)
+            return await self._read_view(inode, offset, length)
         finally:
             self.qos.read_done()
 
-    async def _read_locked(self, inode: Inode, offset: int, length: int) -> bytes:
+    async def _read_locked(self, inode: Inode, offset: int, length: int
+                           ) -> bytes | memoryview:
         # Snapshot the in-flight chunks first: one that lands while the extents
         # are read leaves the in-flight list but may be missing from the extent
         # map as it was looked up (that read would see a hole).
         layers: list[tuple[int, bytes | bytearray]] = [
             (c.fblock * self.bs, c.data) for c in self.inflight.get(inode.ino, ())]
-        data = await self._read_stored(inode, offset, length)
+        data = await self._read_view(inode, offset, length)
         buf = self.buffers.get(inode.ino)
         if buf is not None:
             layers.append((buf.start, buf.data))
@@ -454,6 +456,13 @@ class DataPath:
 
     async def _read_stored(self, inode: Inode, offset: int, length: int) -> bytes:
         """Read [offset, offset+length) from the extents only (holes are zeros)."""
+        data = await self._read_view(inode, offset, length)
+        return data if isinstance(data, bytes) else bytes(data)
+
+    async def _read_view(self, inode: Inode, offset: int, length: int) -> bytes | memoryview:
+        """`_read_stored`, but a single device read comes back as the reader's
+        read-only view (no copy): for `read()`, whose result goes straight to
+        the reply."""
         assert inode.extents is not None
         bs = self.bs
         end = min(offset + length, max(inode.size, offset))
@@ -461,7 +470,7 @@ class DataPath:
             return bytes(length)
         fb0 = offset // bs
         fb1 = (end + bs - 1) // bs
-        parts: list[bytes] = []
+        parts: list[bytes | memoryview] = []
         for start, count, ext in inode.extents.lookup(fb0, fb1 - fb0):
             if ext is None:
                 parts.append(bytes(count * bs))
@@ -485,11 +494,11 @@ class DataPath:
         skip = offset - fb0 * bs
         out = blob[skip:skip + (end - offset)]
         if len(out) < length:
-            out += bytes(length - len(out))
+            return bytes(out) + bytes(length - len(out))
         return out
 
     async def _read_extent(self, ino: int, fblock: int, dev_off: int, nbytes: int,
-                           csums: bytes) -> bytes:
+                           csums: bytes) -> bytes | memoryview:
         if self.reader is not None and self.reader.uses_ring:
             # Read without a worker thread; verify here (C, ~0.1 ms per MiB).
             try:
@@ -517,7 +526,7 @@ class DataPath:
                   fblock * self.bs, exc)
         raise errors.IOFailure(f"device read failed: {exc}") from exc
 
-    def _verify(self, ino: int, fblock: int, dev_off: int, data: bytes, csums: bytes) -> None:
+    def _verify(self, ino: int, fblock: int, dev_off: int, data: Data, csums: bytes) -> None:
         bad = first_bad_block(data, self.bs, csums)
         if bad is not None:
             file_off = (fblock + bad) * self.bs

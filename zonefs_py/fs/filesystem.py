@@ -510,7 +510,7 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         inode = self._create_node(d, name, op)
         return self._new_fh(inode.ino), self.attr(inode)
 
-    async def read(self, fh: int, offset: int, length: int) -> bytes:
+    async def read(self, fh: int, offset: int, length: int) -> bytes | memoryview:
         inode = self._fh_inode(fh)
         if offset < 0:
             raise errors.InvalidArgument("negative offset")
