@@ -32,6 +32,7 @@ import fcntl
 import logging
 import logging.handlers
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -473,13 +474,21 @@ async def _tune_after_init(cfg: MountConfig) -> None:
         await trio.to_thread.run_sync(set_max_background, cfg.mountpoint, cfg.max_background)
 
 
-def _mount_dev(mountpoint: str) -> str:
-    """The mount's device number "major:minor", from /proc/self/mountinfo."""
+def _unescape_mountinfo(field: str) -> str:
+    r"""Undo mountinfo's octal escapes (a space is \040, a backslash \134)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def _mount_dev(mountpoint: str, mountinfo: str = "/proc/self/mountinfo") -> str:
+    """The mount's device number "major:minor", from /proc/self/mountinfo
+    (the last mount on `mountpoint`: the one on top)."""
+    # The kernel records the path with symlinks resolved.
+    wanted = {mountpoint, os.path.realpath(mountpoint)}
     dev = None
-    with open("/proc/self/mountinfo") as f:
+    with open(mountinfo, encoding="utf-8", errors="surrogateescape") as f:
         for line in f:
             fields = line.split()
-            if len(fields) > 4 and fields[4] == mountpoint:
+            if len(fields) > 4 and _unescape_mountinfo(fields[4]) in wanted:
                 dev = fields[2]
     if dev is None:
         raise OSError(f"{mountpoint} not found in /proc/self/mountinfo")

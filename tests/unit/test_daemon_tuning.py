@@ -1,0 +1,48 @@
+"""The daemon's post-INIT tuning helpers: finding the mount's device number, malloc."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from zonefs_py.daemon import _mount_dev, _unescape_mountinfo, keep_buffers_warm
+
+MOUNTINFO = (
+    "22 1 254:1 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
+    "70 22 0:51 / /mnt/with\\040space rw,nosuid,nodev shared:40 - fuse.zonefs-py "
+    "/img rw,user_id=0,group_id=0\n"
+    "71 22 0:52 / /mnt/back\\134slash rw - fuse.zonefs-py /img rw\n"
+    "72 22 0:53 / /mnt/plain rw - fuse.zonefs-py /img rw\n"
+    "73 72 0:54 / /mnt/plain rw - fuse.zonefs-py /img2 rw\n"
+)
+
+
+@pytest.fixture
+def mountinfo(tmp_path: Path) -> str:
+    path = tmp_path / "mountinfo"
+    path.write_text(MOUNTINFO)
+    return str(path)
+
+
+def test_mountinfo_escapes_are_undone() -> None:
+    assert _unescape_mountinfo("/a\\040b\\011c\\134d") == "/a b\tc\\d"
+    assert _unescape_mountinfo("/plain") == "/plain"
+
+
+def test_mount_dev_finds_paths_with_spaces_and_backslashes(mountinfo: str) -> None:
+    assert _mount_dev("/mnt/with space", mountinfo) == "0:51"
+    assert _mount_dev("/mnt/back\\slash", mountinfo) == "0:52"
+
+
+def test_mount_dev_takes_the_mount_on_top(mountinfo: str) -> None:
+    assert _mount_dev("/mnt/plain", mountinfo) == "0:54"
+
+
+def test_mount_dev_of_an_unmounted_path_is_an_error(mountinfo: str) -> None:
+    with pytest.raises(OSError, match="not found"):
+        _mount_dev("/mnt/nothing", mountinfo)
+
+
+def test_keep_buffers_warm_succeeds_on_glibc() -> None:
+    assert keep_buffers_warm() is True
