@@ -293,6 +293,12 @@ class DataPath:
         except errors.ZoneFSError as exc:
             error = exc
             placed = []
+        except trio.Cancelled:
+            # The event loop is ending (an unclean exit: a clean one flushes
+            # first); the chunk is not written, and nothing acknowledged it.
+            log.debug("write of a chunk of inode %d cancelled", inode.ino)
+            error = errors.IOFailure("cancelled: the filesystem is shutting down")
+            placed = []
         except BaseException as exc:  # a system task must not raise
             log.exception("unexpected error writing file data of inode %d", inode.ino)
             error = errors.IOFailure(f"unexpected error: {exc!r}")
