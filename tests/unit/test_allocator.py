@@ -148,3 +148,25 @@ def test_a_zone_being_read_is_not_reset_until_the_read_is_done() -> None:
     assert alloc.take_resettable(durable_txn=1 << 30) == []
     alloc.unpin_read(4)
     assert alloc.take_resettable(durable_txn=1 << 30) == [4]
+
+
+def test_total_capacity_follows_zones_going_out_of_use_and_back() -> None:
+    alloc = make_alloc()
+
+    def brute() -> int:
+        return sum(z.capacity for z in alloc.zones.values() if not z.unusable)
+
+    ops: list[Op] = []
+    finish: list[int] = []
+    assert alloc.total_capacity() == brute() == 8 * ZONE
+    zone, _ = alloc.reserve(Stream.DATASET, 0, 8 * BS, ops, finish)
+    alloc.append_done(zone, ok=False)  # write error: out of use
+    assert alloc.total_capacity() == brute() == 7 * ZONE
+    assert alloc.take_resettable(durable_txn=1 << 30) == [zone]
+    alloc.zone_was_reset(zone, ops)  # the reset worked: back in use
+    assert alloc.total_capacity() == brute() == 8 * ZONE
+    zone, _ = alloc.reserve(Stream.DATASET, 0, 8 * BS, ops, finish)
+    alloc.append_done(zone, ok=False)
+    assert alloc.take_resettable(durable_txn=1 << 30) == [zone]
+    alloc.zone_reset_failed(zone)  # the reset failed: out of use for good
+    assert alloc.total_capacity() == brute() == 7 * ZONE

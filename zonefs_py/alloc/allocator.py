@@ -115,13 +115,24 @@ class Allocator:
         self.dead_bytes_reset = 0
         #: Capacity given up by finishing zones early.
         self.wasted_bytes = 0
+        self._total_capacity: int | None = None
 
     # -- queries -------------------------------------------------------------------
     def live_bytes(self, zone: int) -> int:
         return self.state.zone_live_blocks.get(zone, 0) * self.block_size
 
     def total_capacity(self) -> int:
-        return sum(z.capacity for z in self.zones.values() if not z.unusable)
+        """Capacity of the usable data zones (cached: asked on every growing write,
+        it changes only when a zone becomes unusable or usable again)."""
+        if self._total_capacity is None:
+            self._total_capacity = sum(z.capacity for z in self.zones.values()
+                                       if not z.unusable)
+        return self._total_capacity
+
+    def _set_unusable(self, dz: DataZone, unusable: bool, write_failed: bool) -> None:
+        dz.unusable = unusable
+        dz.write_failed = write_failed
+        self._total_capacity = None
 
     def free_bytes(self) -> int:
         """Bytes that can still be written without cleaning (unwritten + pending resets)."""
@@ -187,7 +198,7 @@ class Allocator:
         dz.inflight -= 1
         if not ok:
             # A failed write leaves the zone's state unknown: stop using it.
-            dz.unusable = dz.write_failed = True
+            self._set_unusable(dz, True, write_failed=True)
             if dz.head_of is not None:
                 self._drop_head(dz.head_of)
             log.error("data zone %d stopped taking writes after a write error", zone_idx)
@@ -356,15 +367,13 @@ class Allocator:
 
     def zone_reset_failed(self, zone_idx: int) -> None:
         """A reset of a dead zone failed: the zone is out of use for this mount."""
-        dz = self.zones[zone_idx]
-        dz.unusable = True
-        dz.write_failed = False
+        self._set_unusable(self.zones[zone_idx], True, write_failed=False)
 
     def zone_was_reset(self, zone_idx: int, journal_ops: list[Op]) -> None:
         dz = self.zones[zone_idx]
         if dz.unusable:
             log.info("data zone %d is usable again after a reset", zone_idx)
-        dz.unusable = dz.write_failed = False
+        self._set_unusable(dz, False, write_failed=False)
         self.dead_bytes_reset += dz.reserved
         dz.reserved = 0
         dz.resets += 1
