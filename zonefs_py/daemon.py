@@ -368,9 +368,11 @@ def keep_buffers_warm() -> bool:
     256 new pages. On the 2-vCPU VM we measured, a no-op pyfuse3 server
     that allocates a new 1 MiB object per read drops from ~3 GB/s to
     ~0.6 GB/s. Serving them from the heap and keeping up to
-    MALLOC_TRIM_THRESHOLD of freed memory reuses warm pages; the daemon's
-    RSS may stay that much higher after a burst. Best effort: False where
-    the C library has no mallopt (not glibc).
+    MALLOC_TRIM_THRESHOLD of freed memory reuses warm pages. It also keeps
+    the heap from fragmenting: after a 2 GiB sequential write through the
+    mount the daemon's RSS was 150-204 MB with these settings, 344 MB (peak
+    445 MB) with glibc's defaults. Best effort: False where the C library
+    has no mallopt (not glibc).
     """
     import ctypes
 
