@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -44,15 +46,26 @@ def ring_or_skip(reader: AsyncReader) -> None:
         pytest.skip("io_uring is not available on this kernel")
 
 
-@pytest.mark.parametrize("sqpoll_ms", [0, 2])
-async def test_ring_reads_return_the_written_bytes(dev: EmulatedZonedDevice,
-                                                   sqpoll_ms: int) -> None:
+@asynccontextmanager
+async def ring_reader(dev: EmulatedZonedDevice, sqpoll_ms: int = 0
+                      ) -> AsyncIterator[tuple[AsyncReader, int, bytes]]:
+    """A reader with a ring (or skip), and 1 MiB of random data written in zone 2:
+    yields (reader, device offset of the data, the data); closes the reader."""
     blob = os.urandom(MiB)
     at = dev.append(2, blob)
     reader = AsyncReader(dev, sqpoll_ms=sqpoll_ms)
     ring_or_skip(reader)
     try:
-        results: dict[int, bytes] = {}
+        yield reader, at, blob
+    finally:
+        await reader.aclose()
+
+
+@pytest.mark.parametrize("sqpoll_ms", [0, 2])
+async def test_ring_reads_return_the_written_bytes(dev: EmulatedZonedDevice,
+                                                   sqpoll_ms: int) -> None:
+    async with ring_reader(dev, sqpoll_ms) as (reader, at, blob):
+        results: dict[int, bytes | memoryview] = {}
 
         async def one(i: int) -> None:
             results[i] = await reader.read(at + i * 4096, 4096)
@@ -64,17 +77,11 @@ async def test_ring_reads_return_the_written_bytes(dev: EmulatedZonedDevice,
         assert await reader.read(at, MiB) == blob
         assert reader.ring_reads == 201
         assert reader.thread_reads == 0
-    finally:
-        await reader.aclose()
 
 
 async def test_a_read_lends_its_buffer_until_the_view_is_dropped(
         dev: EmulatedZonedDevice) -> None:
-    blob = os.urandom(MiB)
-    at = dev.append(2, blob)
-    reader = AsyncReader(dev)
-    ring_or_skip(reader)
-    try:
+    async with ring_reader(dev) as (reader, at, blob):
         view = await reader.read(at, MiB)
         assert isinstance(view, memoryview)
         assert view.readonly
@@ -89,25 +96,17 @@ async def test_a_read_lends_its_buffer_until_the_view_is_dropped(
         again = await reader.read(at + 4096, MiB - 4096)
         assert again == blob[4096:]
         assert not reader._free.get(MiB)  # the same buffer was reused
-    finally:
-        await reader.aclose()
 
 
 async def test_small_reads_use_the_polled_ring_large_ones_the_plain_ring(
         dev: EmulatedZonedDevice) -> None:
-    blob = os.urandom(MiB)
-    at = dev.append(2, blob)
-    reader = AsyncReader(dev, sqpoll_ms=2)
-    ring_or_skip(reader)
-    try:
+    async with ring_reader(dev, sqpoll_ms=2) as (reader, at, blob):
         assert reader._polled is not None
         assert await reader.read(at, 4096) == blob[:4096]
         assert reader._polled.reaper_started
         assert not reader._ring.reaper_started
         assert await reader.read(at, MiB) == blob
         assert reader._ring.reaper_started
-    finally:
-        await reader.aclose()
     assert not reader.uses_ring
 
 
