@@ -24,6 +24,9 @@ setup(
     extras_require={
         "test": ["pytest>=7", "pytest-trio>=0.8", "hypothesis>=6"],
         "bench": ["matplotlib>=3.6"],
+        # .ci/run's lint step; ruff and mypy change their checks between
+        # releases, so they are bounded to the majors the code was checked with.
+        "lint": ["ruff>=0.6,<1", "mypy>=1.10,<3"],
     },
     entry_points={"console_scripts": ["zonefs-py = zonefs_py.cli.main:main"]},
     scripts=["mount_helpers/mount.fuse.zonefs-py"],

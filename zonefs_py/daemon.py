@@ -66,6 +66,8 @@ IGNORED = frozenset({
 DAEMON_OPTIONS = {
     "writeback_cache": "on|off: kernel writeback cache (default on; see DESIGN.md 4.3)",
     "max_tasks": "N: most FUSE requests handled at once (default 64)",
+    "min_tasks": "N: FUSE request tasks kept waiting while idle (default 16, at most "
+                 "max_tasks; fewer makes pyfuse3 start a task for most requests under load)",
     "attr_timeout": "S: seconds the kernel caches attributes and entries (default 60)",
     "readahead_kb": "N: kernel readahead window of the mount in KiB (default 4096; 0 keeps "
                     "the kernel's 128)",
@@ -111,6 +113,7 @@ class MountConfig:
     log_file: str | None = None
     writeback_cache: bool = True
     max_tasks: int = 64
+    min_tasks: int = 16
     attr_timeout_s: float = 60.0
     readahead_kb: int = 4096
     max_background: int = 64
@@ -174,6 +177,10 @@ class MountConfig:
             elif name == "max_tasks":
                 self.max_tasks = int(value)
                 if self.max_tasks < 1:
+                    raise ValueError(value)
+            elif name == "min_tasks":
+                self.min_tasks = int(value)
+                if self.min_tasks < 1:
                     raise ValueError(value)
             elif name == "attr_timeout":
                 self.attr_timeout_s = float(value)
@@ -447,9 +454,11 @@ async def serve(cfg: MountConfig, report: Reporter) -> int:
                     await fs.close()
                     raise MountError(f"{cfg.mountpoint}: the FUSE mount failed "
                                      "(libfuse's message is above)") from None
-                log.info("mounted %s on %s (options %s, writeback_cache=%s, max_tasks=%d)",
+                log.info("mounted %s on %s (options %s, writeback_cache=%s, max_tasks=%d, "
+                         "min_tasks=%d)",
                          cfg.device, cfg.mountpoint, ",".join(sorted(cfg.fuse_options)),
-                         cfg.writeback_cache, cfg.max_tasks)
+                         cfg.writeback_cache, cfg.max_tasks,
+                         min(cfg.min_tasks, cfg.max_tasks))
                 report(None)
                 return await _serve_mounted(cfg, fs, ops, signals)
             finally:
@@ -555,7 +564,12 @@ async def _serve_mounted(cfg: MountConfig, fs: Any, ops: Any, signals: Any) -> i
         nursery.start_soon(_watch_signals, signals)
         nursery.start_soon(_tune_after_init, cfg)
         try:
-            await pyfuse3.main(min_tasks=1, max_tasks=cfg.max_tasks)
+            # pyfuse3 ends a task that finds more than min_tasks others waiting
+            # for a request, and starts one whenever none waits: with min_tasks=1
+            # a queue-depth-16 reader made it start and end a task per request or
+            # so (Nursery.start_soon and the idle tasks' lock hand-offs in py-spy).
+            await pyfuse3.main(min_tasks=min(cfg.min_tasks, cfg.max_tasks),
+                               max_tasks=cfg.max_tasks)
         except OSError as exc:
             # An unmount racing requests still in flight (e.g. RELEASEDIR of many
             # descriptors closed just before fusermount3 -u) aborts the session with

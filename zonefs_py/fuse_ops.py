@@ -32,8 +32,10 @@ the adapter. Device concurrency is bounded by the engine.
 
 Caveats:
   * pyfuse3 implements XATTR_CREATE / XATTR_REPLACE itself by calling
-    `getxattr` before `setxattr` (the flags never reach us), so two racing
-    `setxattr(XATTR_CREATE)` calls on the same name may both succeed.
+    `getxattr` before `setxattr` in the same task (the flags never reach us).
+    That check-then-set is atomic only because neither handler reaches a trio
+    checkpoint (the engine applies xattr changes without awaiting; a unit test
+    holds it to that); the kernel also serialises setxattr per inode.
   * The control xattrs (`trusted.zonefs.*`, root inode only) are answered
     here, not stored: see `zonefs_py.control`.
 """

@@ -183,7 +183,7 @@ def test_engine_options_are_accepted(image: Path, mount_factory: Mount) -> None:
                             "cleaner_policy=greedy,max_tasks=8,writeback_cache=off")
     (m.path / "f").write_bytes(b"x" * 100_000)
     assert (m.path / "f").read_bytes() == b"x" * 100_000
-    assert "writeback_cache=False, max_tasks=8" in m.log_text()
+    assert "writeback_cache=False, max_tasks=8, min_tasks=8" in m.log_text()
 
 
 def _fuse_conn(mountpoint: Path) -> Path:

@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from zonefs_py.daemon import _mount_dev, _unescape_mountinfo, keep_buffers_warm
+from zonefs_py.daemon import (
+    MountConfig,
+    MountError,
+    _mount_dev,
+    _unescape_mountinfo,
+    keep_buffers_warm,
+)
 
 MOUNTINFO = (
     "22 1 254:1 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
@@ -46,3 +52,16 @@ def test_mount_dev_of_an_unmounted_path_is_an_error(mountinfo: str) -> None:
 
 def test_keep_buffers_warm_succeeds_on_glibc() -> None:
     assert keep_buffers_warm() is True
+
+
+def test_min_tasks_option(tmp_path: Path) -> None:
+    image = tmp_path / "img"
+    image.write_bytes(b"")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    assert MountConfig.build(str(image), str(mnt), []).min_tasks == 16
+    cfg = MountConfig.build(str(image), str(mnt), ["min_tasks=4,max_tasks=8"])
+    assert (cfg.min_tasks, cfg.max_tasks) == (4, 8)
+    for bad in ("min_tasks=0", "min_tasks=x", "min_tasks"):
+        with pytest.raises(MountError, match="min_tasks"):
+            MountConfig.build(str(image), str(mnt), [bad])

@@ -6,8 +6,11 @@ import os
 import stat
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 
+import pyfuse3
 import pytest
+import trio.testing
 from engine_helpers import (
     CTX,
     TEST_OPTIONS,
@@ -32,6 +35,7 @@ from zonefs_py.fs.api import (
     XattrFlags,
 )
 from zonefs_py.fs.filesystem import ZoneFS
+from zonefs_py.fuse_ops import Operations
 
 
 @pytest.fixture
@@ -268,6 +272,21 @@ async def test_xattrs(fs: ZoneFS) -> None:
         await fs.removexattr(f, b"trusted.b", CTX)
     with pytest.raises(errors.NotSupported):
         await fs.setxattr(f, b"os2.x", b"1", XattrFlags.NONE, CTX)
+
+
+async def test_xattr_check_and_set_never_yield(fs: ZoneFS) -> None:
+    """pyfuse3 emulates XATTR_CREATE/REPLACE as getxattr, then setxattr, in one
+    task; neither handler may reach a trio checkpoint, so no other request runs
+    between the check and the set (two racing creates cannot both succeed)."""
+    ops = Operations(fs)
+    rctx = SimpleNamespace(uid=0, gid=0, pid=os.getpid(), umask=0o022)
+    f = await mkfile(fs, ROOT_INO, b"f")
+    with trio.testing.assert_no_checkpoints():
+        with pytest.raises(pyfuse3.FUSEError):
+            await ops.getxattr(f, b"user.new", rctx)  # type: ignore[arg-type]
+        await ops.setxattr(f, b"user.new", b"1", rctx)  # type: ignore[arg-type]
+        assert await ops.getxattr(f, b"user.new", rctx) == b"1"  # type: ignore[arg-type]
+        await ops.setxattr(f, b"user.new", b"2", rctx)  # type: ignore[arg-type]
 
 
 async def test_xattrs_persist(tmp_path: Path) -> None:
