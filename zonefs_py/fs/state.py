@@ -24,8 +24,8 @@ from zonefs_py.fs.extents import EMPTY_EXTENTS, ExtentMap, Freed
 
 class Inode:
     __slots__ = (
-        "atime", "ctime", "entries", "extents", "flags", "gid", "ino", "lookups", "mode",
-        "mtime", "nlink", "opens", "parent", "rdev", "size", "target", "uid", "xattrs",
+        "atime", "ckpt_gen", "ctime", "entries", "extents", "flags", "gid", "ino", "lookups",
+        "mode", "mtime", "nlink", "opens", "parent", "rdev", "size", "target", "uid", "xattrs",
     )
 
     def __init__(self, ino: int, mode: int = 0, uid: int = 0, gid: int = 0, nlink: int = 0,
@@ -51,6 +51,8 @@ class Inode:
         self.parent = 0
         self.lookups = 0
         self.opens = 0
+        #: Generation of the last Snapshot that encoded this inode (see Snapshot).
+        self.ckpt_gen = 0
 
     @property
     def is_dir(self) -> bool:
@@ -105,6 +107,10 @@ class State:
         self.zone_owners: dict[int, set[int]] = {}
         #: Called with (zone_idx) when a zone's live block count drops to zero.
         self.on_zone_emptied: Callable[[int], None] | None = None
+        #: The checkpoint snapshot being encoded, if any: apply() hands it every
+        #: inode it is about to change (copy-on-write, see Snapshot).
+        self.snapshot: Snapshot | None = None
+        self.snapshot_gen = 0
         self._dispatch = {
             OpType.INODE: self._apply_inode,
             OpType.INODE_FREE: self._apply_inode_free,
@@ -128,6 +134,8 @@ class State:
             fn = self._dispatch[op[0]]
         except KeyError:
             raise StateError(f"unknown op {op[0]!r}") from None
+        if self.snapshot is not None:
+            self.snapshot.before_apply(op)
         fn(op)
 
     def apply_all(self, ops: list[Op]) -> None:
@@ -144,8 +152,10 @@ class State:
         (_, ino, mode, uid, gid, nlink, rdev, size, atime, mtime, ctime, flags) = op
         inode = self.inodes.get(ino)
         if inode is None:
-            self.inodes[ino] = Inode(ino, mode, uid, gid, nlink, rdev, size, atime, mtime,
-                                     ctime, flags)
+            inode = self.inodes[ino] = Inode(ino, mode, uid, gid, nlink, rdev, size, atime,
+                                             mtime, ctime, flags)
+            if self.snapshot is not None:
+                inode.ckpt_gen = self.snapshot.gen  # born after the snapshot: not in it
             if ino >= self.next_ino:
                 self.next_ino = ino + 1
             return
@@ -271,28 +281,124 @@ class State:
         Order matters: counters and zones, then every inode, then names,
         symlink targets, xattrs and extents (which need their inodes).
         """
+        yield from self.snapshot_head_ops()
+        for inode in self.inodes.values():
+            yield inode.op()
+        for inode in self.inodes.values():
+            yield from self.inode_body_ops(inode, max_csum_blocks)
+
+    def snapshot_head_ops(self) -> Iterator[Op]:
+        """The snapshot's ops that belong to no inode: counters, tenants, zones."""
         yield (OpType.NEXT_INO, self.next_ino)
         yield (OpType.COUNTERS, dict(self.counters))
         for dir_ino, written in self.tenant_written.items():
             yield (OpType.TENANT_BYTES, dir_ino, written)
         for zone, (stream, flags, resets) in sorted(self.zone_info.items()):
             yield (OpType.ZONE_STATE, zone, stream, flags, resets)
-        for inode in self.inodes.values():
-            yield inode.op()
-        for inode in self.inodes.values():
-            if inode.entries:
-                for name, child in inode.entries.items():
-                    yield (OpType.DIRENT_ADD, inode.ino, child, name)
-            if inode.target is not None:
-                yield (OpType.SYMLINK, inode.ino, inode.target)
-            if inode.xattrs:
-                for name, value in inode.xattrs.items():
-                    yield (OpType.XATTR_SET, inode.ino, name, value)
-            if inode.extents is not None:
-                bs = self.block_size
-                for e in inode.extents:
-                    # Split huge extents so one op stays well under a record's size.
-                    for off in range(0, e.nblocks, max_csum_blocks):
-                        n = min(max_csum_blocks, e.nblocks - off)
-                        yield (OpType.EXTENT, inode.ino, e.fblock + off, n, e.dev + off * bs,
-                               e.csums[off * 4:(off + n) * 4])
+
+    def inode_body_ops(self, inode: Inode, max_csum_blocks: int = 65536) -> Iterator[Op]:
+        """The snapshot's ops of one inode after its INODE op: names (of a
+        directory), symlink target, xattrs, extents."""
+        if inode.entries:
+            for name, child in inode.entries.items():
+                yield (OpType.DIRENT_ADD, inode.ino, child, name)
+        if inode.target is not None:
+            yield (OpType.SYMLINK, inode.ino, inode.target)
+        if inode.xattrs:
+            for name, value in inode.xattrs.items():
+                yield (OpType.XATTR_SET, inode.ino, name, value)
+        if inode.extents is not None:
+            bs = self.block_size
+            for e in inode.extents:
+                # Split huge extents so one op stays well under a record's size.
+                for off in range(0, e.nblocks, max_csum_blocks):
+                    n = min(max_csum_blocks, e.nblocks - off)
+                    yield (OpType.EXTENT, inode.ino, e.fblock + off, n, e.dev + off * bs,
+                           e.csums[off * 4:(off + n) * 4])
+
+
+#: Ops whose op[1] is an inode they change (for DIRENT_* the directory; the
+#: child's `parent` is derived, not stored).
+_CHANGES_INODE = frozenset({
+    OpType.INODE, OpType.INODE_FREE, OpType.DIRENT_ADD, OpType.DIRENT_DEL, OpType.EXTENT,
+    OpType.TRUNCATE, OpType.SYMLINK, OpType.XATTR_SET, OpType.XATTR_DEL,
+})
+
+
+class Snapshot:
+    """The State as it was when this object was made, encoded a slice at a time.
+
+    A checkpoint of a big namespace takes seconds to encode (about 3 us per
+    file); `step()` encodes a slice of the inodes that existed at the start,
+    and the caller lets other requests run between slices. Requests keep
+    changing the State meanwhile, so the snapshot is copy-on-write: while it
+    is installed (`State.snapshot`), `State.apply` calls `before_apply`
+    first, which encodes the inode the op is about to change if it existed
+    at the start and is not encoded yet (its pre-image). Each inode is
+    encoded exactly once, either way, as it was at the start:
+
+    * an inode not yet encoded has not been changed since the start (every
+      change goes through apply(), and apply() would have encoded it first);
+    * inodes born after the start carry this snapshot's generation and are
+      never encoded; inodes freed after it were encoded before the free.
+
+    Everything outside inodes (next inode number, counters, tenants, zone
+    states) is small and encoded at once by the constructor. The result is
+    exactly what `snapshot_ops()` would have given at the start, except for
+    the order of names across directories (DESIGN.md, "Checkpoint").
+    """
+
+    def __init__(self, state: State, encode: Callable[[Op], bytes]) -> None:
+        if state.snapshot is not None:
+            raise StateError("a snapshot is already being taken")
+        state.snapshot_gen += 1
+        self.gen = state.snapshot_gen
+        self.state = state
+        self.encode = encode
+        self.head = [encode(op) for op in state.snapshot_head_ops()]
+        self.inode_part: list[bytes] = []
+        self.body_part: list[bytes] = []
+        self._todo: list[Inode] = list(state.inodes.values())
+        self._pos = 0
+        #: Inodes encoded ahead of the cursor because an op was about to change them.
+        self.copied = 0
+        state.snapshot = self
+
+    def _take(self, inode: Inode) -> None:
+        inode.ckpt_gen = self.gen
+        encode = self.encode
+        self.inode_part.append(encode(inode.op()))
+        self.body_part.extend(encode(op) for op in self.state.inode_body_ops(inode))
+
+    def before_apply(self, op: Op) -> None:
+        if op[0] in _CHANGES_INODE:
+            inode = self.state.inodes.get(op[1])
+            if inode is not None and inode.ckpt_gen != self.gen:
+                self._take(inode)
+                self.copied += 1
+
+    def step(self, max_inodes: int) -> bool:
+        """Encode up to `max_inodes` more inodes; True once every one is encoded."""
+        todo = self._todo
+        end = min(self._pos + max_inodes, len(todo))
+        gen = self.gen
+        for i in range(self._pos, end):
+            inode = todo[i]
+            if inode.ckpt_gen != gen:
+                self._take(inode)
+        self._pos = end
+        if end < len(todo):
+            return False
+        self._todo = []
+        return True
+
+    def encoded_ops(self) -> list[bytes]:
+        """Every encoded op, in checkpoint order (call once `step` returned True)."""
+        if self._todo:
+            raise StateError("snapshot is not complete")
+        return self.head + self.inode_part + self.body_part
+
+    def close(self) -> None:
+        """Stop tracking changes (always call it, also when the checkpoint fails)."""
+        if self.state.snapshot is self:
+            self.state.snapshot = None

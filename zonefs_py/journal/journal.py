@@ -15,9 +15,12 @@ made obsolete. A checkpoint complete in the log is authoritative even before
 the superblock points at it: recovery reloads state from any complete
 checkpoint it meets while replaying (DESIGN.md, "Checkpoint").
 
-What runs where: encoding runs on the trio thread; device calls run in worker
-threads through `trio.to_thread.run_sync` with the engine's CapacityLimiter.
-Only one commit or checkpoint writes to the log at a time (`_write_lock`).
+What runs where: encoding runs on the trio thread, a checkpoint's in slices
+of CHECKPOINT_SLICE_INODES inodes with requests served in between (a
+copy-on-write `State.Snapshot` keeps it the state of the moment the batch was
+taken); device calls run in worker threads through `trio.to_thread.run_sync`
+with the engine's CapacityLimiter. Only one commit or checkpoint writes to
+the log at a time (`_write_lock`): commits wait for a checkpoint to finish.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from zonefs_py.device.base import ZonedDevice
 from zonefs_py.format.constants import RecordType
 from zonefs_py.format.ops import Op, encode_op
 from zonefs_py.format.superblock import Superblock
-from zonefs_py.fs.state import State
+from zonefs_py.fs.state import Snapshot, State
 from zonefs_py.journal.log import LogFull, LogPosition, MetaLog
 from zonefs_py.journal.sbstore import SuperblockStore
 
@@ -43,6 +46,9 @@ log = logging.getLogger(__name__)
 #: transaction gets a record of its own).
 RECORD_PAYLOAD_TARGET = 1 << 20
 CHECKPOINT_END = struct.Struct("<QQ")
+#: Inodes a checkpoint encodes between two trio checkpoints (~3 us each, so a
+#: request waits a few ms at most for the encoder, not seconds).
+CHECKPOINT_SLICE_INODES = 1000
 
 
 class Journal:
@@ -158,6 +164,13 @@ class Journal:
         self.dev.flush()
         return positions
 
+    def _pack_and_write(self, encoded: list[bytes], upto: int, flush_first: bool,
+                        out: list[tuple[RecordType, bytes]]) -> list[LogPosition]:
+        """Worker thread: a checkpoint's records from its encoded ops (left in
+        `out`), written starting in a fresh meta zone."""
+        out.extend(_checkpoint_records(encoded, upto))
+        return self._write_records(out, flush_first, new_zone=True)
+
     async def _run(self, fn: Callable[..., object], *args: object) -> object:
         return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
 
@@ -180,13 +193,31 @@ class Journal:
 
     async def _checkpoint_locked(self) -> None:
         """Write a checkpoint; the caller holds `_write_lock`."""
-        # Atomic (no await): the pending transactions are folded into the snapshot.
+        # Atomic (no await): the pending transactions are folded into the snapshot,
+        # which from here on is the State as of `upto` (copy-on-write), however
+        # requests change it while it is encoded between their turns.
         _batch, upto = self._take_batch()
-        records = checkpoint_records(self.state, upto)
         flush_first = self.data_dirty
         self.data_dirty = False
+        snap = Snapshot(self.state, encode_op)
         try:
-            positions = await self._run(self._write_records, records, flush_first, True)
+            # Shielded: the batch taken above exists only in the snapshot now, so
+            # the checkpoint must not stop half-way (nor could it before: the
+            # device writes below are not cancellable either).
+            with trio.CancelScope(shield=True):
+                while not snap.step(CHECKPOINT_SLICE_INODES):
+                    await trio.lowlevel.checkpoint()
+        finally:
+            snap.close()
+        encoded = snap.encoded_ops()
+        records: list[tuple[RecordType, bytes]] = []
+        obsolete: list[int] = []
+        try:
+            # Packing ~1 MiB payloads out of the encoded ops takes ~50 ms per 100k
+            # files; the worker thread does it (the trio thread gets the GIL back
+            # every switch interval meanwhile).
+            positions = await self._run(self._pack_and_write, encoded, upto, flush_first,
+                                        records)
             assert isinstance(positions, list)
             self._set_durable(upto)
             first = positions[0]
@@ -212,7 +243,12 @@ class Journal:
 
 def checkpoint_records(state: State, upto_txn: int) -> list[tuple[RecordType, bytes]]:
     """Encode a snapshot of `state` as CHECKPOINT_BEGIN, _DATA..., _END records."""
-    payloads = _pack([encode_op(op) for op in state.snapshot_ops()])
+    return _checkpoint_records([encode_op(op) for op in state.snapshot_ops()], upto_txn)
+
+
+def _checkpoint_records(encoded_ops: list[bytes],
+                        upto_txn: int) -> list[tuple[RecordType, bytes]]:
+    payloads = _pack(encoded_ops)
     begin = struct.pack("<QQ", upto_txn, time.time_ns())
     end = CHECKPOINT_END.pack(len(payloads), sum(len(p) for p in payloads))
     records = [(RecordType.CHECKPOINT_BEGIN, begin)]
