@@ -161,6 +161,7 @@ class MountConfig:
             else:
                 raise MountError(f"unknown mount option {name!r}"
                                  + ("" if value is None else f" (={value})"))
+        cfg.min_tasks = min(cfg.min_tasks, cfg.max_tasks)
         cfg.fuse_options.add("default_permissions")  # always: the kernel checks modes
         cfg.fuse_options.add(f"fsname={fsname}")
         cfg.fuse_options.add(f"subtype={subtype}")
@@ -457,8 +458,7 @@ async def serve(cfg: MountConfig, report: Reporter) -> int:
                 log.info("mounted %s on %s (options %s, writeback_cache=%s, max_tasks=%d, "
                          "min_tasks=%d)",
                          cfg.device, cfg.mountpoint, ",".join(sorted(cfg.fuse_options)),
-                         cfg.writeback_cache, cfg.max_tasks,
-                         min(cfg.min_tasks, cfg.max_tasks))
+                         cfg.writeback_cache, cfg.max_tasks, cfg.min_tasks)
                 report(None)
                 return await _serve_mounted(cfg, fs, ops, signals)
             finally:
@@ -568,8 +568,7 @@ async def _serve_mounted(cfg: MountConfig, fs: Any, ops: Any, signals: Any) -> i
             # for a request, and starts one whenever none waits: with min_tasks=1
             # a queue-depth-16 reader made it start and end a task per request or
             # so (Nursery.start_soon and the idle tasks' lock hand-offs in py-spy).
-            await pyfuse3.main(min_tasks=min(cfg.min_tasks, cfg.max_tasks),
-                               max_tasks=cfg.max_tasks)
+            await pyfuse3.main(min_tasks=cfg.min_tasks, max_tasks=cfg.max_tasks)
         except OSError as exc:
             # An unmount racing requests still in flight (e.g. RELEASEDIR of many
             # descriptors closed just before fusermount3 -u) aborts the session with

@@ -164,12 +164,12 @@ class Journal:
         self.dev.flush()
         return positions
 
-    def _pack_and_write(self, encoded: list[bytes], upto: int, flush_first: bool,
-                        out: list[tuple[RecordType, bytes]]) -> list[LogPosition]:
-        """Worker thread: a checkpoint's records from its encoded ops (left in
-        `out`), written starting in a fresh meta zone."""
-        out.extend(_checkpoint_records(encoded, upto))
-        return self._write_records(out, flush_first, new_zone=True)
+    def _pack_and_write(self, encoded: list[bytes], upto: int, flush_first: bool
+                        ) -> tuple[list[tuple[RecordType, bytes]], list[LogPosition]]:
+        """Worker thread: a checkpoint's records from its encoded ops, written
+        starting in a fresh meta zone; returns the records and where they went."""
+        records = _checkpoint_records(encoded, upto)
+        return records, self._write_records(records, flush_first, new_zone=True)
 
     async def _run(self, fn: Callable[..., object], *args: object) -> object:
         return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
@@ -209,16 +209,15 @@ class Journal:
                     await trio.lowlevel.checkpoint()
         finally:
             snap.close()
-        encoded = snap.encoded_ops()
-        records: list[tuple[RecordType, bytes]] = []
         obsolete: list[int] = []
         try:
             # Packing ~1 MiB payloads out of the encoded ops takes ~50 ms per 100k
             # files; the worker thread does it (the trio thread gets the GIL back
             # every switch interval meanwhile).
-            positions = await self._run(self._pack_and_write, encoded, upto, flush_first,
-                                        records)
-            assert isinstance(positions, list)
+            written = await self._run(self._pack_and_write, snap.encoded_ops(), upto,
+                                      flush_first)
+            assert isinstance(written, tuple)
+            records, positions = written
             self._set_durable(upto)
             first = positions[0]
             sb = self.sb.with_checkpoint(first.zone, first.offset, first.seq)
