@@ -226,11 +226,11 @@ class Cleaner:
             return []
         bs = self.bs
         ops: list[Op] = []
-        for start, n, ext in inode.extents.lookup(first, count):
-            if ext is None:
+        for start, n, dev, _csums in inode.extents.lookup(first, count, bs):
+            if dev is None:
                 continue
             rel = start - first
-            if ext.dev + (start - ext.fblock) * bs != old_dev + rel * bs:
+            if dev != old_dev + rel * bs:
                 continue  # rewritten since we read it: the newer data stays
             ops.append((OpType.EXTENT, ino, start, n, new_dev + rel * bs,
                         csums[rel * 4:(rel + n) * 4]))
