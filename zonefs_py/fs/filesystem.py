@@ -52,9 +52,9 @@ from zonefs_py.fs.namespace import NamespaceOps
 from zonefs_py.fs.options import FsOptions
 from zonefs_py.fs.qos import ReadPriority
 from zonefs_py.fs.quota import QuotaTracker
-from zonefs_py.fs.state import Inode, State
 from zonefs_py.journal.journal import Journal
 from zonefs_py.journal.recovery import Recovered, recover
+from zonefs_py.model.state import Inode, State
 
 log = logging.getLogger(__name__)
 
