@@ -1,8 +1,12 @@
 """ZoneFS: the namespace engine behind the FUSE adapter (see fs/api.py).
 
-Namespace-changing operations and xattrs live in the `NamespaceOps` mixin
-(fs/namespace.py); this module has lifecycle, lookups, attributes, files,
-directories and whole-filesystem operations.
+This module serves requests: lookups, attributes, files, directories and
+whole-filesystem operations, plus the lifecycle that wraps them (load,
+background loop, close). Around it, each with one job: namespace-changing
+operations and xattrs in the `NamespaceOps` mixin (fs/namespace.py); file data
+in `DataPath` (fs/datapath.py); putting a recovered image in order at mount
+(fs/after_recovery.py); zone resets and the cleaner's host (fs/reclaim.py);
+the status figures (fs/status.py).
 
 Every namespace operation follows one pattern: validate against the State,
 build the ops, apply them and add them to the journal as one transaction,
