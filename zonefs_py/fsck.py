@@ -23,8 +23,8 @@ from zonefs_py.format.checksum import first_bad_block
 from zonefs_py.format.constants import Stream
 from zonefs_py.format.superblock import Superblock
 from zonefs_py.fs.api import ROOT_INO
-from zonefs_py.fs.state import State
 from zonefs_py.journal.recovery import Recovered, read_superblock, recover
+from zonefs_py.model.state import State
 
 Progress = Callable[[str, int, int], None]
 

@@ -326,10 +326,10 @@ async def cleaning_pass(fs: ZoneFS, t: Tracker) -> None:
     t.ack("/k1")
     victim = fs.cleaner.pick_victim()
     assert victim is not None, "the scenario must leave a zone worth cleaning"
-    copied = await fs.cleaner.clean_zone(victim.idx, throttle=False)
+    copied = await fs.cleaner.clean_zone(victim.zone_idx, throttle=False)
     assert copied > 0
-    await fs.commit_and_reset()
-    assert fs.alloc.zones[victim.idx].reserved == 0, "the cleaned zone must have been reset"
+    await fs.reclaim.commit_and_reset()
+    assert fs.alloc.zones[victim.zone_idx].reserved == 0, "the cleaned zone must have been reset"
 
 
 SCENARIOS: dict[str, tuple[Scenario, Geometry]] = {

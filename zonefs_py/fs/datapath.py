@@ -55,8 +55,8 @@ from zonefs_py.format.checksum import Data, block_checksums, first_bad_block
 from zonefs_py.format.constants import OpType, Stream
 from zonefs_py.format.ops import Op
 from zonefs_py.fs.qos import ReadPriority
-from zonefs_py.fs.state import Inode, State
 from zonefs_py.journal.journal import Journal
+from zonefs_py.model.state import Inode, State
 
 log = logging.getLogger(__name__)
 

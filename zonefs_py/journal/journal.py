@@ -49,9 +49,9 @@ from zonefs_py.device.base import ZonedDevice
 from zonefs_py.format.constants import RecordType
 from zonefs_py.format.ops import Op, encode_op
 from zonefs_py.format.superblock import Superblock
-from zonefs_py.fs.state import Snapshot, State
 from zonefs_py.journal.log import LogFull, LogPosition, MetaLog
 from zonefs_py.journal.sbstore import SuperblockStore
+from zonefs_py.model.state import Snapshot, State
 
 log = logging.getLogger(__name__)
 

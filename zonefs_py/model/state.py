@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 
 from zonefs_py.format.constants import OpType
 from zonefs_py.format.ops import Op
-from zonefs_py.fs.extents import EMPTY_EXTENTS, ExtentMap, Freed
+from zonefs_py.model.extents import EMPTY_EXTENTS, ExtentMap, Freed
 
 
 class Inode:
