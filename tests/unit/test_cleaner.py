@@ -372,10 +372,10 @@ async def test_engine_relocate_keeps_a_block_rewritten_after_the_read(tmp_path: 
         extents = fs.state.inodes[piece.ino].extents
         assert extents is not None
         zsize = fs.state.zone_size
-        (_, _, first), = extents.lookup(piece.fblock, 1)
-        (_, _, second), = extents.lookup(piece.fblock + 1, 1)
-        assert first is not None
-        assert second is not None
+        (first,) = extents.lookup(piece.fblock, 1, BS)
+        (second,) = extents.lookup(piece.fblock + 1, 1, BS)
+        assert first.dev is not None
+        assert second.dev is not None
         assert fs.alloc.zones[first.dev // zsize].stream != Stream.CLEANER
         assert fs.alloc.zones[second.dev // zsize].stream == Stream.CLEANER
         inos = {await resolve(fs, p): p for p in files}
