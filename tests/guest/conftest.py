@@ -172,9 +172,10 @@ def nvme_namespace(serial: str, nsid: int) -> str | None:
             continue
         for entry in sorted(ctrl.iterdir()):
             name = entry.name
-            if name.startswith("nvme") and "n" in name[4:] and (entry / "nsid").exists():
-                if int((entry / "nsid").read_text()) == nsid and Path(f"/dev/{name}").exists():
-                    return f"/dev/{name}"
+            if (name.startswith("nvme") and "n" in name[4:] and (entry / "nsid").exists()
+                    and int((entry / "nsid").read_text()) == nsid
+                    and Path(f"/dev/{name}").exists()):
+                return f"/dev/{name}"
     return None
 
 
