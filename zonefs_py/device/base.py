@@ -19,6 +19,14 @@ unless `info.zone_append` is true, in which case several appends to one zone
 may be in flight and land in any order (each call still returns where its own
 data landed); appends to different zones may run in parallel.
 
+Optional extension, `append_scattered(zone_idx, data) -> [(offset, length), ...]`
+(both backends have it; callers fall back to `append` without it): append
+`data` as several zone appends in flight at once, each landing wherever the
+device puts it, and return where each consecutive slice of `data` went, in
+data order. With `info.zone_append` the slices need not be contiguous nor in
+order; otherwise it is one `append`. On failure (OSError) some slices may
+have landed: they are garbage below the write pointer.
+
 Errors: misuse and device failures raise `OSError` carrying the errno the Linux
 kernel would return for the same request (EIO for a write off the write
 pointer or past capacity, EINVAL for misalignment, ETOOMANYREFS / EOVERFLOW for

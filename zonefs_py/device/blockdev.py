@@ -357,6 +357,27 @@ class BlockZonedDevice:
             raise OSError(errno.EIO, f"{self._path}: append to conventional zone {zone_idx}")
         return self._appender.append(self, zone_idx, view)
 
+    def append_scattered(self, zone_idx: int, data: Buffer) -> list[tuple[int, int]]:
+        """Append `data` as zone appends of up to `zone_append_max_bytes`, all in flight
+        at once; return [(offset, length)] of its consecutive slices, in data order.
+
+        Without zone append it is one `append`. Raises OSError like `append`;
+        slices of a failed call may have landed (garbage below the WP).
+        """
+        from zonefs_py.device.zappend import ZoneAppendAppender
+
+        view = memoryview(data).cast("B")
+        appender = self._appender
+        if not isinstance(appender, ZoneAppendAppender) or view.nbytes <= appender.max_bytes:
+            return [(self.append(zone_idx, view), view.nbytes)]
+        st = self.zone_state(zone_idx)
+        if view.nbytes % self._bs or not st.sequential:
+            return [(self.append(zone_idx, view), view.nbytes)]  # append() raises
+        step = appender.max_bytes
+        pieces = [view[pos:pos + step] for pos in range(0, view.nbytes, step)]
+        landed = appender.append_many(self, zone_idx, pieces)
+        return [(off, p.nbytes) for off, p in zip(landed, pieces, strict=True)]
+
     @contextmanager
     def _locked_zones(self, first: int, last: int) -> Iterator[None]:
         """Hold the locks of sequential zones first..last, taken in index order."""

@@ -82,6 +82,8 @@ from zonefs_py.errors import Busy, DeviceRefused
 __all__ = ["EmulatedZonedDevice", "probe_image"]
 
 PowerCutMode = Literal["drop", "tear"]
+#: Slice size of `append_scattered` in zone-append mode (QEMU's NVMe with zasl=5).
+SCATTER_PIECE_BYTES = 128 << 10
 
 
 def _power_loss() -> OSError:
@@ -110,6 +112,7 @@ class EmulatedZonedDevice:
         self._read_only = read_only
         self._volatile = volatile_cache
         self._zone_append = zone_append and not read_only
+        self._scatter_rng = random.Random(0)
         self._zones = ZoneStates(geo, entries)
         self._durable = list(entries)
         self._seq = seq
@@ -394,6 +397,24 @@ class EmulatedZonedDevice:
         if self._zone_append:
             return self._zone_append_write(zone_idx, data, length)
         return self._seq_write(zone_idx, None, data, length)
+
+    def append_scattered(self, zone_idx: int, data: Buffer) -> list[tuple[int, int]]:
+        """Append `data` as slices of up to SCATTER_PIECE_BYTES placed in a random
+        order (a drive completing concurrent Zone Appends out of order); return
+        [(offset, length)] of its consecutive slices, in data order.
+
+        Without zone-append mode it is one `append`. Raises OSError like
+        `append`; slices placed before a failure stay written.
+        """
+        view = memoryview(data).cast("B")
+        if not self._zone_append or view.nbytes <= SCATTER_PIECE_BYTES:
+            return [(self.append(zone_idx, view), view.nbytes)]
+        step = SCATTER_PIECE_BYTES
+        starts = list(range(0, view.nbytes, step))
+        order = list(starts)
+        self._scatter_rng.shuffle(order)
+        where = {pos: self.append(zone_idx, view[pos:pos + step]) for pos in order}
+        return [(where[pos], min(step, view.nbytes - pos)) for pos in starts]
 
     def _zone_append_write(self, zone_idx: int, data: Buffer, length: int) -> int:
         """Place the append under the zone lock, write it outside (module doc)."""
