@@ -67,6 +67,9 @@ async def test_mkfs_write_remount_fsck_on_nvme(nvme_factory: NvmeFactory) -> Non
     for i in range(16):
         await _write(fs, b"shard-%05d.tar" % i, _blob(i, 64 * KiB))
     await fs.sync()
+    if nvme_factory.zone_append == "on":
+        # The data path sent its 1 MiB chunks as 128 KiB Zone Appends (append_scattered).
+        assert _appender(dev).appends >= 30 * MiB // (128 * KiB)
     assert await _read(fs, b"step-1.pt", ckdir) == big
     await assert_reads_use_ring(fs, b"step-1.pt", ckdir)
     await fs.close()
