@@ -88,6 +88,7 @@ struct zn_zapp {
     uint32_t block_size;
     uint32_t max_bytes;
     uint32_t entries;
+    int broken;           /* io_uring_enter failed with appends in flight: unusable */
     struct io_uring ring;
     unsigned char *bufs;  /* entries x max_bytes, aligned */
 };
@@ -170,6 +171,10 @@ int zn_zapp_run(struct zn_zapp *z, struct zn_zappend *reqs, uint32_t nr)
         reqs[i].landed = 0;
     }
     pthread_mutex_lock(&z->mu);
+    if (z->broken) {
+        pthread_mutex_unlock(&z->mu);
+        return -EIO;
+    }
     /* Slot s of the ring's bounce buffers serves request next % entries; a slot is
      * reused only after `entries` completions, when its request is surely done. */
     while (next < nr || inflight) {
@@ -191,8 +196,12 @@ int zn_zapp_run(struct zn_zapp *z, struct zn_zappend *reqs, uint32_t nr)
         }
         /* Wait for all in flight before refilling: the slot of request k is k % entries. */
         rc = reap(z, reqs, inflight);
-        if (rc < 0)
+        if (rc < 0) {
+            /* The kernel may still read the bounce buffers of appends in flight:
+             * never reuse them (the handle is dropped by its owner). */
+            z->broken = 1;
             break;
+        }
         inflight = 0;
     }
     pthread_mutex_unlock(&z->mu);

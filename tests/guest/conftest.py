@@ -1,4 +1,5 @@
-"""Fixtures for tests on real zoned null_blk devices (inside ../shared/run-in-guest.sh).
+"""Fixtures for tests on real zoned devices (inside ../shared/run-in-guest.sh): null_blk,
+and QEMU's zoned NVMe namespaces through the nvme driver (`nvme_factory`, below).
 
 `zdev_factory` has the signature of the emulator's fixture in
 tests/unit/conftest.py, so the device contract tests run unchanged on the

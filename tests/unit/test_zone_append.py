@@ -184,3 +184,60 @@ def test_power_cut_with_an_append_in_flight(tmp_path: Path) -> None:
         assert dev.read(acked, BS) == _fill(3, BS)
         assert dev.read(4 * MiB + BS, BS) == bytes(BS)  # the lost append: old image bytes
         assert dev.read(4 * MiB, BS) == _fill(1, BS)
+
+
+def test_zone_append_handle_refuses_what_is_not_nvme(tmp_path: Path) -> None:
+    from zonefs_py.device import native
+
+    with pytest.raises(OSError) as info:
+        native.ZoneAppendHandle("/dev/null", block_size=4096, max_bytes=128 << 10)
+    assert info.value.errno == errno.ENOTTY
+    with pytest.raises(OSError) as info:
+        native.ZoneAppendHandle(str(tmp_path / "missing"), block_size=4096, max_bytes=1 << 17)
+    assert info.value.errno == errno.ENOENT
+    with pytest.raises(OSError) as info:
+        native.ZoneAppendHandle("/dev/null", block_size=4096, max_bytes=1000)
+    assert info.value.errno == errno.EINVAL
+    assert native.nvme_status_name(0x41B9) == "Zone Is Full"
+
+
+def test_choose_appender_modes() -> None:
+    from zonefs_py.device import native
+    from zonefs_py.device.zappend import choose_appender
+
+    geo = native.BlockGeometry(
+        path="/dev/nullb0", size_bytes=64 * MiB, logical_block_size=4096,
+        physical_block_size=4096, zoned_model="host-managed", zone_size_bytes=4 * MiB,
+        nr_zones=16, max_open_zones=0, max_active_zones=0, zone_append_max_bytes=126976,
+        max_io_bytes=126976)
+    assert choose_appender("/dev/nullb0", geo, "auto", read_only=False) is None
+    assert choose_appender("/dev/nullb0", geo, "off", read_only=False) is None
+    with pytest.raises(OSError) as info:
+        choose_appender("/dev/nullb0", geo, "on", read_only=False)
+    assert info.value.errno == errno.EOPNOTSUPP
+    assert "no NVMe generic char device" in str(info.value)
+    with pytest.raises(ValueError, match="zone_append"):
+        choose_appender("/dev/nullb0", geo, "maybe", read_only=False)
+
+
+def test_zone_append_mount_option() -> None:
+    from zonefs_py.fs.options import FsOptions
+
+    assert FsOptions().zone_append == "auto"
+    opts, rest = FsOptions.from_mount_options({"zone_append": "off", "allow_other": None})
+    assert (opts.zone_append, rest) == ("off", {"allow_other": None})
+    assert FsOptions.from_mount_options({"zone_append": "1"})[0].zone_append == "on"
+    with pytest.raises(ValueError, match="zone_append"):
+        FsOptions.from_mount_options({"zone_append": "sometimes"})
+
+
+def test_open_device_zone_append_modes(tmp_path: Path) -> None:
+    from zonefs_py.device import open_device
+
+    _dev(tmp_path, zone_append=False).close()
+    for mode, expected in (("auto", True), ("on", True), ("off", False)):
+        dev = open_device(str(tmp_path / "za.img"), zone_append=mode)
+        try:
+            assert dev.info.zone_append is expected
+        finally:
+            dev.close()
