@@ -6,9 +6,12 @@ zonefs0: 64 x 16 MiB zones, 12 MiB capacity, max open / active 14), each on a
 fresh mkfs:
   * rotation -- checkpoint rotation: N files of S MiB, each written to a temp
     name, fsynced, renamed over `ckpt-<i>`; the oldest is deleted so that 3 stay;
-  * hotcold  -- fill to 80% of the smaller usable size with 4 MiB "cold" files,
+  * hotcold  -- fill to 80% of the smaller capacity with 4 MiB "cold" files,
     then rewrite the "hot" ones (1 in 8) in place, whole, fsync after each,
-    until as many bytes were rewritten as the fill wrote.
+    until as many bytes were rewritten as the fill wrote (and once more for
+    zonefs-py at 80% of its own capacity);
+  * hotrand  -- the same fill, then random 256 KiB overwrites of the hot files
+    (fsync each) for as many bytes: hot zones die piecemeal, cleaning runs.
 Write amplification = bytes the devices wrote / bytes the workload wrote, from
 the devices' own counters, sampled after mkfs+mount and after unmount:
   * the namespace: NVMe SMART "Data Units Written" (Get Log Page 02h through
@@ -37,6 +40,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -126,7 +130,32 @@ def hotcold(mnt: str, fill_bytes: int) -> int:
     return written + rewritten
 
 
-def run_f2fs(nvme: str, work: Callable[[str], int], meta_mb: int) -> dict[str, object]:
+def hotrand(mnt: str, fill_bytes: int, seed: int = 5) -> int:
+    """hotcold's fill, then random 256 KiB overwrites of the hot files (fsync each)
+    until as many bytes were rewritten as the fill wrote: hot zones die piecemeal."""
+    import random
+
+    rng = random.Random(seed)
+    size, piece = 4 * MiB, 256 << 10
+    nr = fill_bytes // size
+    for i in range(nr):
+        write_file(f"{mnt}/f{i:04d}", size, i)
+    hot = [i for i in range(nr) if i % 8 == 0]
+    rewritten = 0
+    block = os.urandom(piece)
+    while rewritten < nr * size:
+        i = rng.choice(hot)
+        fd = os.open(f"{mnt}/f{i:04d}", os.O_WRONLY)
+        try:
+            os.pwrite(fd, block, rng.randrange(size // piece) * piece)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        rewritten += piece
+    return nr * size + rewritten
+
+
+def run_f2fs(nvme: str, work: Callable[[str], int], meta_mb: int) -> dict[str, Any]:
     img = "/tmp/f2fs-meta.img"
     Path(img).write_bytes(b"")
     os.truncate(img, meta_mb * MiB)
@@ -155,7 +184,27 @@ def run_f2fs(nvme: str, work: Callable[[str], int], meta_mb: int) -> dict[str, o
             "usable_bytes": usable.f_blocks * usable.f_frsize}
 
 
-def run_zonefs(nvme: str, work: Callable[[str], int]) -> dict[str, object]:
+def f2fs_capacity(nvme: str, meta_mb: int) -> int:
+    """Bytes of 4 MiB files a fresh F2FS takes before ENOSPC (statvfs over-reports on a
+    zoned device whose zone capacity is below the zone size, and F2FS reserves
+    whole zones for its cleaner)."""
+    taken = 0
+
+    def fill(mnt: str) -> int:
+        nonlocal taken
+        try:
+            for i in range(100_000):
+                write_file(f"{mnt}/probe{i:05d}", 4 * MiB, i)
+                taken += 4 * MiB
+        except OSError:
+            pass
+        return max(taken, 1)
+
+    run_f2fs(nvme, fill, meta_mb)
+    return taken
+
+
+def run_zonefs(nvme: str, work: Callable[[str], int]) -> dict[str, Any]:
     reset_all_zones(nvme)
     sh(*ZONEFS, "mkfs", "--force", nvme)
     mnt = "/tmp/zonefs-mnt"
@@ -183,7 +232,7 @@ def run_zonefs(nvme: str, work: Callable[[str], int]) -> dict[str, object]:
             "counters": dev, "wa": dev["nvme_smart"] / user, "seconds": dt,
             "zone_append": stat["device"]["zone_append"],
             "own_wa": stat.get("write_amplification"),
-            "usable_bytes": stat["space"]["capacity_bytes"]}
+            "usable_bytes": stat["space"]["capacity_bytes"] - stat["space"]["reserve_bytes"]}
 
 
 def ctrl_of(nvme: str) -> str:
@@ -202,7 +251,7 @@ def main() -> None:
     if nvme is None:
         sys.exit("bench_f2fs_wa: run through tests/guest/run (needs the NVMe namespace)")
     subprocess.run(["modprobe", "-a", "f2fs", "loop"], check=False)
-    results = []
+    results: list[dict[str, Any]] = []
     rot = lambda mnt: rotation(mnt, args.rotations, args.ckpt_mb * MiB)  # noqa: E731
     for _name, fn in (("f2fs", lambda w: run_f2fs(nvme, w, args.meta_mb)),
                      ("zonefs-py", lambda w: run_zonefs(nvme, w))):
@@ -210,33 +259,50 @@ def main() -> None:
         r["workload"] = "rotation"
         print(json.dumps(r), flush=True)
         results.append(r)
-    usable = min(int(r["usable_bytes"]) for r in results)  # type: ignore[call-overload]
-    fill = args.fill_mb * MiB or int(usable * 0.8) // (4 * MiB) * (4 * MiB)
-    for _name, fn in (("f2fs", lambda w: run_f2fs(nvme, w, args.meta_mb)),
-                     ("zonefs-py", lambda w: run_zonefs(nvme, w))):
-        r = fn(lambda mnt: hotcold(mnt, fill))
-        r["workload"] = "hotcold"
-        r["fill_bytes"] = fill
-        print(json.dumps(r), flush=True)
-        results.append(r)
+    f2fs_cap = f2fs_capacity(nvme, args.meta_mb)
+    zonefs_cap = int(results[1]["usable_bytes"])
+    print(f"capacity for 4 MiB files: f2fs {f2fs_cap >> 20} MiB, zonefs-py {zonefs_cap >> 20} MiB",
+          flush=True)
+    q = 4 * MiB
+    fill = args.fill_mb * MiB or int(min(f2fs_cap, zonefs_cap) * 0.8) // q * q
+    own = int(zonefs_cap * 0.8) // q * q
+    for _name, fn, nbytes in (("f2fs", lambda w: run_f2fs(nvme, w, args.meta_mb), fill),
+                              ("zonefs-py", lambda w: run_zonefs(nvme, w), fill),
+                              ("zonefs-py", lambda w: run_zonefs(nvme, w), own)):
+        for wname, wfn in (("hotcold", hotcold), ("hotrand", hotrand)):
+            r = fn(lambda mnt, n=nbytes, w=wfn: w(mnt, n))
+            r["workload"] = wname
+            r["fill_bytes"] = nbytes
+            r["capacity_bytes"] = f2fs_cap if r["fs"] == "f2fs" else zonefs_cap
+            print(json.dumps(r), flush=True)
+            results.append(r)
     lines = [
         f"# F2FS vs zonefs-py write amplification, NVMe ZNS (guest, {platform.release()})",
         "",
         f"{nvme}: QEMU zoned namespace, 64 x 16 MiB zones, 12 MiB capacity, max open/active "
         f"14; F2FS metadata on a {args.meta_mb} MiB loop device. rotation: "
         f"{args.rotations} x {args.ckpt_mb} MiB temp+fsync+rename, keep 3. hotcold: fill "
-        f"{fill >> 20} MiB (80% of the smaller usable size) with 4 MiB files, rewrite 1 in 8 "
-        "in place until as many bytes again. WA = device bytes (NVMe SMART data units "
-        "written, + loop device sectors for F2FS) / workload bytes. Produced by "
+        "with 4 MiB files to 80% of the smaller capacity (and, last row, to 80% of "
+        "zonefs-py's own), rewrite 1 file in 8 in place, whole, until as many bytes again; "
+        "hotrand: the same fill, then random 256 KiB overwrites (fsync each) of those hot "
+        "files for as many bytes again. "
+        "Capacity: what a fresh F2FS took in 4 MiB files before ENOSPC "
+        f"({f2fs_cap >> 20} MiB); zonefs-py's capacity minus its cleaner reserve "
+        f"({zonefs_cap >> 20} MiB). WA = device bytes (NVMe SMART data units written, "
+        "+ loop device sectors for F2FS) / workload bytes. Produced by "
         "tests/guest/bench_f2fs_wa.py.",
         "",
-        "| workload | filesystem | workload MiB | device MiB | WA | usable MiB |",
+        "| workload | filesystem | fill | workload MiB | device MiB | WA |",
         "|---|---|---|---|---|---|",
     ]
     for r in results:
-        lines.append(f"| {r['workload']} | {r['fs']} | {int(r['user_bytes']) >> 20} | "  # type: ignore[call-overload]
-                     f"{int(r['device_bytes']) / MiB:.0f} | {float(r['wa']):.3f} | "  # type: ignore[arg-type]
-                     f"{int(r['usable_bytes']) >> 20} |")  # type: ignore[call-overload]
+        fill_txt = "-"
+        if "fill_bytes" in r:
+            fb, cap = int(r["fill_bytes"]), int(r["capacity_bytes"])
+            fill_txt = f"{fb >> 20} MiB ({100 * fb / cap:.0f}% of its capacity)"
+        lines.append(f"| {r['workload']} | {r['fs']} | {fill_txt} | "
+                     f"{int(r['user_bytes']) >> 20} | "
+                     f"{int(r['device_bytes']) / MiB:.0f} | {float(r['wa']):.3f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
