@@ -415,7 +415,7 @@ async def test_power_cut_with_appends_landing_out_of_order(tmp_path: Path, name:
     new_image(tmp_path / "plain.img", geo)
     plain = (await run_scenario(tmp_path / "plain.img", scenario)).writes
     total, seen = await sweep(tmp_path, name, mode, scatter_bytes=4 * KiB)
-    assert total > plain + 10, f"chunks were not scattered ({total} vs {plain} writes)"
+    assert total > plain, f"chunks were not scattered ({total} vs {plain} writes)"
     print(f"{name} {mode} scattered: {total} cut points; recovery paths: {dict(seen)}")
 
 
