@@ -21,6 +21,7 @@ from cffi import FFI
 NATIVE_DIR = Path(__file__).resolve().parent
 HEADER = NATIVE_DIR / "zonefs_native.h"
 SOURCE = NATIVE_DIR / "zonefs_native.c"
+ZAPPEND_SOURCE = NATIVE_DIR / "zonefs_zappend.c"
 
 
 def _cdef_text() -> str:
@@ -50,7 +51,7 @@ def _make_builder() -> FFI:
         "zonefs_py._native",
         '#include "zonefs_native.h"\n',
         # Relative to the setup.py directory, as setuptools requires.
-        sources=[str(SOURCE.relative_to(NATIVE_DIR.parent))],
+        sources=[str(src.relative_to(NATIVE_DIR.parent)) for src in (SOURCE, ZAPPEND_SOURCE)],
         include_dirs=[str(NATIVE_DIR)],
         libraries=[*libs, "pthread"],
         extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter",

@@ -140,6 +140,30 @@ int zn_block_csums(const void *data, uint64_t length, uint32_t block_size, uint8
 /* Index of the first block whose checksum differs from csums, or -1. */
 int64_t zn_first_bad_block(const void *data, uint64_t length, uint32_t block_size,
                            const uint8_t *csums);
+/* NVMe Zone Append through io_uring passthrough on the generic char device
+ * (/dev/ngXnY), native/zonefs_zappend.c. One append (48 bytes): */
+struct zn_zappend {
+    uint64_t zone_start;   /* in: byte offset of the zone's first block */
+    uint64_t length;       /* in: bytes, a multiple of the block size, <= max_bytes */
+    const void *buf;       /* in: the data (any alignment; copied) */
+    uint64_t landed;       /* out: byte offset where the device put the data */
+    int32_t result;        /* out: 0, or -errno (-ECANCELED: not issued) */
+    uint32_t nvme_status;  /* out: the NVMe status when the device refused it, else 0 */
+    uint8_t reserved[8];
+};
+struct zn_zapp;
+/* Open `chardev`, learn its namespace id and prove passthrough works (an NVMe
+ * Flush); `entries` appends may be in flight per call. NULL and *err = -errno
+ * (-EOPNOTSUPP: no passthrough on this kernel; -EACCES: not permitted). */
+struct zn_zapp *zn_zapp_open(const char *chardev, uint32_t block_size, uint32_t max_bytes,
+                             uint32_t entries, int *err);
+void zn_zapp_free(struct zn_zapp *z);
+uint32_t zn_zapp_nsid(struct zn_zapp *z);
+/* Issue the appends, up to `entries` at a time (in no particular order on the
+ * device), and wait for all. 0 when every one landed; -EIO if any failed
+ * (see each result); -EINVAL (nothing issued) for a bad request. One call at a
+ * time per handle (others wait). */
+int zn_zapp_run(struct zn_zapp *z, struct zn_zappend *reqs, uint32_t nr);
 /* CDEF-END */
 
 #endif /* ZONEFS_NATIVE_H */

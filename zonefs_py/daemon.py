@@ -440,7 +440,8 @@ async def serve(cfg: MountConfig, report: Reporter) -> int:
         lock = DeviceLock(cfg.device)
         lock.acquire()
         try:
-            device = open_device(cfg.device, read_only=cfg.fs_options.read_only)
+            device = open_device(cfg.device, read_only=cfg.fs_options.read_only,
+                                 zone_append=cfg.fs_options.zone_append)
             try:
                 log.info("loading %s (recovery runs if the last unmount was not clean)",
                          cfg.device)

@@ -1,4 +1,5 @@
-"""Fixtures for tests on real zoned null_blk devices (inside ../shared/run-in-guest.sh).
+"""Fixtures for tests on real zoned devices (inside ../shared/run-in-guest.sh): null_blk,
+and QEMU's zoned NVMe namespaces through the nvme driver (`nvme_factory`, below).
 
 `zdev_factory` has the signature of the emulator's fixture in
 tests/unit/conftest.py, so the device contract tests run unchanged on the
@@ -139,3 +140,108 @@ def nullblk_factory() -> Iterator[NullBlkFactory]:
 def zdev_factory(nullblk_factory: NullBlkFactory) -> Callable[..., ZonedDevice]:
     """`zdev_factory(**geometry) -> ZonedDevice` on null_blk (see the module docstring)."""
     return nullblk_factory
+
+
+# ---------------------------------------------------------------- NVMe ZNS (QEMU)
+#
+# tests/guest/run attaches QEMU zoned NVMe namespaces (the kernel's nvme driver):
+#   serial zonefs0 (../shared/run-in-guest.sh's GUEST_NVME_ZNS), namespace 1:
+#       64 x 16 MiB zones, capacity 12 MiB, max open / active 14 -- the filesystem tests;
+#   serial zonefs-contract, namespace 1: 16 x 4 MiB zones, capacity 3 MiB, max open 2,
+#       max active 3 (the contract suite's `dev`); namespace 2: 16 x 4 MiB, no limits.
+# Controllers are numbered in probe order, so namespaces are found by serial, not name.
+# ZNS namespaces have no conventional zones.
+
+NVME_MAIN = ("zonefs0", 1)
+NVME_CONTRACT = {  # (zone_size_mb, zone_capacity_mb, max_open, max_active) -> namespace
+    (4, 3, 2, 3): ("zonefs-contract", 1),
+    (4, 4, 0, 0): ("zonefs-contract", 2),
+}
+NVME_SKIP = "needs QEMU's zoned NVMe namespaces: run through tests/guest/run"
+
+
+def nvme_namespace(serial: str, nsid: int) -> str | None:
+    """/dev path of namespace `nsid` of the NVMe controller with `serial`, if present."""
+    root = Path("/sys/class/nvme")
+    if not root.is_dir():
+        return None
+    for ctrl in sorted(root.iterdir()):
+        try:
+            if (ctrl / "serial").read_text().strip() != serial:
+                continue
+        except OSError:
+            continue
+        for entry in sorted(ctrl.iterdir()):
+            name = entry.name
+            if (name.startswith("nvme") and "n" in name[4:] and (entry / "nsid").exists()
+                    and int((entry / "nsid").read_text()) == nsid
+                    and Path(f"/dev/{name}").exists()):
+                return f"/dev/{name}"
+    return None
+
+
+def reset_all_zones(path: str) -> None:
+    """Reset every zone of a (closed) zoned block device."""
+    from zonefs_py.device import native
+
+    fd = native.open_path(path, exclusive=True)
+    try:
+        geo = native.block_geometry(fd, path)
+        native.zone_mgmt(fd, "reset", 0, geo.size_bytes)
+    finally:
+        native.close_fd(fd)
+
+
+class NvmeFactory:
+    """Hand out QEMU's NVMe namespaces (reset first) as BlockZonedDevices."""
+
+    def __init__(self, zone_append: str) -> None:
+        self.zone_append = zone_append
+        self.devices: list[ZonedDevice] = []
+
+    def open(self, path: str) -> ZonedDevice:
+        from zonefs_py.device.blockdev import BlockZonedDevice
+
+        reset_all_zones(path)
+        dev = BlockZonedDevice.open(path, zone_append=self.zone_append)
+        self.devices.append(dev)
+        return dev
+
+    def main(self) -> ZonedDevice:
+        path = nvme_namespace(*NVME_MAIN)
+        if path is None:
+            pytest.skip(NVME_SKIP)
+        return self.open(path)
+
+    def __call__(self, *, nr_zones: int = 16, zone_size_mb: int = 4,
+                 zone_capacity_mb: int | None = None, nr_conv: int = 0, max_open: int = 0,
+                 max_active: int = 0, block_size: int = 4096) -> ZonedDevice:
+        """The contract suite's `zdev_factory` (nr_conv is ignored: ZNS has none)."""
+        key = (zone_size_mb, zone_capacity_mb or zone_size_mb, max_open, max_active)
+        where = NVME_CONTRACT.get(key)
+        if where is None or nr_zones > 16 or block_size != 4096:
+            pytest.skip(f"no QEMU NVMe namespace with geometry {key}, {nr_zones} zones")
+        path = nvme_namespace(*where)
+        if path is None:
+            pytest.skip(NVME_SKIP)
+        return self.open(path)
+
+    def cleanup(self) -> None:
+        for dev in self.devices:
+            try:
+                dev.close()
+            except OSError:
+                pass
+
+
+@pytest.fixture(params=["on", "off"], ids=["zone_append", "wp_writes"])
+def nvme_factory(request: pytest.FixtureRequest) -> Iterator[NvmeFactory]:
+    """NVMe namespaces, with appends as NVMe Zone Append ("on") or WP writes ("off")."""
+    if request.node.get_closest_marker("guest") is not None and nvme_namespace(
+            *NVME_MAIN) is None:
+        pytest.skip(NVME_SKIP)
+    factory = NvmeFactory(request.param)
+    try:
+        yield factory
+    finally:
+        factory.cleanup()

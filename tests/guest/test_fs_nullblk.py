@@ -49,6 +49,31 @@ async def _read(fs: ZoneFS, name: bytes, parent: int = 1) -> bytes:
         await fs.release(fh)
 
 
+async def assert_reads_use_ring(fs: ZoneFS, name: bytes, parent: int) -> None:
+    """A read of written data goes to the kernel's zoned device through the io_uring
+    completion ring (device/aread.py), not a worker thread.
+
+    Only device reads of up to aread.MAX_RING_READ (1 MiB) take the ring. Whether
+    reading a whole multi-MiB file makes any such read depends on its extents:
+    chunks that landed in order merge into one extent per zone (6 MiB here, read
+    through a thread), chunks that completed out of order do not (1 MiB extents,
+    read through the ring) -- a race between the worker threads of in-flight
+    chunks, hence the old flaky `ring_reads > 0` after the whole-file read. A
+    64 KiB read is one device read of at most 64 KiB whatever the layout.
+    """
+    assert fs.data.reader is not None
+    assert fs.data.reader.uses_ring
+    before = fs.data.reader.ring_reads
+    attr = await fs.lookup(parent, name)
+    fh = await fs.open(attr.ino, os.O_RDONLY)
+    try:
+        head = await fs.read(fh, MiB, 64 * 1024)
+    finally:
+        await fs.release(fh)
+    assert len(head) == 64 * 1024
+    assert fs.data.reader.ring_reads > before
+
+
 async def test_mkfs_write_remount_fsck_on_nullblk(
         zdev_factory: Callable[..., ZonedDevice]) -> None:
     dev = zdev_factory(nr_zones=32, zone_size_mb=8, zone_capacity_mb=6, nr_conv=2,
@@ -63,11 +88,7 @@ async def test_mkfs_write_remount_fsck_on_nullblk(
         await _write(fs, b"shard-%05d.tar" % i, _blob(i, 64 * 1024))
     await fs.sync()
     assert await _read(fs, b"step-1.pt", ckdir) == big
-    # The reads above went to the kernel's zoned device through the io_uring
-    # completion ring (device/aread.py), not worker threads.
-    assert fs.data.reader is not None
-    assert fs.data.reader.uses_ring
-    assert fs.data.reader.ring_reads > 0
+    await assert_reads_use_ring(fs, b"step-1.pt", ckdir)
     await fs.close()
     report = check_filesystem(dev)
     assert report.clean, [f.message for f in report.findings]

@@ -266,6 +266,16 @@ def test_stat_cli(mounted: Mount) -> None:
     assert doc["daemon"]["pid"] == mounted.proc.pid
     assert doc["daemon"]["failsafe"] is None
     assert doc["user_bytes_written"] >= 2 << 20
+    assert doc["device"]["zone_append"] is True  # the emulator models NVMe Zone Append
+
+
+def test_zone_append_off_option(image: Path, mount_factory: Mount) -> None:
+    m = mount_factory.start("zone_append=off")
+    data = rand_bytes(3 << 20, seed=7)
+    (m.path / "f").write_bytes(data)
+    doc = json.loads(zonefs("stat", "--json", str(m.path)).stdout)
+    assert doc["device"]["zone_append"] is False
+    assert (m.path / "f").read_bytes() == data
 
 
 def test_stat_cli_refuses_other_mounts(workdir: Path) -> None:

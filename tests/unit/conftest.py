@@ -3,7 +3,9 @@
 `zdev_factory` builds emulated zoned devices (images under tmp_path) and closes
 them at teardown. tests/unit/test_device_contract.py uses nothing else, so the
 same module runs against a real null_blk device when a guest conftest provides
-a `zdev_factory` with the same signature.
+a `zdev_factory` with the same signature. Every test using it runs twice: with
+appends as writes at the write pointer ("wp", null_blk's behaviour) and as
+concurrent zone appends ("zappend", an NVMe drive's).
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ MiB = 1 << 20
 ZdevFactory = Callable[..., ZonedDevice]
 
 
-@pytest.fixture
-def zdev_factory(tmp_path: Path) -> Iterator[ZdevFactory]:
+@pytest.fixture(params=[False, True], ids=["wp", "zappend"])
+def zdev_factory(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[ZdevFactory]:
     """Return `make(*, nr_zones=16, zone_size_mb=4, zone_capacity_mb=None, nr_conv=0,
     max_open=0, max_active=0, block_size=4096) -> ZonedDevice` (emulated, fresh image)."""
     made: list[EmulatedZonedDevice] = []
@@ -35,7 +37,7 @@ def zdev_factory(tmp_path: Path) -> Iterator[ZdevFactory]:
             zone_size_bytes=zone_size_mb * MiB,
             zone_capacity_bytes=None if zone_capacity_mb is None else zone_capacity_mb * MiB,
             nr_conventional=nr_conv, max_open=max_open, max_active=max_active,
-            block_size=block_size,
+            block_size=block_size, zone_append=request.param,
         )
         made.append(dev)
         return dev

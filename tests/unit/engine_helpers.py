@@ -116,8 +116,10 @@ class CountingDevice:
     """
 
     def __init__(self, dev: EmulatedZonedDevice, *, cut_after: int | None = None,
-                 mode: str = "drop", rng: random.Random | None = None) -> None:
+                 mode: str = "drop", rng: random.Random | None = None,
+                 scatter_bytes: int = 0) -> None:
         self.dev = dev
+        self.scatter_bytes = scatter_bytes
         self.writes = 0
         self.appends = 0
         self.cut_after = cut_after
@@ -152,6 +154,22 @@ class CountingDevice:
         self.appends += 1
         self._counted()
         return off
+
+    def append_scattered(self, zone_idx: int,
+                         data: bytes | bytearray | memoryview) -> list[tuple[int, int]]:
+        """With `scatter_bytes`: slices of that size land in a random order, one
+        counted append each (a cut can fall between slices of one chunk, and
+        "tear" keeps a random prefix of them), as concurrent zone appends
+        completing out of order would; else one append."""
+        view = memoryview(data).cast("B")
+        step = self.scatter_bytes
+        if not step or view.nbytes <= step:
+            return [(self.append(zone_idx, view), view.nbytes)]
+        starts = list(range(0, view.nbytes, step))
+        order = list(starts)
+        self.rng.shuffle(order)
+        where = {pos: self.append(zone_idx, view[pos:pos + step]) for pos in order}
+        return [(where[pos], min(step, view.nbytes - pos)) for pos in starts]
 
     def write(self, offset_bytes: int, data: bytes | bytearray | memoryview) -> None:
         self.dev.write(offset_bytes, data)

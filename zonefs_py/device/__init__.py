@@ -38,7 +38,7 @@ __all__ = [
 _EXPECTED = "expected a zoned block device or a zonefs-py emulator image"
 
 
-def _open_block(path: str, *, read_only: bool) -> ZonedDevice:
+def _open_block(path: str, *, read_only: bool, zone_append: str) -> ZonedDevice:
     from zonefs_py.device import native
     from zonefs_py.device.blockdev import BlockZonedDevice
 
@@ -49,10 +49,11 @@ def _open_block(path: str, *, read_only: bool) -> ZonedDevice:
                             f"{_EXPECTED}") from exc
     if model == "none":
         raise DeviceRefused(f"{path} is a conventional (non-zoned) block device; {_EXPECTED}")
-    return BlockZonedDevice.open(path, read_only=read_only)
+    return BlockZonedDevice.open(path, read_only=read_only, zone_append=zone_append)
 
 
-def _open_image(path: str, size_bytes: int, *, read_only: bool) -> ZonedDevice:
+def _open_image(path: str, size_bytes: int, *, read_only: bool,
+                zone_append: str) -> ZonedDevice:
     try:
         from zonefs_py.device import emulated
     except ModuleNotFoundError as exc:
@@ -73,15 +74,21 @@ def _open_image(path: str, size_bytes: int, *, read_only: bool) -> ZonedDevice:
 
     hook = EnvTestHook.from_env()  # TEST HOOK (tests/torture); None unless the variable is set
     dev = emulated.EmulatedZonedDevice.open(
-        path, read_only=read_only, volatile_cache=bool(hook and hook.volatile_cache))
+        path, read_only=read_only, volatile_cache=bool(hook and hook.volatile_cache),
+        zone_append=zone_append != "off")
     if hook is not None and not read_only:
         hook.install(dev)
     device: ZonedDevice = dev
     return device
 
 
-def open_device(path: str, *, read_only: bool = False) -> ZonedDevice:
+def open_device(path: str, *, read_only: bool = False, zone_append: str = "auto") -> ZonedDevice:
     """Open `path` with the backend that fits it.
+
+    `zone_append` ("auto", "on", "off"): whether appends are true zone
+    appends (the device picks the address; `info.zone_append` says which was
+    chosen). "on" fails with OSError(EOPNOTSUPP) on a block device without
+    NVMe Zone Append passthrough; the emulator always has it.
 
     Raises DeviceRefused (one line: what `path` is and what is expected) for a
     missing path, a directory, a conventional disk, a file that is not an
@@ -99,9 +106,9 @@ def open_device(path: str, *, read_only: bool = False) -> ZonedDevice:
                                 f"{_EXPECTED}") from None
         raise
     if stat.S_ISBLK(st.st_mode):
-        return _open_block(path, read_only=read_only)
+        return _open_block(path, read_only=read_only, zone_append=zone_append)
     if stat.S_ISREG(st.st_mode):
-        return _open_image(path, st.st_size, read_only=read_only)
+        return _open_image(path, st.st_size, read_only=read_only, zone_append=zone_append)
     if stat.S_ISDIR(st.st_mode):
         raise DeviceRefused(f"{path} is a directory; {_EXPECTED}")
     raise DeviceRefused(f"{path} is a special file (mode {stat.filemode(st.st_mode)}); "

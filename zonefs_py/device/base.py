@@ -14,8 +14,18 @@ Backends:
 Threading: every method may block and is called from worker threads
 (`trio.to_thread.run_sync`), never from the trio thread. Implementations must be
 safe to call from several threads at once: reads run concurrently; appends to
-one zone are serialised by the backend (at most one in-flight write per zone);
-appends to different zones may run in parallel.
+one zone are serialised by the backend (at most one in-flight write per zone)
+unless `info.zone_append` is true, in which case several appends to one zone
+may be in flight and land in any order (each call still returns where its own
+data landed); appends to different zones may run in parallel.
+
+Optional extension, `append_scattered(zone_idx, data) -> [(offset, length), ...]`
+(both backends have it; callers fall back to `append` without it): append
+`data` as several zone appends in flight at once, each landing wherever the
+device puts it, and return where each consecutive slice of `data` went, in
+data order. With `info.zone_append` the slices need not be contiguous nor in
+order; otherwise it is one `append`. On failure (OSError) some slices may
+have landed: they are garbage below the write pointer.
 
 Errors: misuse and device failures raise `OSError` carrying the errno the Linux
 kernel would return for the same request (EIO for a write off the write
@@ -105,6 +115,9 @@ class DeviceInfo:
     max_active_zones: int
     zone_append_max_bytes: int
     read_only: bool = False
+    #: Appends are true zone appends: the device picks the address, several may be
+    #: in flight per zone (NVMe Zone Append, or the emulator's model of it).
+    zone_append: bool = False
 
     @property
     def size_bytes(self) -> int:
@@ -152,7 +165,8 @@ class ZonedDevice(Protocol):
         """Write `data` (a multiple of the block size) at the zone's write pointer.
 
         Returns the absolute byte offset at which the data landed. Appends to
-        one zone are serialised; the data is durable only after `flush()`.
+        one zone are serialised, or (with `info.zone_append`) placed by the
+        device in completion order; the data is durable only after `flush()`.
         """
         ...
 

@@ -4,15 +4,18 @@ NVMe ZNS namespaces, SMR disks and zoned null_blk devices all look alike
 here: zone reports and zone management through the BLK*ZONE ioctls, data
 through O_DIRECT pread/pwrite (`zonefs_py.device.native`).
 
-Append: Linux offers no zone-append command to user space for block devices
-(only NVMe passthrough via io_uring_cmd), so `append()` is a write at the
-cached write pointer, serialised per zone by a lock -- one in-flight write
-per zone -- and the cache is advanced on success. The cache is loaded from a
-zone report at open and refreshed from one after any failed write or zone
-command, so after an error the next append lands at the device's real write
-pointer. The `ZoneAppender` seam lets a true zone-append implementation
-(which needs no lock and gets the offset from the device) replace
-`WritePointerAppender` later.
+Append: Linux offers no zone-append command to user space for block devices,
+only NVMe passthrough via io_uring_cmd. Behind the `ZoneAppender` seam:
+  * `zappend.ZoneAppendAppender` -- NVMe Zone Append through the namespace's
+    generic char device; the device picks the address, appends to one zone
+    run concurrently (`info.zone_append` is true). Chosen at open when the
+    device supports it (`zone_append="auto"`, the default; "on" requires it).
+  * `WritePointerAppender` -- a write at the cached write pointer, serialised
+    per zone by a lock (one in-flight write per zone), the cache advanced on
+    success. The fallback (null_blk, SMR, `zone_append="off"`).
+The cache is loaded from a zone report at open and refreshed from one after
+any failed write or zone command, so after an error the next append lands at
+the device's real write pointer.
 
 Errors are the kernel's (docs/kernel-zoned-behaviour.md): EIO for a write off
 the write pointer, past capacity or into a FULL zone, and for a zone command
@@ -93,7 +96,7 @@ class BlockZonedDevice:
 
     def __init__(self, path: str, fd: int, geometry: native.BlockGeometry, *,
                  read_only: bool, pool: native.BufferPool | None = None,
-                 appender: ZoneAppender | None = None) -> None:
+                 appender: ZoneAppender | None = None, zone_append: bool = False) -> None:
         """Wrap an fd opened by `open()`; use `open()` instead of calling this."""
         self._path = path
         self._fd = fd
@@ -107,7 +110,8 @@ class BlockZonedDevice:
             path=path, kind="block", block_size=geometry.logical_block_size,
             zone_size_bytes=geometry.zone_size_bytes, nr_zones=geometry.nr_zones,
             max_open_zones=geometry.max_open_zones, max_active_zones=geometry.max_active_zones,
-            zone_append_max_bytes=geometry.zone_append_max_bytes, read_only=read_only)
+            zone_append_max_bytes=geometry.zone_append_max_bytes, read_only=read_only,
+            zone_append=zone_append)
         self._zones = [self._state_of(z) for z in self._raw_report(0, geometry.nr_zones)]
         if len(self._zones) != geometry.nr_zones:
             raise OSError(errno.EIO, f"{path}: report gave {len(self._zones)} zones, "
@@ -115,13 +119,19 @@ class BlockZonedDevice:
 
     @classmethod
     def open(cls, path: str, *, read_only: bool = False,
-             pool: native.BufferPool | None = None) -> BlockZonedDevice:
+             pool: native.BufferPool | None = None,
+             zone_append: str = "auto") -> BlockZonedDevice:
         """Open zoned block device `path` (O_DIRECT; O_EXCL unless read-only).
 
+        `zone_append`: "auto" uses NVMe Zone Append when the device has it,
+        "on" requires it, "off" writes at the write pointer (zappend.py).
         Raises DeviceRefused if `path` is not a zoned block device or has a
         smaller last zone, OSError for open/ioctl failures (EBUSY if another
-        process holds it exclusively).
+        process holds it exclusively; EOPNOTSUPP for "on" without zone
+        append), ValueError for an unknown `zone_append`.
         """
+        from zonefs_py.device.zappend import choose_appender
+
         fd = native.open_path(path, direct=True, read_only=read_only, exclusive=not read_only)
         try:
             geo = native.block_geometry(fd, path)
@@ -131,7 +141,9 @@ class BlockZonedDevice:
             if geo.zone_size_bytes * geo.nr_zones != geo.size_bytes:
                 raise DeviceRefused(f"{path} has zones of unequal size ({geo.nr_zones} zones of "
                                     f"{geo.zone_size_bytes} bytes != {geo.size_bytes} bytes)")
-            return cls(path, fd, geo, read_only=read_only, pool=pool)
+            appender = choose_appender(path, geo, zone_append, read_only=read_only)
+            return cls(path, fd, geo, read_only=read_only, pool=pool, appender=appender,
+                       zone_append=appender is not None)
         except BaseException:
             native.close_fd(fd)
             raise
@@ -190,6 +202,20 @@ class BlockZonedDevice:
         self._check_zone(zone_idx)
         return self._zones[zone_idx]
 
+    @property
+    def appender(self) -> ZoneAppender:
+        """How appends are issued (`zappend.ZoneAppendAppender` or `WritePointerAppender`)."""
+        return self._appender
+
+    def refresh_after_error_locked(self, st: _ZoneState, zone_idx: int) -> None:
+        """Reload a sequential zone's write pointer after a failed write (caller holds
+        st.lock); a failing report is ignored (the next write fails and retries)."""
+        if st.sequential:
+            try:
+                self._refresh_locked(st, zone_idx)
+            except OSError:
+                pass
+
     def check_fits_locked(self, st: _ZoneState, zone_idx: int, offset_bytes: int,
                           length_bytes: int) -> None:
         """Fail with EIO, before any I/O, a sequential write that would cross capacity."""
@@ -207,11 +233,7 @@ class BlockZonedDevice:
         try:
             native.pwrite(self._fd, offset_bytes, data, block_size=self._bs, pool=self._pool)
         except OSError as exc:
-            if st.sequential:
-                try:
-                    self._refresh_locked(st, zone_idx)
-                except OSError:
-                    pass  # keep the first error; the next write will fail and retry
+            self.refresh_after_error_locked(st, zone_idx)
             raise OSError(exc.errno, f"{self._path}: zone {zone_idx}: {exc.strerror}") from exc
         if st.sequential:
             st.wp = st.data_end = offset_bytes + data.nbytes
@@ -334,6 +356,27 @@ class BlockZonedDevice:
         if not st.sequential:
             raise OSError(errno.EIO, f"{self._path}: append to conventional zone {zone_idx}")
         return self._appender.append(self, zone_idx, view)
+
+    def append_scattered(self, zone_idx: int, data: Buffer) -> list[tuple[int, int]]:
+        """Append `data` as zone appends of up to `zone_append_max_bytes`, all in flight
+        at once; return [(offset, length)] of its consecutive slices, in data order.
+
+        Without zone append it is one `append`. Raises OSError like `append`;
+        slices of a failed call may have landed (garbage below the WP).
+        """
+        from zonefs_py.device.zappend import ZoneAppendAppender
+
+        view = memoryview(data).cast("B")
+        appender = self._appender
+        if not isinstance(appender, ZoneAppendAppender) or view.nbytes <= appender.max_bytes:
+            return [(self.append(zone_idx, view), view.nbytes)]
+        st = self.zone_state(zone_idx)
+        if view.nbytes % self._bs or not st.sequential:
+            return [(self.append(zone_idx, view), view.nbytes)]  # append() raises
+        step = appender.max_bytes
+        pieces = [view[pos:pos + step] for pos in range(0, view.nbytes, step)]
+        landed = appender.append_many(self, zone_idx, pieces)
+        return [(off, p.nbytes) for off, p in zip(landed, pieces, strict=True)]
 
     @contextmanager
     def _locked_zones(self, first: int, last: int) -> Iterator[None]:

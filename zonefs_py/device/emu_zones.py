@@ -58,6 +58,8 @@ class ZoneStates:
         self.cond: list[ZoneCond] = []
         self.resets: list[int] = []
         self.inflight = [False] * geo.nr_zones
+        #: Zone appends reserved (write pointer advanced) but not yet completed.
+        self.appends_inflight = [0] * geo.nr_zones
         self.nr_imp_open = self.nr_exp_open = self.nr_closed = 0
         self.imp_close_zone_no = geo.nr_conventional
         for idx, entry in enumerate(entries):
@@ -128,7 +130,8 @@ class ZoneStates:
         for _ in range(first, nr):
             idx = zno
             zno = zno + 1 if zno + 1 < nr else first
-            if self.cond[idx] is _C.IMPLICIT_OPEN and not self.inflight[idx]:
+            if (self.cond[idx] is _C.IMPLICIT_OPEN and not self.inflight[idx]
+                    and not self.appends_inflight[idx]):
                 self._close(idx)
                 self.imp_close_zone_no = zno
                 return True
@@ -189,6 +192,26 @@ class ZoneStates:
     def abort_write(self, idx: int) -> None:
         """Forget an in-flight write whose data I/O failed (the zone stays open)."""
         self.inflight[idx] = False
+
+    def reserve_append(self, idx: int, length_bytes: int) -> int:
+        """Place a zone append as a ZNS drive does: check it, move the write pointer
+        past it now (FULL at capacity), return its relative offset. The data is
+        written afterwards, concurrently with other appends; `end_append` records
+        it. Raises OSError like `begin_write`."""
+        rel = self.begin_write(idx, None, length_bytes)
+        self.inflight[idx] = False
+        self.appends_inflight[idx] += 1
+        self.wp_rel[idx] += length_bytes
+        if self.wp_rel[idx] == self.cap and self.cond[idx] not in _BAD:
+            self._drop_counts(idx)
+            self.cond[idx] = _C.FULL
+        return rel
+
+    def end_append(self, idx: int, rel: int, length_bytes: int, ok: bool) -> None:
+        """Record a reserved append as done (ok: its data reached the image)."""
+        self.appends_inflight[idx] -= 1
+        if ok:
+            self.data_end[idx] = max(self.data_end[idx], rel + length_bytes)
 
     # -- zone management (null_zone_mgmt) ----------------------------------------
 

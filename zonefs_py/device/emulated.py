@@ -24,6 +24,17 @@ guards zone states and is never held across I/O; one lock per zone serialises
 writes and management commands of that zone; `_table_lock` serialises table
 writes. Reads take no zone lock and run concurrently with everything.
 
+Zone append (`zone_append=True`, what `open_device` gives unless
+`zone_append=off`): an append is placed as a ZNS drive places a Zone Append
+-- under the zone lock only long enough to move the write pointer past it --
+and its data is written after the lock is released, so several appends to
+one zone are in flight at once and complete in any order, each returning
+where it landed (`info.zone_append` is true). A flush then records write
+pointers that may cover appends still in flight: after a crash their blocks
+hold whatever the image held there (EMU-1 holds for acknowledged appends
+only), as on a drive. Without it, an append is a write at the write pointer
+under the zone lock (one in flight per zone), as null_blk behaves.
+
 Test hooks (not for user paths): `volatile_cache=True` with
 `simulate_power_cut()`, `faults` (`emu_faults.FaultInjector`) including
 `cut_after_writes`. After a power cut the object is dead: every call raises
@@ -71,6 +82,8 @@ from zonefs_py.errors import Busy, DeviceRefused
 __all__ = ["EmulatedZonedDevice", "probe_image"]
 
 PowerCutMode = Literal["drop", "tear"]
+#: Slice size of `append_scattered` in zone-append mode (QEMU's NVMe with zasl=5).
+SCATTER_PIECE_BYTES = 128 << 10
 
 
 def _power_loss() -> OSError:
@@ -90,13 +103,16 @@ class EmulatedZonedDevice:
     """A `ZonedDevice` on a regular file with null_blk semantics (see the module docstring)."""
 
     def __init__(self, path: str, io: ImageIO, geo: Geometry, seq: int,
-                 entries: list[TableEntry], *, read_only: bool, volatile_cache: bool) -> None:
+                 entries: list[TableEntry], *, read_only: bool, volatile_cache: bool,
+                 zone_append: bool = False) -> None:
         """Wrap an opened, locked and validated image; use `open` or `create` instead."""
         self._path = path
         self._io = io
         self._geo = geo
         self._read_only = read_only
         self._volatile = volatile_cache
+        self._zone_append = zone_append and not read_only
+        self._scatter_rng = random.Random(0)
         self._zones = ZoneStates(geo, entries)
         self._durable = list(entries)
         self._seq = seq
@@ -115,6 +131,7 @@ class EmulatedZonedDevice:
             zone_size_bytes=geo.zone_size_bytes, nr_zones=geo.nr_zones,
             max_open_zones=geo.max_open, max_active_zones=geo.max_active,
             zone_append_max_bytes=geo.zone_capacity_bytes, read_only=read_only,
+            zone_append=self._zone_append,
         )
 
     # -- lifecycle ----------------------------------------------------------------
@@ -124,7 +141,7 @@ class EmulatedZonedDevice:
                zone_capacity_bytes: int | None = None, nr_conventional: int = 0,
                max_open: int = 0, max_active: int = 0, block_size: int = 4096,
                overwrite: bool = False, volatile_cache: bool = False,
-               io_mode: IOMode = "auto") -> EmulatedZonedDevice:
+               io_mode: IOMode = "auto", zone_append: bool = False) -> EmulatedZonedDevice:
         """Create a sparse image for the given geometry and open it for writing.
 
         Raises ValueError for an impossible geometry (message is one line),
@@ -163,13 +180,15 @@ class EmulatedZonedDevice:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-        return cls.open(path, volatile_cache=volatile_cache, io_mode=io_mode)
+        return cls.open(path, volatile_cache=volatile_cache, io_mode=io_mode,
+                        zone_append=zone_append)
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, read_only: bool = False,
              volatile_cache: bool = False, io_mode: IOMode = "auto",
-             cut_after_writes: int | None = None) -> EmulatedZonedDevice:
-        """Open an existing image.
+             cut_after_writes: int | None = None,
+             zone_append: bool = False) -> EmulatedZonedDevice:
+        """Open an existing image (`zone_append`: concurrent appends, module doc).
 
         Raises DeviceRefused (one-line message) for a missing, damaged,
         truncated or too-small image, Busy if another process holds it for
@@ -191,7 +210,7 @@ class EmulatedZonedDevice:
             io.close()
             raise
         dev = cls(path, io, geo, seq, entries, read_only=read_only,
-                  volatile_cache=volatile_cache)
+                  volatile_cache=volatile_cache, zone_append=zone_append)
         if cut_after_writes is not None:
             dev.faults.cut_after_writes(cut_after_writes)
         return dev
@@ -375,7 +394,48 @@ class EmulatedZonedDevice:
         length = self._check_length(data)
         if zone_idx < self._geo.nr_conventional:
             raise OSError(errno.EIO, f"zone append to conventional zone {zone_idx}")
+        if self._zone_append:
+            return self._zone_append_write(zone_idx, data, length)
         return self._seq_write(zone_idx, None, data, length)
+
+    def append_scattered(self, zone_idx: int, data: Buffer) -> list[tuple[int, int]]:
+        """Append `data` as slices of up to SCATTER_PIECE_BYTES placed in a random
+        order (a drive completing concurrent Zone Appends out of order); return
+        [(offset, length)] of its consecutive slices, in data order.
+
+        Without zone-append mode it is one `append`. Raises OSError like
+        `append`; slices placed before a failure stay written.
+        """
+        view = memoryview(data).cast("B")
+        if not self._zone_append or view.nbytes <= SCATTER_PIECE_BYTES:
+            return [(self.append(zone_idx, view), view.nbytes)]
+        step = SCATTER_PIECE_BYTES
+        starts = list(range(0, view.nbytes, step))
+        order = list(starts)
+        self._scatter_rng.shuffle(order)
+        where = {pos: self.append(zone_idx, view[pos:pos + step]) for pos in order}
+        return [(where[pos], min(step, view.nbytes - pos)) for pos in starts]
+
+    def _zone_append_write(self, zone_idx: int, data: Buffer, length: int) -> int:
+        """Place the append under the zone lock, write it outside (module doc)."""
+        start = zone_idx << self._zone_shift
+        with self._zone_locks[zone_idx]:
+            if self.faults.io_armed:  # where it would land: nothing moves if it fails
+                self.faults.check_write(start + self._zones.wp_rel[zone_idx], length)
+            with self._state_lock:
+                self._check_alive()
+                rel = self._zones.reserve_append(zone_idx, length)
+        ok = False
+        try:
+            self._check_alive()
+            self._io.pwrite(self._data_offset + start + rel, data)
+            ok = True
+        finally:
+            with self._state_lock:
+                self._zones.end_append(zone_idx, rel, length, ok)
+                if ok:
+                    self._count_write_locked()
+        return start + rel
 
     def write(self, offset_bytes: int, data: Buffer) -> None:
         """Write at an explicit offset (anywhere in conventional zones, else at the WP).

@@ -31,6 +31,13 @@ the file's in-flight chunks first; a chunk that could not be written makes
 the next flush/fsync of that file fail with EIO (as Linux reports writeback
 errors at fsync).
 
+Zone append: on a device with `info.zone_append`, a chunk goes out through
+`append_scattered` as several appends in flight at once (NVMe Zone Append:
+128 KiB each on QEMU), which land wherever the device puts them; each landed
+slice gets its own EXTENT op at its returned address (device-contiguous
+slices merged), so with up to MAX_INFLIGHT chunks in flight many appends
+fill one zone at once. docs/DESIGN.md "Zone append" has the crash argument.
+
 Locking: one trio.Lock per file with buffered or in-flight data; reads of a
 file without write state take no lock, so dataset reads never queue behind
 another file's writes. Readers of a file with write state take its lock and
@@ -87,6 +94,8 @@ class WriteBuffer:
 
 
 MAX_INFLIGHT = 4
+#: Zone of a placed EXTENT op that is not its append's first slice (no in-flight mark).
+NO_ZONE = -1
 
 
 class Chunk:
@@ -358,7 +367,8 @@ class DataPath:
         except BaseException:
             # The pieces already written are garbage now; give their zones back.
             for _op, zone in placed:
-                self.alloc.append_done(zone, ok=True)
+                if zone != NO_ZONE:
+                    self.alloc.append_done(zone, ok=True)
             raise
         self.journal.data_dirty = True
         return placed
@@ -384,9 +394,9 @@ class DataPath:
             try:
                 for z in to_finish:
                     await trio.to_thread.run_sync(self.dev.finish_zone, z, limiter=self.limiter)
-                dev_off, csums = await trio.to_thread.run_sync(self._checksum_and_append,
-                                                               zone, piece,
-                                                               limiter=self.limiter)
+                landed, csums = await trio.to_thread.run_sync(self._checksum_and_append,
+                                                              zone, piece,
+                                                              limiter=self.limiter)
             except OSError as exc:
                 self.alloc.append_done(zone, ok=False)
                 failures += 1
@@ -396,18 +406,40 @@ class DataPath:
                     raise errors.IOFailure(
                         f"cannot write data of {self.path_of(inode.ino)}: {exc}") from exc
                 continue
-            nblocks = granted // self.bs
+            # One EXTENT op per slice, at the address the device returned for it
+            # (zone append: slices land anywhere in the zone, in any order; DESIGN
+            # "Zone append"). Only the first carries the zone's in-flight mark.
             first = fblock + pos // self.bs
-            op = (OpType.EXTENT, inode.ino, first, nblocks, dev_off, csums)
-            placed.append((op, zone))
+            for dev_off, b0, nb in self._slices(landed):
+                op = (OpType.EXTENT, inode.ino, first + b0, nb, dev_off,
+                      csums[b0 * 4:(b0 + nb) * 4])
+                placed.append((op, zone if b0 == 0 else NO_ZONE))
             self._count(C_DATA_BYTES, granted)
             self._count(C_STREAM_BASE + stream, granted)
             pos += granted
 
-    def _checksum_and_append(self, zone: int, piece: memoryview) -> tuple[int, bytes]:
-        """Worker thread: checksum the blocks, then append them (one thread hop)."""
+    def _checksum_and_append(self, zone: int,
+                             piece: memoryview) -> tuple[list[tuple[int, int]], bytes]:
+        """Worker thread: checksum the blocks, then append them (one thread hop);
+        return [(device offset, bytes)] of consecutive slices, and the checksums."""
         csums = block_checksums(piece, self.bs)
-        return self.dev.append(zone, piece), csums
+        scattered = getattr(self.dev, "append_scattered", None)
+        if scattered is not None:
+            return scattered(zone, piece), csums
+        return [(self.dev.append(zone, piece), piece.nbytes)], csums
+
+    def _slices(self, landed: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+        """(device offset, first block, blocks) per slice, device-contiguous ones merged."""
+        out: list[tuple[int, int, int]] = []
+        b0 = 0
+        for dev_off, nbytes in landed:
+            nb = nbytes // self.bs
+            if out and out[-1][0] + out[-1][2] * self.bs == dev_off:
+                out[-1] = (out[-1][0], out[-1][1], out[-1][2] + nb)
+            else:
+                out.append((dev_off, b0, nb))
+            b0 += nb
+        return out
 
     def _apply_placed(self, inode: Inode, placed: list[tuple[Op, int]]) -> list[Op]:
         """Apply placed EXTENT ops (never awaits) and release their zones' in-flight marks."""
@@ -416,7 +448,8 @@ class DataPath:
             if inode.ino in self.state.inodes:
                 self.state.apply(op)
                 ops.append(op)
-            self.alloc.append_done(zone, ok=True)
+            if zone != NO_ZONE:
+                self.alloc.append_done(zone, ok=True)
         return ops
 
     def _wants_private_head(self, inode: Inode, fblock: int, nbytes: int) -> bool:

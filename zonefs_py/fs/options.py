@@ -43,6 +43,9 @@ class FsOptions:
     sqpoll_ms: int = 2
     #: Read QoS: MB/s of file-data appends while reads are being served (0: no limit).
     qos_write_mb_s: float = 32.0
+    #: Appends as true zone appends (NVMe Zone Append; device/zappend.py): "auto"
+    #: when the device has it, "on" to require it, "off" for writes at the write pointer.
+    zone_append: str = "auto"
 
     _MOUNT_NAMES: ClassVar[dict[str, tuple[str, Callable[[str], object]]]] = {
         "commit": ("commit_interval_s", float),
@@ -53,6 +56,7 @@ class FsOptions:
         "io_uring": ("io_uring", _flag),
         "sqpoll_ms": ("sqpoll_ms", int),
         "qos_write_mb": ("qos_write_mb_s", float),
+        "zone_append": ("zone_append", lambda v: {"1": "on", "0": "off"}.get(v, v)),
     }
 
     @classmethod
@@ -82,6 +86,8 @@ class FsOptions:
                 raise ValueError(f"bad value for mount option {name}: {value!r}") from None
         if result.cleaner_policy not in ("cost-benefit", "greedy"):
             raise ValueError("cleaner_policy must be cost-benefit or greedy")
+        if result.zone_append not in ("auto", "on", "off"):
+            raise ValueError("zone_append must be auto, on or off")
         return result, rest
 
     def replace(self, **changes: object) -> FsOptions:
