@@ -43,31 +43,14 @@ import errno
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Protocol
 
 from zonefs_py.device import native
+from zonefs_py.device.appender import ZoneState as _ZoneState
 from zonefs_py.device.base import DeviceInfo, Zone, ZoneCond, ZoneType
 from zonefs_py.errors import DeviceRefused
 
 Buffer = bytes | bytearray | memoryview
-
-
-@dataclass(slots=True)
-class _ZoneState:
-    """Cached state of one zone; fields change only under `lock`."""
-
-    start: int
-    size: int
-    capacity: int
-    type: ZoneType
-    wp: int
-    data_end: int  # end of bytes really written (wp, except after finish)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    @property
-    def sequential(self) -> bool:
-        return self.type is not ZoneType.CONVENTIONAL
 
 
 class ZoneAppender(Protocol):

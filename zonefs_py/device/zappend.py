@@ -37,12 +37,9 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from zonefs_py.device import native
-
-if TYPE_CHECKING:
-    from zonefs_py.device.blockdev import BlockZonedDevice, _ZoneState
+from zonefs_py.device.appender import AppendTarget, ZoneState
 
 log = logging.getLogger(__name__)
 
@@ -182,13 +179,13 @@ class ZoneAppendAppender:
         with self._cv:
             return self._gates.setdefault(zone_idx, _Gate())
 
-    def append(self, dev: BlockZonedDevice, zone_idx: int, data: memoryview) -> int:
+    def append(self, dev: AppendTarget, zone_idx: int, data: memoryview) -> int:
         """Zone-append `data`; return the absolute offset where it landed. Raises OSError."""
         if data.nbytes > self.max_bytes:
             return self._append_pieces(dev, zone_idx, data)
         return self.append_many(dev, zone_idx, [data])[0]
 
-    def append_many(self, dev: BlockZonedDevice, zone_idx: int,
+    def append_many(self, dev: AppendTarget, zone_idx: int,
                     datas: Sequence[memoryview]) -> list[int]:
         """Zone-append each buffer (each <= max_bytes) at once; return where each landed.
 
@@ -199,7 +196,7 @@ class ZoneAppendAppender:
             results = handle.run([(st.start, d) for d in datas])
         return self._account(dev, st, zone_idx, results, [d.nbytes for d in datas])
 
-    def _account(self, dev: BlockZonedDevice, st: _ZoneState, zone_idx: int,
+    def _account(self, dev: AppendTarget, st: ZoneState, zone_idx: int,
                  results: Sequence[int | OSError], lengths: Sequence[int]) -> list[int]:
         """Advance the zone's cache past what landed; raise the first error."""
         failed = next((r for r in results if isinstance(r, OSError)), None)
@@ -221,7 +218,7 @@ class ZoneAppendAppender:
                               f"reported address {landed} outside the zone")
         return [r for r in results if isinstance(r, int)]
 
-    def _append_pieces(self, dev: BlockZonedDevice, zone_idx: int, data: memoryview) -> int:
+    def _append_pieces(self, dev: AppendTarget, zone_idx: int, data: memoryview) -> int:
         """An append over the command limit: pieces in order, the zone held exclusively."""
         st = dev.zone_state(zone_idx)
         with self._gate(zone_idx).exclusive(), self._handle() as handle:
