@@ -44,7 +44,8 @@ OPTIONS_HELP = textwrap.dedent("""\
               io_uring=on|off (file reads without worker threads, default on),
               sqpoll_ms=N (io_uring submission polling of reads up to 128 KiB,
                 idle time in ms, 0 off, default 2),
-              qos_write_mb=MB/s (file-data appends while reads are served, 0 off, default 32).
+              read_latency_ms=MS (read QoS: file-data appends are slowed only while the
+                engine's p90 read latency is above MS, 0 off, default 2).
       daemon: {daemon}
       ignored (fstab): rw, defaults, auto, noauto, _netdev, user, users, nofail, x-*, comment=*.
       mount(8) helper only: log_file=PATH.
