@@ -14,14 +14,20 @@ plus every wait for the trio thread, whose saturation is what the writer
 causes) and takes from writers only what that needs:
 
 * Time is cut into intervals of `interval_s` (50 ms). At the end of an
-  interval with reads, its p90 read latency is compared with the target
-  (`read_latency_ms=` mount option, 0 disables the controller).
+  interval with reads, its p90 read latency is compared with the target:
+  `read_latency_ms=` (mount option, 0 disables the controller), or 1.5x the
+  p90 that reads see while no file data is appended (an average over
+  intervals with no appends in them nor in the interval before) when that is
+  higher: when reads alone are already slower than
+  the target (a loaded machine, a slow device), writers are not what delays
+  them, and starving the checkpoint would not bring them under it.
 * Above the target, while writers were appending in that interval: the write
   allowance (bytes/s of file-data appends) is halved, starting from the rate
   the writers actually had. Never below `min_rate` (writers are slowed, never
   stopped).
 * At or below the target: the allowance grows by a quarter per interval, and
-  is lifted (unlimited) once the writers no longer use half of it.
+  is lifted (unlimited) after an interval in which no append waited and the
+  writers used less than half of it.
 * No read in flight and none finished for an interval: appends pass at once,
   at full speed, whatever the allowance was.
 
@@ -54,6 +60,10 @@ import trio
 QUANTILE = 0.9
 #: Most latencies kept per interval (the quantile is taken over these).
 _SAMPLES_MAX = 4096
+#: Reads may be this much slower than without appends before writers are slowed.
+BASELINE_FACTOR = 1.5
+#: Weight of a new interval in the average of append-free intervals.
+BASELINE_WEIGHT = 0.2
 
 
 class ReadLatencyController:
@@ -73,6 +83,8 @@ class ReadLatencyController:
         self.allowance = math.inf
         #: p90 read latency of the last interval with reads (seconds), None before any.
         self.read_latency_s: float | None = None
+        #: Average p90 of intervals with reads but no appends (seconds), None before any.
+        self.baseline_s: float | None = None
         self.reads_in_flight = 0
         self.last_read = -math.inf
         #: Seconds appends spent waiting at the gate, and intervals that lowered the allowance.
@@ -81,6 +93,10 @@ class ReadLatencyController:
         self._interval_end = -math.inf
         self._lat: list[float] = []
         self._written = 0
+        self._quiet = False
+        #: Appends waiting at the gate now, and whether any waited this interval.
+        self._waiting = 0
+        self._held = False
         self._next_free = -math.inf
         self._urgent: dict[int, int] = {}
         self._wake = trio.Event()
@@ -88,6 +104,13 @@ class ReadLatencyController:
     @property
     def enabled(self) -> bool:
         return self.target_s > 0
+
+    @property
+    def effective_target_s(self) -> float:
+        """The target, or 1.5x what reads see without appends when that is higher."""
+        if self.baseline_s is None:
+            return self.target_s
+        return max(self.target_s, BASELINE_FACTOR * self.baseline_s)
 
     # -- reads -------------------------------------------------------------------
     def read_started(self) -> float:
@@ -116,6 +139,7 @@ class ReadLatencyController:
         self._interval_end = now + self.interval_s
         self._lat.clear()
         self._written = 0
+        self._held = self._waiting > 0
 
     def _close_interval(self, now: float) -> None:
         elapsed = max(self.interval_s, now - (self._interval_end - self.interval_s))
@@ -127,14 +151,20 @@ class ReadLatencyController:
         lat = sorted(self._lat)
         seen = lat[min(len(lat) - 1, int(QUANTILE * len(lat)))]
         self.read_latency_s = seen
-        if seen > self.target_s:
+        quiet_before, self._quiet = self._quiet, not self._written
+        if self._quiet and quiet_before:
+            # Reads on their own (no appends in this interval nor the one before,
+            # whose effect may last into this one): what writers cannot improve on.
+            self.baseline_s = seen if self.baseline_s is None else (
+                (1 - BASELINE_WEIGHT) * self.baseline_s + BASELINE_WEIGHT * seen)
+        if seen > self.effective_target_s:
             if self._written:
                 # Back off from what the writers actually had, not from "unlimited".
                 base = min(self.allowance, written_rate)
                 self.allowance = max(self.min_rate, base / 2)
                 self.decreases += 1
         elif self.allowance < math.inf:
-            if written_rate < self.allowance / 2:
+            if not self._held and written_rate < self.allowance / 2:
                 self.allowance = math.inf
             else:
                 self.allowance *= 1.25
@@ -170,20 +200,29 @@ class ReadLatencyController:
         slot_end = max(self._next_free, now - self.interval_s) + nbytes / self.allowance
         self._next_free = slot_end
         t0 = now
-        while now < slot_end:
-            # Re-check every interval: the reads may have stopped meanwhile.
-            with trio.move_on_at(min(slot_end, now + self.interval_s)):
-                await self._wake.wait()
-            now = self._clock()
-            self._tick(now)
-            if self._passes(ino, now):
-                break
-        self.throttled_s += now - t0
+        self._waiting += 1
+        self._held = True
+        try:
+            while now < slot_end:
+                # Re-check every interval: the reads may have stopped meanwhile.
+                with trio.move_on_at(min(slot_end, now + self.interval_s)):
+                    await self._wake.wait()
+                now = self._clock()
+                self._tick(now)
+                if self._passes(ino, now):
+                    break
+        finally:
+            self._waiting -= 1
+            self.throttled_s += self._clock() - t0
 
     def status(self) -> dict[str, object]:
         """Controller state for `zonefs-py stat`."""
         lat = self.read_latency_s
+        base = self.baseline_s
         return {"read_latency_target_ms": self.target_s * 1e3,
+                "effective_target_ms": round(self.effective_target_s * 1e3, 3),
+                "read_latency_without_writes_ms": None if base is None
+                else round(base * 1e3, 3),
                 "write_allowance_mb_s": None if self.allowance == math.inf
                 else round(self.allowance / 1e6, 2),
                 "read_latency_p90_ms": None if lat is None else round(lat * 1e3, 3),
