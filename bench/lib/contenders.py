@@ -286,12 +286,22 @@ class ZonefsPy(_Served):
     label = "zonefs-py (emulated zoned device)"
 
     def __init__(self, work_dir: Path, zoned_dev: str | None = None,
-                 zone_size: str = "64M", mount_opts: str | None = None) -> None:
+                 zone_size: str = "64M", mount_opts: str | None = None,
+                 variant: str | None = None) -> None:
+        if variant:
+            # An A/B twin with other mount options, for the workloads they affect only.
+            self.key = f"zonefs-{variant}"
+            self.label = f"zonefs-py -o {mount_opts} (A/B)"
+            self.unsupported = {w: "A/B contender: contention workloads only" for w in (
+                "seq_write", "seq_read", "randread_4k_qd1", "randread_4k_qd16",
+                "randread_128k_qd1", "randread_128k_qd16", "torch_save", "torch_load",
+                "dataloader_shards", "dataloader_files", "meta_create", "meta_stat",
+                "meta_unlink")}
         super().__init__(work_dir)
         self.zoned_dev = zoned_dev
         self.zone_size = zone_size
         self.mount_opts = mount_opts
-        if zoned_dev:
+        if zoned_dev and not variant:
             self.label = f"zonefs-py ({zoned_dev})"
         self.image = Path(zoned_dev) if zoned_dev else self.work_dir / "zoned.img"
 
@@ -370,7 +380,14 @@ def _short_reason(message: str) -> str:
 
 
 def all_contenders(work_dir: Path, zoned_dev: str | None = None,
-                   zonefs_mount_opts: str | None = None) -> list[Contender]:
-    """Return the contenders in report order: references first, zonefs-py last."""
-    return [PhysicalLimit(work_dir), NoopCeiling(work_dir), PassthroughPeer(work_dir),
-            Ext4Loop(work_dir), ZonefsPy(work_dir, zoned_dev, mount_opts=zonefs_mount_opts)]
+                   zonefs_mount_opts: str | None = None,
+                   zonefs_b_mount_opts: str | None = None) -> list[Contender]:
+    """Return the contenders in report order: references first, zonefs-py last (then its
+    A/B twin `zonefs-b` when `zonefs_b_mount_opts` is given)."""
+    contenders: list[Contender] = [
+        PhysicalLimit(work_dir), NoopCeiling(work_dir), PassthroughPeer(work_dir),
+        Ext4Loop(work_dir), ZonefsPy(work_dir, zoned_dev, mount_opts=zonefs_mount_opts)]
+    if zonefs_b_mount_opts:
+        contenders.append(ZonefsPy(work_dir, zoned_dev, mount_opts=zonefs_b_mount_opts,
+                                   variant="b"))
+    return contenders
