@@ -45,7 +45,9 @@ OPTIONS_HELP = textwrap.dedent("""\
               sqpoll_ms=N (io_uring submission polling of reads up to 128 KiB,
                 idle time in ms, 0 off, default 2),
               read_latency_ms=MS (read QoS: file-data appends are slowed only while the
-                engine's p90 read latency is above MS, 0 off, default 2).
+                engine's p90 read latency is above MS, 0 off, default 2),
+              prefetch_mb=N (device reads kept in flight ahead of a file read
+                sequentially, MiB, 0 off, default 8).
       daemon: {daemon}
       ignored (fstab): rw, defaults, auto, noauto, _netdev, user, users, nofail, x-*, comment=*.
       mount(8) helper only: log_file=PATH.

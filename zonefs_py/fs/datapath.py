@@ -55,6 +55,7 @@ from zonefs_py.device.base import ZonedDevice
 from zonefs_py.format.checksum import Data, block_checksums, first_bad_block
 from zonefs_py.format.constants import OpType, Stream
 from zonefs_py.format.ops import Op
+from zonefs_py.fs.prefetch import Prefetcher
 from zonefs_py.fs.qos import ReadLatencyController
 from zonefs_py.fs.state import Inode, State
 from zonefs_py.journal.journal import Journal
@@ -131,6 +132,9 @@ class DataPath:
         self.reader: AsyncReader | None = None
         #: Read QoS gate for appends (disabled until the engine sets a target).
         self.qos = ReadLatencyController(0)
+        state.on_data_changed = self.data_changed
+        #: Sequential read-ahead (None: off; set by the engine, `prefetch_mb=`).
+        self.prefetch: Prefetcher | None = None
 
     # -- helpers -----------------------------------------------------------------
     def lock(self, ino: int) -> trio.Lock:
@@ -151,6 +155,18 @@ class DataPath:
         for chunk in self.inflight.get(inode.ino, ()):
             size = max(size, chunk.logical_end)
         return size
+
+    def data_changed(self, ino: int) -> None:
+        """State hook: the file's stored bytes change now; read-ahead of it is stale."""
+        if self.prefetch is not None:
+            self.prefetch.forget(ino)
+
+    def enable_prefetch(self, window_bytes: int) -> None:
+        """Read files that are read sequentially ahead of their requests (fs/prefetch.py)."""
+        async def read_stored(ino: int, offset: int, length: int) -> bytes | memoryview:
+            return await self._read_view(self.state.inodes[ino], offset, length)
+
+        self.prefetch = Prefetcher(read_stored, window_bytes)
 
     def _count(self, key: int, n: int) -> None:
         self.counters[key] = self.counters.get(key, 0) + n
@@ -437,6 +453,10 @@ class DataPath:
                 with self.qos.expedited(inode.ino):
                     async with self.lock(inode.ino):
                         return await self._read_locked(inode, offset, length)
+            if self.prefetch is not None:
+                ahead = await self.prefetch.read(inode.ino, offset, length, size)
+                if ahead is not None:
+                    return ahead
             return await self._read_view(inode, offset, length)
         finally:
             self.qos.read_done(qos_token)

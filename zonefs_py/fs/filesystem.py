@@ -126,6 +126,8 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         self.data = DataPath(dev, self.state, self.journal, self.alloc, self.limiter,
                              self.path_of, read_limiter=self.read_limiter)
         self.data.qos = ReadLatencyController(options.read_latency_ms / 1e3)
+        if options.prefetch_mb:
+            self.data.enable_prefetch(options.prefetch_mb << 20)
         if options.io_uring:
             self.data.reader = AsyncReader(dev, self.read_limiter, options.sqpoll_ms)
         from zonefs_py.cleaner.cleaner import Cleaner

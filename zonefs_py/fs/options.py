@@ -44,6 +44,9 @@ class FsOptions:
     #: Read QoS: p90 latency (ms) reads may see in the engine before file-data appends
     #: are slowed down (fs/qos.py); 0 disables the controller.
     read_latency_ms: float = 2.0
+    #: Sequential read-ahead in the engine: MiB of device reads kept in flight ahead
+    #: of a file read sequentially (fs/prefetch.py); 0 disables it.
+    prefetch_mb: int = 8
 
     _MOUNT_NAMES: ClassVar[dict[str, tuple[str, Callable[[str], object]]]] = {
         "commit": ("commit_interval_s", float),
@@ -54,6 +57,7 @@ class FsOptions:
         "io_uring": ("io_uring", _flag),
         "sqpoll_ms": ("sqpoll_ms", int),
         "read_latency_ms": ("read_latency_ms", float),
+        "prefetch_mb": ("prefetch_mb", int),
     }
     #: Options that were removed, with what replaced them.
     _RETIRED: ClassVar[dict[str, str]] = {
@@ -90,6 +94,8 @@ class FsOptions:
                 raise ValueError(f"bad value for mount option {name}: {value!r}") from None
         if result.cleaner_policy not in ("cost-benefit", "greedy"):
             raise ValueError("cleaner_policy must be cost-benefit or greedy")
+        if result.prefetch_mb < 0:
+            raise ValueError("prefetch_mb must be 0 (off) or a number of MiB")
         if not result.read_latency_ms >= 0:
             raise ValueError("read_latency_ms must be 0 (off) or a positive number of ms")
         return result, rest
