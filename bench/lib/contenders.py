@@ -289,14 +289,9 @@ class ZonefsPy(_Served):
                  zone_size: str = "64M", mount_opts: str | None = None,
                  variant: str | None = None) -> None:
         if variant:
-            # An A/B twin with other mount options, for the workloads they affect only.
+            # An A/B twin with other mount options, measured right after zonefs-py.
             self.key = f"zonefs-{variant}"
             self.label = f"zonefs-py -o {mount_opts} (A/B)"
-            self.unsupported = {w: "A/B contender: contention workloads only" for w in (
-                "seq_write", "seq_read", "randread_4k_qd1", "randread_4k_qd16",
-                "randread_128k_qd1", "randread_128k_qd16", "torch_save", "torch_load",
-                "dataloader_shards", "dataloader_files", "meta_create", "meta_stat",
-                "meta_unlink")}
         super().__init__(work_dir)
         self.zoned_dev = zoned_dev
         self.zone_size = zone_size

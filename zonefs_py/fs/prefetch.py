@@ -86,6 +86,12 @@ class Prefetcher:
         self.segments_read = 0
         self.segments_dropped = 0
 
+    def status(self) -> dict[str, object]:
+        """Read-ahead figures for `zonefs-py stat`."""
+        return {"window_bytes": self.window, "streams": len(self._streams),
+                "hits": self.hits, "segments_read": self.segments_read,
+                "segments_dropped": self.segments_dropped}
+
     def forget(self, ino: int) -> None:
         """Drop the file's stream and make its segments stale (its data changes now)."""
         st = self._streams.pop(ino, None)

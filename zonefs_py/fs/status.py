@@ -106,6 +106,7 @@ def build_status(fs: ZoneFS) -> dict[str, object]:
                     "broken": fs.journal.broken},
         "latency": {"read": fs.read_latency.summary(), "write": fs.write_latency.summary()},
         "read_qos": fs.data.qos.status(),
+        "prefetch": fs.data.prefetch.status() if fs.data.prefetch is not None else None,
         "zone_map": zone_map,
     }
 
