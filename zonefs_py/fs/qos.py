@@ -144,6 +144,7 @@ class ReadLatencyController:
     def _close_interval(self, now: float) -> None:
         elapsed = max(self.interval_s, now - (self._interval_end - self.interval_s))
         written_rate = self._written / elapsed
+        quiet_before, self._quiet = self._quiet, not self._written
         if not self._lat:
             if not self.reads_active(now):
                 self.allowance = math.inf
@@ -151,7 +152,6 @@ class ReadLatencyController:
         lat = sorted(self._lat)
         seen = lat[min(len(lat) - 1, int(QUANTILE * len(lat)))]
         self.read_latency_s = seen
-        quiet_before, self._quiet = self._quiet, not self._written
         if self._quiet and quiet_before:
             # Reads on their own (no appends in this interval nor the one before,
             # whose effect may last into this one): what writers cannot improve on.
