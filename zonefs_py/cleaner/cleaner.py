@@ -155,6 +155,19 @@ class Cleaner:
                         pieces.append((e.dev + off * bs, ino, e.fblock + off, n,
                                        e.csums[off * 4:(off + n) * 4]))
         pieces.sort()
+        # The victim's data may die while we copy it (an overwrite, a delete); pinned,
+        # the zone is not reset under our reads (INV-8), which would otherwise fail
+        # their checksums and mark a healthy zone as damaged.
+        self.alloc.pin_read(victim)
+        try:
+            return await self._copy_pieces(victim, pieces, throttle)
+        finally:
+            self.alloc.unpin_read(victim)
+
+    async def _copy_pieces(self, victim: int, pieces: list[tuple[int, int, int, int, bytes]],
+                           throttle: bool) -> int:
+        """Relocate `pieces` (dev offset, ino, file block, blocks, checksums) of `victim`."""
+        bs = self.bs
         copied = 0
         for dev_off, ino, fblock, nblocks, csums in pieces:
             nbytes = nblocks * bs
@@ -226,11 +239,11 @@ class Cleaner:
             return []
         bs = self.bs
         ops: list[Op] = []
-        for start, n, ext in inode.extents.lookup(first, count):
-            if ext is None:
+        for start, n, dev, _csums in inode.extents.lookup(first, count, bs):
+            if dev is None:
                 continue
             rel = start - first
-            if ext.dev + (start - ext.fblock) * bs != old_dev + rel * bs:
+            if dev != old_dev + rel * bs:
                 continue  # rewritten since we read it: the newer data stays
             ops.append((OpType.EXTENT, ino, start, n, new_dev + rel * bs,
                         csums[rel * 4:(rel + n) * 4]))
