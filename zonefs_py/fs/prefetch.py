@@ -10,10 +10,14 @@ request, so the next requests find
 their bytes in memory (or already on their way) and are answered at once.
 
 Streams: one per file (inode), at most `MAX_STREAMS` (least recently read
-dropped). A read is sequential when it starts within the window of where
-the stream's reads have got to (the kernel's readahead requests may reach the
-engine slightly out of order); after `TRIGGER_READS` such reads the stream
-reads ahead. Anything else resets the stream and drops its segments.
+dropped). A read continues the stream when it starts exactly where one of
+the stream's last `RECENT_ENDS` requests ended (the kernel's readahead
+requests may reach the engine slightly out of order) or inside the segments
+already read ahead; after `TRIGGER_READS` reads in a row that continue it,
+the stream reads ahead. Any other read resets the run and drops the segments.
+("Near the last read" is not enough: random 32 KiB samples of a 32 MiB shard
+are often near each other, and the first bench run of this code read 9,000
+2 MiB segments ahead for one DataLoader epoch of 10,000 samples.)
 
 Correctness: `State.apply` calls `forget(ino)` (through
 `DataPath.data_changed`) before every EXTENT, TRUNCATE and INODE_FREE op of
@@ -33,7 +37,7 @@ Memory: at most MAX_STREAMS x (window + request + SEGMENT_BYTES) of segments.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 
 import trio
@@ -42,8 +46,10 @@ import trio
 SEGMENT_BYTES = 2 << 20
 #: How far ahead of the newest request segments are kept in flight (default).
 WINDOW_BYTES = 8 << 20
-#: Sequential reads before a stream reads ahead.
-TRIGGER_READS = 2
+#: Reads in a row continuing a stream before it reads ahead.
+TRIGGER_READS = 3
+#: Request ends remembered per stream (out-of-order arrival of readahead requests).
+RECENT_ENDS = 8
 #: Files read ahead at once.
 MAX_STREAMS = 8
 
@@ -63,12 +69,19 @@ class _Segment:
 
 
 class _Stream:
-    __slots__ = ("reach", "run", "segments")
+    __slots__ = ("ends", "reach", "run", "segments")
 
-    def __init__(self, reach: int) -> None:
-        self.reach = reach  # end of the furthest request so far
-        self.run = 1  # sequential reads so far
+    def __init__(self, end: int) -> None:
+        self.reach = end  # end of the furthest request so far
+        self.ends: deque[int] = deque((end,), maxlen=RECENT_ENDS)
+        self.run = 1  # reads in a row continuing the stream
         self.segments: list[_Segment] = []  # by offset, not overlapping
+
+    def continues(self, offset: int) -> bool:
+        if offset in self.ends:
+            return True
+        segs = self.segments
+        return bool(segs) and segs[0].start <= offset < segs[-1].end
 
 
 class Prefetcher:
@@ -113,17 +126,22 @@ class Prefetcher:
 
     def _track(self, ino: int, offset: int, length: int) -> _Stream | None:
         st = self._streams.get(ino)
-        if st is not None and abs(offset - st.reach) <= self.window:
+        if st is None:
+            self._streams[ino] = _Stream(offset + length)
+            while len(self._streams) > MAX_STREAMS:
+                self.forget(next(iter(self._streams)))
+            return None
+        self._streams.move_to_end(ino)
+        if st.continues(offset):
             st.run += 1
-            st.reach = max(st.reach, offset + length)
-            self._streams.move_to_end(ino)
-            return st
-        if st is not None:
-            self.forget(ino)
-        self._streams[ino] = _Stream(offset + length)
-        while len(self._streams) > MAX_STREAMS:
-            self.forget(next(iter(self._streams)))
-        return None
+        else:
+            st.run = 1
+            st.reach = 0
+            self.segments_dropped += len(st.segments)
+            st.segments = []
+        st.ends.append(offset + length)
+        st.reach = max(st.reach, offset + length)
+        return st
 
     def _top_up(self, ino: int, st: _Stream, offset: int, size: int) -> None:
         """Drop the segments behind the request; read ahead up to the window."""
