@@ -151,7 +151,8 @@ def _ratio_to(results: dict[str, Any], subject: str, workload: str, refs: tuple[
 
 def _cpu_table(results: dict[str, Any]) -> list[str]:
     """Daemon CPU per GiB and per request, for each FUSE contender that was measured."""
-    keys = [k for k in ("ceiling", "peer", *TARGET_SUBJECTS) if k in results["contenders"]]
+    keys = [k for k in ("ceiling", "peer", *TARGET_SUBJECTS, "zonefs-b")
+            if k in results["contenders"]]
     header = ["workload"] + [f"{k} s/GiB" for k in keys] + [f"{k} µs/req" for k in keys]
     lines = ["## Daemon CPU (FUSE server process, user + system, medians)", "",
              "From /proc/PID/stat around each workload (mount-time recovery excluded); per "
