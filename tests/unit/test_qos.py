@@ -178,6 +178,7 @@ async def test_disabled_gate_passes(autojump_clock: trio.testing.MockClock) -> N
     t0 = trio.current_time()
     await gate.admit_write(1 << 30)
     assert trio.current_time() == t0
+    assert gate.status() == {"read_latency_target_ms": 0.0, "enabled": False}
 
 
 async def test_fsync_does_not_wait_on_a_throttled_gate(

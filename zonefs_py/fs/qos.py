@@ -119,8 +119,10 @@ class ReadLatencyController:
         return self._clock()
 
     def read_done(self, started: float) -> None:
-        now = self._clock()
         self.reads_in_flight -= 1
+        if not self.enabled:
+            return
+        now = self._clock()
         self.last_read = now
         if len(self._lat) < _SAMPLES_MAX:
             self._lat.append(now - started)
@@ -191,6 +193,8 @@ class ReadLatencyController:
 
     async def admit_write(self, nbytes: int, ino: int = 0) -> None:
         """Wait until `nbytes` of the file `ino`'s data may be appended."""
+        if not self.enabled:
+            return
         now = self._clock()
         self._tick(now)
         self._written += nbytes
@@ -217,6 +221,8 @@ class ReadLatencyController:
 
     def status(self) -> dict[str, object]:
         """Controller state for `zonefs-py stat`."""
+        if not self.enabled:
+            return {"read_latency_target_ms": 0.0, "enabled": False}
         lat = self.read_latency_s
         base = self.baseline_s
         return {"read_latency_target_ms": self.target_s * 1e3,
