@@ -42,8 +42,11 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-#: Bytes of one device read ahead of a stream.
-SEGMENT_BYTES = 2 << 20
+#: Bytes of one device read ahead of a stream: at most the ring's largest read
+#: (device/aread.py MAX_RING_READ), so segments use its warm pooled buffers (2 MiB
+#: segments went through worker threads into fresh buffers: torch.load cost 2.2x
+#: the daemon CPU per GiB of no read-ahead, bench/results/2026-12-01-issue12-ab).
+SEGMENT_BYTES = 1 << 20
 #: How far ahead of the newest request segments are kept in flight (default).
 WINDOW_BYTES = 8 << 20
 #: Reads in a row continuing a stream before it reads ahead.
