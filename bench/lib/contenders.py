@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .util import BenchError, drop_caches, fuse_unmount, run, wait_for_mount
+from .util import BenchError, drop_caches, fuse_unmount, process_cpu_s, run, wait_for_mount
 
 BENCH_DIR = Path(__file__).resolve().parent.parent
 REPO_DIR = BENCH_DIR.parent
@@ -73,6 +73,15 @@ class Contender:
 
     def fs_stats(self) -> dict[str, object] | None:
         """Return the filesystem's own counters (zonefs-py: write amplification), if any."""
+        return None
+
+    def daemon_cpu_s(self) -> float | None:
+        """Return the CPU seconds its FUSE servers spent serving so far, or None (no server).
+
+        Counted from each server's mount being ready to its unmount, summed over the
+        servers of this contender (a cold read remounts zonefs-py): mount-time
+        recovery and the shutdown flush are left out.
+        """
         return None
 
     def _reset_dir(self) -> None:
@@ -134,6 +143,14 @@ class FuseServer:
         self.log_path = log_path
         self.cwd = cwd
         self.proc: subprocess.Popen[bytes] | None = None
+        self._cpu_at_ready = 0.0
+
+    def cpu_served_s(self) -> float:
+        """CPU seconds of the server since its mount was ready (0 when not running)."""
+        if self.proc is None:
+            return 0.0
+        now = process_cpu_s(self.proc.pid)
+        return 0.0 if now is None else now - self._cpu_at_ready
 
     def start(self) -> None:
         """Start the server and wait for the mount; raise BenchError if it fails."""
@@ -147,14 +164,39 @@ class FuseServer:
         except BaseException:
             self.stop()
             raise
+        self._cpu_at_ready = process_cpu_s(self.proc.pid) or 0.0
 
-    def stop(self) -> None:
-        """Unmount and reap the server (idempotent)."""
+    def stop(self) -> float:
+        """Unmount and reap the server (idempotent); return its CPU seconds served."""
+        served = self.cpu_served_s()
         fuse_unmount(self.mountpoint, self.proc)
         self.proc = None
+        return served
 
 
-class NoopCeiling(Contender):
+class _Served(Contender):
+    """A contender served by FuseServer processes: their CPU is counted."""
+
+    def __init__(self, work_dir: Path) -> None:
+        super().__init__(work_dir)
+        self._server: FuseServer | None = None
+        self._cpu_retired = 0.0
+
+    def _start(self, server: FuseServer) -> None:
+        server.start()
+        self._server = server
+
+    def _stop(self) -> None:
+        if self._server is not None:
+            self._cpu_retired += self._server.stop()
+        self._server = None
+
+    def daemon_cpu_s(self) -> float | None:
+        live = self._server.cpu_served_s() if self._server is not None else 0.0
+        return self._cpu_retired + live
+
+
+class NoopCeiling(_Served):
     """The no-op pyfuse3 filesystem (bench/noopfs.py): accepts writes, reads zeros."""
 
     key = "ceiling"
@@ -164,13 +206,12 @@ class NoopCeiling(Contender):
     @contextmanager
     def mounted(self, size_bytes: int) -> Iterator[None]:
         self._reset_dir()
-        server = FuseServer([sys.executable, str(BENCH_DIR / "noopfs.py"), str(self.root)],
-                            self.root, self.work_dir / "noopfs.log")
-        server.start()
+        self._start(FuseServer([sys.executable, str(BENCH_DIR / "noopfs.py"), str(self.root)],
+                               self.root, self.work_dir / "noopfs.log"))
         try:
             yield
         finally:
-            server.stop()
+            self._stop()
 
 
 class Ext4Loop(Contender):
@@ -217,7 +258,7 @@ class Ext4Loop(Contender):
             backing.unlink(missing_ok=True)
 
 
-class PassthroughPeer(Ext4Loop):
+class PassthroughPeer(_Served, Ext4Loop):
     """bench/passthroughfs.py over ext4 on a loop device: the afternoon Python FS."""
 
     key = "peer"
@@ -228,33 +269,36 @@ class PassthroughPeer(Ext4Loop):
         self._reset_dir()
         source = self.work_dir / "source"
         with self.ext4_at(self.work_dir / "backing.img", source, size_bytes):
-            server = FuseServer(
+            self._start(FuseServer(
                 [sys.executable, str(BENCH_DIR / "passthroughfs.py"), str(source),
                  str(self.root)],
-                self.root, self.work_dir / "passthroughfs.log")
-            server.start()
+                self.root, self.work_dir / "passthroughfs.log"))
             try:
                 yield
             finally:
-                server.stop()
+                self._stop()
 
 
-class ZonefsPy(Contender):
+class ZonefsPy(_Served):
     """zonefs-py mounted on the file-backed zoned emulator (or a real zoned device)."""
 
     key = "zonefs"
     label = "zonefs-py (emulated zoned device)"
 
     def __init__(self, work_dir: Path, zoned_dev: str | None = None,
-                 zone_size: str = "64M", mount_opts: str | None = None) -> None:
+                 zone_size: str = "64M", mount_opts: str | None = None,
+                 variant: str | None = None) -> None:
+        if variant:
+            # An A/B twin with other mount options, measured right after zonefs-py.
+            self.key = f"zonefs-{variant}"
+            self.label = f"zonefs-py -o {mount_opts} (A/B)"
         super().__init__(work_dir)
         self.zoned_dev = zoned_dev
         self.zone_size = zone_size
         self.mount_opts = mount_opts
-        if zoned_dev:
+        if zoned_dev and not variant:
             self.label = f"zonefs-py ({zoned_dev})"
         self.image = Path(zoned_dev) if zoned_dev else self.work_dir / "zoned.img"
-        self._server: FuseServer | None = None
 
     def _cli(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "zonefs_py.cli.main", *args]
@@ -288,14 +332,11 @@ class ZonefsPy(Contender):
             run(self._cli("emu", "create", str(self.image), "--size", f"{size_bytes // MiB}M",
                           "--zone-size", self.zone_size), env=env, cwd=REPO_DIR)
         run(self._cli("mkfs", str(self.image), "--force"), env=env, cwd=REPO_DIR)
-        self._server = self._new_server()
-        self._server.start()
+        self._start(self._new_server())
         try:
             yield
         finally:
-            if self._server is not None:
-                self._server.stop()
-            self._server = None
+            self._stop()
             if not self.zoned_dev:
                 self.image.unlink(missing_ok=True)
 
@@ -306,12 +347,10 @@ class ZonefsPy(Contender):
 
     def remount(self) -> tuple[bool, float]:
         """Unmount, drop caches, mount again; return (caches dropped, seconds to mount)."""
-        if self._server is not None:
-            self._server.stop()
+        self._stop()
         dropped = drop_caches()
-        self._server = self._new_server()
         start = time.perf_counter()
-        self._server.start()
+        self._start(self._new_server())
         return dropped, time.perf_counter() - start
 
     def daemon_pid(self) -> int | None:
@@ -336,7 +375,14 @@ def _short_reason(message: str) -> str:
 
 
 def all_contenders(work_dir: Path, zoned_dev: str | None = None,
-                   zonefs_mount_opts: str | None = None) -> list[Contender]:
-    """Return the contenders in report order: references first, zonefs-py last."""
-    return [PhysicalLimit(work_dir), NoopCeiling(work_dir), PassthroughPeer(work_dir),
-            Ext4Loop(work_dir), ZonefsPy(work_dir, zoned_dev, mount_opts=zonefs_mount_opts)]
+                   zonefs_mount_opts: str | None = None,
+                   zonefs_b_mount_opts: str | None = None) -> list[Contender]:
+    """Return the contenders in report order: references first, zonefs-py last (then its
+    A/B twin `zonefs-b` when `zonefs_b_mount_opts` is given)."""
+    contenders: list[Contender] = [
+        PhysicalLimit(work_dir), NoopCeiling(work_dir), PassthroughPeer(work_dir),
+        Ext4Loop(work_dir), ZonefsPy(work_dir, zoned_dev, mount_opts=zonefs_mount_opts)]
+    if zonefs_b_mount_opts:
+        contenders.append(ZonefsPy(work_dir, zoned_dev, mount_opts=zonefs_b_mount_opts,
+                                   variant="b"))
+    return contenders

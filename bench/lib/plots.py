@@ -12,9 +12,10 @@ from typing import Any
 
 #: One colour per contender, stable across plots.
 COLOURS = {"physical": "#7f7f7f", "ceiling": "#1f77b4", "peer": "#ff7f0e", "ext4": "#2ca02c",
-           "zonefs": "#d62728", "zonefs-guest": "#9467bd"}
+           "zonefs": "#d62728", "zonefs-guest": "#9467bd", "zonefs-b": "#8c564b"}
 SHORT = {"physical": "physical", "ceiling": "FUSE ceiling", "peer": "FUSE peer",
-         "ext4": "ext4/loop", "zonefs": "zonefs-py", "zonefs-guest": "zonefs-py (guest)"}
+         "ext4": "ext4/loop", "zonefs": "zonefs-py", "zonefs-guest": "zonefs-py (guest)",
+         "zonefs-b": "zonefs-py (B)"}
 
 
 #: Percentile range and ticks of the CDF plots (logit scale cannot show 0 or 1).

@@ -48,6 +48,9 @@ WORKLOADS: tuple[Workload, ...] = (
              workloads.make_randread("128k", 16), "MiB/s"),
     Workload("contention", "contention: 4 KiB QD16 read p99 during checkpoint write",
              workloads.contention, "busy_p99_us", higher_is_better=False),
+    Workload("contention_paced", "contention: paced 4 KiB reader (half of zonefs-py's QD16 "
+             "IOPS), p99 during checkpoint write", workloads.contention_paced, "busy_p99_us",
+             higher_is_better=False),
     Workload("torch_save", "checkpoint write: torch.save via temp + fsync + rename",
              torch_jobs.torch_save, "MiB/s"),
     Workload("torch_load", "checkpoint restore: torch.load, cold", torch_jobs.torch_load,
@@ -63,7 +66,7 @@ WORKLOADS: tuple[Workload, ...] = (
 
 #: Workloads that read seq.bin; if seq_write is not selected it is laid out untimed.
 _READS_SEQ_FILE = {"seq_read", "randread_4k_qd1", "randread_4k_qd16", "randread_128k_qd1",
-                   "randread_128k_qd16", "contention"}
+                   "randread_128k_qd16", "contention", "contention_paced"}
 #: Workloads that need the metadata files created by meta_create.
 _NEEDS_META = {"meta_stat", "meta_unlink"}
 
@@ -102,6 +105,7 @@ def _run_one(workload: Workload, contender: Contender, cfg: Config) -> dict[str,
     if reason:
         return {"_skipped": reason}
     stats_before = contender.fs_stats() if cfg.zonefs_stats else None
+    cpu_before = contender.daemon_cpu_s()
     started = time.perf_counter()
     try:
         figures = workload.func(contender, cfg)
@@ -112,11 +116,44 @@ def _run_one(workload: Workload, contender: Contender, cfg: Config) -> dict[str,
         return {"_error": f"{type(exc).__name__}: {exc}"[:500],
                 "_traceback": traceback.format_exc(limit=4)[-1500:]}
     figures["_seconds"] = time.perf_counter() - started
+    cpu_after = contender.daemon_cpu_s()
+    if cpu_before is not None and cpu_after is not None:
+        _add_cpu_figures(figures, cpu_after - cpu_before)
     if stats_before is not None:
         stats_after = contender.fs_stats()
         figures["_fs_stats"] = {"after": stats_after,
                                 "delta": _numeric_delta(stats_before, stats_after)}
     return figures
+
+
+def _add_cpu_figures(figures: dict[str, object], cpu_s: float) -> None:
+    """Add the FUSE daemon's CPU seconds over the workload, per GiB moved and per
+    application I/O request (fio I/Os, samples, files) where the workload counted them."""
+    figures["daemon_cpu_s"] = cpu_s
+    io_bytes = figures.get("_io_bytes")
+    if isinstance(io_bytes, int) and io_bytes > 0:
+        figures["daemon_cpu_s/GiB"] = cpu_s / (io_bytes / (1 << 30))
+    requests = figures.get("_io_requests")
+    if isinstance(requests, int) and requests > 0:
+        figures["daemon_cpu_us/req"] = cpu_s / requests * 1e6
+
+
+def _calibrate(contenders: list[Contender], cfg: Config, size: int) -> None:
+    """Set cfg.paced_read_iops from zonefs-py's 4 KiB QD16 random reads (own fresh mount)."""
+    zonefs = next((c for c in contenders if c.key == "zonefs"), None)
+    if zonefs is None or zonefs.unavailable_reason() is not None:
+        log("contention_paced: no zonefs-py contender to calibrate the read rate on")
+        return
+    log("contention_paced: calibrating the read rate on zonefs-py (randread_4k_qd16 / 2)")
+    try:
+        with zonefs.mounted(size):
+            _lay_out_seq_file(zonefs, cfg)
+            zonefs.make_cold()
+            cfg.paced_read_iops = workloads.calibrate_paced_rate(zonefs, cfg)
+    except (BenchError, OSError) as exc:
+        log(f"contention_paced: calibration failed: {exc}")
+        return
+    log(f"contention_paced: {cfg.paced_read_iops} reads/s for every contender")
 
 
 def _lay_out_seq_file(contender: Contender, cfg: Config) -> None:
@@ -142,6 +179,8 @@ def run_suite(contenders: list[Contender], cfg: Config, selected: list[Workload]
     size = cfg.backing_bytes()
     interrupted = False
     try:
+        if "contention_paced" in names and not cfg.paced_read_iops:
+            _calibrate(contenders, cfg, size)
         _run_reps(contenders, cfg, selected, status, reps, names, size)
     except KeyboardInterrupt:
         # Mounts and loop devices are already torn down by the context managers.

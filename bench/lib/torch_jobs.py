@@ -86,7 +86,7 @@ def torch_save(contender: Contender, cfg: Config) -> dict[str, object]:
     _fsync_dir(contender.root)
     seconds = time.perf_counter() - start
     size = final.stat().st_size
-    return {"MiB/s": size / MiB / seconds, "seconds": seconds}
+    return {"MiB/s": size / MiB / seconds, "seconds": seconds, "_io_bytes": size}
 
 
 def torch_load(contender: Contender, cfg: Config) -> dict[str, object]:
@@ -104,7 +104,8 @@ def torch_load(contender: Contender, cfg: Config) -> dict[str, object]:
     seconds = time.perf_counter() - start
     if len(state) != len(_state_dict(cfg.torch_bytes)):
         raise SkipWorkload("checkpoint read back with the wrong number of tensors")
-    figures.update({"MiB/s": final.stat().st_size / MiB / seconds, "seconds": seconds})
+    figures.update({"MiB/s": final.stat().st_size / MiB / seconds, "seconds": seconds,
+                    "_io_bytes": final.stat().st_size})
     return figures
 
 
@@ -158,7 +159,8 @@ def _epoch(contender: Contender, dataset: Any, cfg: Config) -> dict[str, object]
         seen += int(batch.shape[0])
     seconds = time.perf_counter() - start
     figures.update({"samples/s": seen / seconds,
-                    "MiB/s": seen * cfg.sample_bytes / MiB / seconds})
+                    "MiB/s": seen * cfg.sample_bytes / MiB / seconds,
+                    "_io_bytes": seen * cfg.sample_bytes, "_io_requests": seen})
     return figures
 
 

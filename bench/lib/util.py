@@ -82,6 +82,17 @@ def fuse_unmount(mountpoint: Path, proc: subprocess.Popen[bytes] | None) -> None
         proc.wait()
 
 
+def process_cpu_s(pid: int) -> float | None:
+    """Return the user + system CPU seconds of process `pid` (all its threads), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    # Fields 14 and 15 of proc(5) (utime, stime); [0] here is field 3 (state).
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def log_tail(path: Path, lines: int = 3) -> str:
     """Return the last lines of a log file joined by ' / ' (empty if unreadable)."""
     try:

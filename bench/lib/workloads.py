@@ -52,6 +52,9 @@ class Config:
     meta_files: int
     meta_dirs: int
     zonefs_stats: bool = True
+    #: contention_paced's read rate: half of zonefs-py's randread_4k_qd16 IOPS in this
+    #: run (calibrated at its start) or --paced-iops; 0 = not known.
+    paced_read_iops: int = 0
 
     @classmethod
     def full(cls) -> Config:
@@ -148,6 +151,17 @@ def _read_figures(job: dict[str, object]) -> dict[str, float]:
     }
 
 
+def _count_io(figures: dict[str, object], *jobs: dict[str, object]) -> None:
+    """Add the jobs' bytes and I/O requests (both directions) to `_io_bytes`/`_io_requests`
+    (the suite turns them into daemon CPU per GiB and per request)."""
+    for job in jobs:
+        for side in ("read", "write"):
+            io = job[side]
+            figures["_io_bytes"] = int(figures.get("_io_bytes", 0)) + int(io["io_bytes"])  # type: ignore[index,call-overload]
+            figures["_io_requests"] = (int(figures.get("_io_requests", 0))  # type: ignore[call-overload]
+                                       + int(io["total_ios"]))  # type: ignore[index]
+
+
 def _cold(contender: Contender, figures: dict[str, object]) -> None:
     if not contender.make_cold():
         figures["_warning"] = "caches could not be dropped (not root?)"
@@ -159,8 +173,10 @@ def seq_write(contender: Contender, cfg: Config) -> dict[str, object]:
            **contender.fio_target("seq.bin", cfg.seq_bytes)}
     if contender.fio_direct_writes():
         job["direct"] = "1"
-    write = run_fio([job])["seq_write"]["write"]
-    return {"MiB/s": float(write["bw_bytes"]) / MiB}  # type: ignore[index]
+    result = run_fio([job])["seq_write"]
+    figures: dict[str, object] = {"MiB/s": float(result["write"]["bw_bytes"]) / MiB}  # type: ignore[index]
+    _count_io(figures, result)
+    return figures
 
 
 def seq_read(contender: Contender, cfg: Config) -> dict[str, object]:
@@ -169,8 +185,9 @@ def seq_read(contender: Contender, cfg: Config) -> dict[str, object]:
     _cold(contender, figures)
     job = {"name": "seq_read", "rw": "read", "bs": "1M",
            **contender.fio_target("seq.bin", cfg.seq_bytes)}
-    read = run_fio([job])["seq_read"]["read"]
-    figures["MiB/s"] = float(read["bw_bytes"]) / MiB  # type: ignore[index]
+    result = run_fio([job])["seq_read"]
+    figures["MiB/s"] = float(result["read"]["bw_bytes"]) / MiB  # type: ignore[index]
+    _count_io(figures, result)
     return figures
 
 
@@ -188,7 +205,9 @@ def make_randread(bs: str, qd: int) -> Callable[[Contender, Config], dict[str, o
         figures: dict[str, object] = {}
         _cold(contender, figures)
         job = _randread_job(contender, cfg, bs, qd, cfg.randread_runtime_s)
-        figures.update(_read_figures(run_fio([job])["randread"]))
+        result = run_fio([job])["randread"]
+        figures.update(_read_figures(result))
+        _count_io(figures, result)
         return figures
     randread.__doc__ = f"Read {bs} blocks at random offsets, libaio QD{qd}, O_DIRECT."
     return randread
@@ -206,9 +225,35 @@ def contention(contender: Contender, cfg: Config) -> dict[str, object]:
     hang the suite. `_writer_completed` (in the JSON)
     says whether the writer finished within that bound.
     """
+    return _contend(contender, cfg, None)
+
+
+def contention_paced(contender: Contender, cfg: Config) -> dict[str, object]:
+    """`contention` with an open-loop reader: 4 KiB reads at a fixed rate (fio rate_iops,
+    Poisson arrivals, up to 16 in flight), the same rate for every contender.
+
+    The rate (`cfg.paced_read_iops`) is half of zonefs-py's own randread_4k_qd16
+    IOPS measured at the start of the run, so every contender can sustain it
+    alone; a dataloader reads at the rate the GPUs consume, not flat out.
+    Adds `rate_IOPS` (the target) and `alone_`/`busy_achieved` (achieved / target).
+    """
+    if not cfg.paced_read_iops:
+        raise SkipWorkload("no paced read rate: zonefs-py's randread_4k_qd16 was not "
+                           "calibrated in this run (pass --paced-iops N)")
+    figures = _contend(contender, cfg, cfg.paced_read_iops)
+    figures["rate_IOPS"] = float(cfg.paced_read_iops)
+    for prefix in ("alone_", "busy_"):
+        figures[prefix + "achieved"] = (figures[prefix + "IOPS"]  # type: ignore[operator]
+                                        / cfg.paced_read_iops)
+    return figures
+
+
+def _contend(contender: Contender, cfg: Config, rate_iops: int | None) -> dict[str, object]:
     figures: dict[str, object] = {}
     _cold(contender, figures)
     reader = _randread_job(contender, cfg, "4k", 16, cfg.randread_runtime_s)
+    if rate_iops:
+        reader.update(rate_iops=str(rate_iops), rate_process="poisson")
     alone = run_fio([reader])["randread"]
     writer = {"name": "writer", "rw": "write", "bs": "1M", "end_fsync": "1",
               **contender.fio_target("contend.bin", cfg.contention_write_bytes)}
@@ -230,7 +275,15 @@ def contention(contender: Contender, cfg: Config) -> dict[str, object]:
     figures["writer_MiB/s"] = float(busy["writer"]["write"]["bw_bytes"]) / MiB  # type: ignore[index]
     figures["_cdf_alone"] = _cdf(alone["read"])  # type: ignore[arg-type]
     figures["_cdf_busy"] = _cdf(busy["randread"]["read"])  # type: ignore[arg-type]
+    _count_io(figures, alone, busy["randread"], busy["writer"])
     return figures
+
+
+def calibrate_paced_rate(contender: Contender, cfg: Config) -> int:
+    """Return half of the contender's 4 KiB QD16 random-read IOPS (a short fio run)."""
+    job = _randread_job(contender, cfg, "4k", 16, cfg.randread_runtime_s)
+    iops = float(run_fio([job])["randread"]["read"]["iops"])  # type: ignore[index]
+    return max(1, int(iops / 2))
 
 
 # -- metadata --------------------------------------------------------------
@@ -263,7 +316,7 @@ def meta_create(contender: Contender, cfg: Config) -> dict[str, object]:
         finally:
             os.close(fd)
     os.sync()
-    return {"ops/s": len(paths) / (time.perf_counter() - start)}
+    return {"ops/s": len(paths) / (time.perf_counter() - start), "_io_requests": len(paths)}
 
 
 def meta_stat(contender: Contender, cfg: Config) -> dict[str, object]:
@@ -276,6 +329,7 @@ def meta_stat(contender: Contender, cfg: Config) -> dict[str, object]:
     for path in paths:
         os.stat(path)
     figures["ops/s"] = len(paths) / (time.perf_counter() - start)
+    figures["_io_requests"] = len(paths)
     return figures
 
 
@@ -287,4 +341,4 @@ def meta_unlink(contender: Contender, cfg: Config) -> dict[str, object]:
     for path in paths:
         os.unlink(path)
     os.sync()
-    return {"ops/s": len(paths) / (time.perf_counter() - start)}
+    return {"ops/s": len(paths) / (time.perf_counter() - start), "_io_requests": len(paths)}

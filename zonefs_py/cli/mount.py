@@ -44,7 +44,10 @@ OPTIONS_HELP = textwrap.dedent("""\
               io_uring=on|off (file reads without worker threads, default on),
               sqpoll_ms=N (io_uring submission polling of reads up to 128 KiB,
                 idle time in ms, 0 off, default 2),
-              qos_write_mb=MB/s (file-data appends while reads are served, 0 off, default 32),
+              read_latency_ms=MS (read QoS: file-data appends are slowed only while the
+                engine's p90 read latency is above MS, 0 off, default 2),
+              prefetch_mb=N (device reads kept in flight ahead of a file read
+                sequentially, MiB, 0 off, default 8),
               zone_append=auto|on|off (NVMe Zone Append through /dev/ngXnY when the
                 device has it, default auto; off: writes at the write pointer).
       daemon: {daemon}

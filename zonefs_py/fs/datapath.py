@@ -19,7 +19,8 @@ engine's io_uring reader (`device/aread.py`, no worker thread; the checksums,
 in C, are then verified on the trio thread), others through the read thread
 budget. A read pins the zones it reads so that none is reset under it.
 Appends run in worker threads, checksumming (in C, GIL released) and
-appending in one call, behind the read-QoS gate (`fs/qos.py`).
+appending in one call, behind the read-latency controller (`fs/qos.py`); the
+appends of a file being flushed, fsynced or truncated pass it at once.
 
 Pipelining: a full chunk carved from a streaming buffer is written by a
 system task while the writer goes on filling the next one (at most
@@ -61,7 +62,8 @@ from zonefs_py.device.base import ZonedDevice
 from zonefs_py.format.checksum import Data, block_checksums, first_bad_block
 from zonefs_py.format.constants import OpType, Stream
 from zonefs_py.format.ops import Op
-from zonefs_py.fs.qos import ReadPriority
+from zonefs_py.fs.prefetch import Prefetcher
+from zonefs_py.fs.qos import ReadLatencyController
 from zonefs_py.journal.journal import Journal
 from zonefs_py.model.state import Inode, State
 
@@ -137,8 +139,11 @@ class DataPath:
             self.state, inode)
         #: Thread-free reads (io_uring), set by the engine when the device allows.
         self.reader: AsyncReader | None = None
-        #: Read QoS gate for appends (disabled until the engine sets a rate).
-        self.qos = ReadPriority(0)
+        #: Read QoS gate for appends (disabled until the engine sets a target).
+        self.qos = ReadLatencyController(0)
+        state.on_data_changed = self.data_changed
+        #: Sequential read-ahead (None: off; set by the engine, `prefetch_mb=`).
+        self.prefetch: Prefetcher | None = None
         #: TEST HOOK: awaited by every chunk after its data is placed and before its
         #: ops are applied, so tests can make chunks land before, during or after
         #: another request (tests/unit/test_chunk_landing.py). None in production.
@@ -163,6 +168,18 @@ class DataPath:
         for chunk in self.inflight.get(inode.ino, ()):
             size = max(size, chunk.logical_end)
         return size
+
+    def data_changed(self, ino: int) -> None:
+        """State hook: the file's stored bytes change now; read-ahead of it is stale."""
+        if self.prefetch is not None:
+            self.prefetch.forget(ino)
+
+    def enable_prefetch(self, window_bytes: int) -> None:
+        """Read files that are read sequentially ahead of their requests (fs/prefetch.py)."""
+        async def read_stored(ino: int, offset: int, length: int) -> bytes | memoryview:
+            return await self._read_view(self.state.inodes[ino], offset, length)
+
+        self.prefetch = Prefetcher(read_stored, window_bytes)
 
     def _count(self, key: int, n: int) -> None:
         self.counters[key] = self.counters.get(key, 0) + n
@@ -231,8 +248,9 @@ class DataPath:
         ino = inode.ino
         if ino not in self.buffers and ino not in self.inflight and ino not in self.write_errors:
             return
-        async with self.lock(inode.ino):
-            await self._flush_locked(inode, final=True)
+        with self.qos.expedited(ino):
+            async with self.lock(ino):
+                await self._flush_locked(inode, final=True)
 
     async def flush_all(self) -> None:
         for ino in list(self.buffers):
@@ -305,7 +323,7 @@ class DataPath:
         ops: list[Op] = []
         error: errors.ZoneFSError | None = None
         try:
-            await self.qos.admit_write(len(chunk.data))
+            await self.qos.admit_write(len(chunk.data), inode.ino)
             placed = await self._place_file_data(inode, chunk.fblock, chunk.data)
         except errors.ZoneFSError as exc:
             error = exc
@@ -470,14 +488,21 @@ class DataPath:
         if offset >= size or length <= 0:
             return b""
         length = min(length, size - offset)
-        self.qos.read_started()
+        qos_token = self.qos.read_started()
         try:
             if inode.ino in self.buffers or inode.ino in self.inflight:
-                async with self.lock(inode.ino):
-                    return await self._read_locked(inode, offset, length)
+                # The writer may hold the lock while its chunks wait at the gate:
+                # release them rather than make this read wait for the allowance.
+                with self.qos.expedited(inode.ino):
+                    async with self.lock(inode.ino):
+                        return await self._read_locked(inode, offset, length)
+            if self.prefetch is not None:
+                ahead = await self.prefetch.read(inode.ino, offset, length, size)
+                if ahead is not None:
+                    return ahead
             return await self._read_view(inode, offset, length)
         finally:
-            self.qos.read_done()
+            self.qos.read_done(qos_token)
 
     async def _read_locked(self, inode: Inode, offset: int, length: int
                            ) -> bytes | memoryview:
@@ -602,6 +627,10 @@ class DataPath:
     # -- truncate ------------------------------------------------------------------
     async def truncate(self, inode: Inode, new_size: int, ctime: int) -> list[Op]:
         """Change the size; return (applied) ops for the caller's transaction."""
+        with self.qos.expedited(inode.ino):
+            return await self._truncate(inode, new_size, ctime)
+
+    async def _truncate(self, inode: Inode, new_size: int, ctime: int) -> list[Op]:
         async with self.lock(inode.ino):
             await self._flush_locked(inode, final=True)
             ops: list[Op] = []

@@ -56,7 +56,7 @@ from zonefs_py.fs.datapath import C_META_BYTES, DataPath
 from zonefs_py.fs.latency import Histogram
 from zonefs_py.fs.namespace import NamespaceOps
 from zonefs_py.fs.options import FsOptions
-from zonefs_py.fs.qos import ReadPriority
+from zonefs_py.fs.qos import ReadLatencyController
 from zonefs_py.fs.quota import QuotaTracker
 from zonefs_py.fs.reclaim import SpaceReclaim
 from zonefs_py.fs.status import build_status
@@ -99,7 +99,9 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         self.state.on_zone_emptied = self.alloc.zone_emptied
         self.data = DataPath(dev, self.state, self.journal, self.alloc, self.limiter,
                              self.path_of, read_limiter=self.read_limiter)
-        self.data.qos = ReadPriority(options.qos_write_mb_s * 1e6)
+        self.data.qos = ReadLatencyController(options.read_latency_ms / 1e3)
+        if options.prefetch_mb:
+            self.data.enable_prefetch(options.prefetch_mb << 20)
         if options.io_uring:
             self.data.reader = AsyncReader(dev, self.read_limiter, options.sqpoll_ms)
         self.reclaim = SpaceReclaim(dev, self.state, self.journal, self.alloc, self.limiter)

@@ -41,8 +41,12 @@ class FsOptions:
     #: With io_uring: a kernel thread polls submissions, sleeping after this many
     #: ms without reads; 0 submits from the event loop (see device/aread.py).
     sqpoll_ms: int = 2
-    #: Read QoS: MB/s of file-data appends while reads are being served (0: no limit).
-    qos_write_mb_s: float = 32.0
+    #: Read QoS: p90 latency (ms) reads may see in the engine before file-data appends
+    #: are slowed down (fs/qos.py); 0 disables the controller.
+    read_latency_ms: float = 2.0
+    #: Sequential read-ahead in the engine: MiB of device reads kept in flight ahead
+    #: of a file read sequentially (fs/prefetch.py); 0 disables it.
+    prefetch_mb: int = 8
     #: Appends as true zone appends (NVMe Zone Append; device/zappend.py): "auto"
     #: when the device has it, "on" to require it, "off" for writes at the write pointer.
     zone_append: str = "auto"
@@ -55,8 +59,14 @@ class FsOptions:
         "cleaner_policy": ("cleaner_policy", str),
         "io_uring": ("io_uring", _flag),
         "sqpoll_ms": ("sqpoll_ms", int),
-        "qos_write_mb": ("qos_write_mb_s", float),
+        "read_latency_ms": ("read_latency_ms", float),
+        "prefetch_mb": ("prefetch_mb", int),
         "zone_append": ("zone_append", lambda v: {"1": "on", "0": "off"}.get(v, v)),
+    }
+    #: Options that were removed, with what replaced them.
+    _RETIRED: ClassVar[dict[str, str]] = {
+        "qos_write_mb": "mount option qos_write_mb was replaced by read_latency_ms=MS "
+                        "(writers are slowed only while reads miss that latency target)",
     }
 
     @classmethod
@@ -73,6 +83,8 @@ class FsOptions:
                 result.read_only = True
                 rest[name] = value
                 continue
+            if name in cls._RETIRED:
+                raise ValueError(cls._RETIRED[name])
             spec = cls._MOUNT_NAMES.get(name)
             if spec is None:
                 rest[name] = value
@@ -88,6 +100,10 @@ class FsOptions:
             raise ValueError("cleaner_policy must be cost-benefit or greedy")
         if result.zone_append not in ("auto", "on", "off"):
             raise ValueError("zone_append must be auto, on or off")
+        if result.prefetch_mb < 0:
+            raise ValueError("prefetch_mb must be 0 (off) or a number of MiB")
+        if not result.read_latency_ms >= 0:
+            raise ValueError("read_latency_ms must be 0 (off) or a positive number of ms")
         return result, rest
 
     def replace(self, **changes: object) -> FsOptions:

@@ -22,6 +22,7 @@ from zonefs_py.fs.datapath import (
     C_PAD_BYTES,
     C_STREAM_BASE,
     C_USER_BYTES,
+    DataPath,
 )
 from zonefs_py.fs.latency import Histogram
 from zonefs_py.fs.options import FsOptions
@@ -46,6 +47,7 @@ class StatusSource(Protocol):
     cleaner: Cleaner
     read_latency: Histogram
     write_latency: Histogram
+    data: DataPath
 
     def metadata_bytes_written(self) -> int: ...
 
@@ -137,6 +139,8 @@ def build_status(fs: StatusSource) -> dict[str, object]:
                     "meta_zones": fs.sb.meta_zone_count,
                     "broken": fs.journal.broken},
         "latency": {"read": fs.read_latency.summary(), "write": fs.write_latency.summary()},
+        "read_qos": fs.data.qos.status(),
+        "prefetch": fs.data.prefetch.status() if fs.data.prefetch is not None else None,
         "zone_map": zone_map,
     }
 

@@ -107,6 +107,9 @@ class State:
         self.zone_owners: dict[int, set[int]] = {}
         #: Called with (zone_idx) when a zone's live block count drops to zero.
         self.on_zone_emptied: Callable[[int], None] | None = None
+        #: Called with (ino) before an op changes which bytes a file's blocks hold
+        #: (EXTENT, TRUNCATE, INODE_FREE): read-ahead drops what it read before.
+        self.on_data_changed: Callable[[int], None] | None = None
         #: The checkpoint snapshot being encoded, if any: apply() hands it every
         #: inode it is about to change (copy-on-write, see Snapshot).
         self.snapshot: Snapshot | None = None
@@ -136,6 +139,8 @@ class State:
             raise StateError(f"unknown op {op[0]!r}") from None
         if self.snapshot is not None:
             self.snapshot.before_apply(op)
+        if op[0] in _DATA_OPS and self.on_data_changed is not None:
+            self.on_data_changed(op[1])
         fn(op)
 
     def apply_all(self, ops: list[Op]) -> None:
@@ -323,6 +328,9 @@ _CHANGES_INODE = frozenset({
     OpType.INODE, OpType.INODE_FREE, OpType.DIRENT_ADD, OpType.DIRENT_DEL, OpType.EXTENT,
     OpType.TRUNCATE, OpType.SYMLINK, OpType.XATTR_SET, OpType.XATTR_DEL,
 })
+
+#: Ops that change which bytes a file's blocks hold (State.on_data_changed).
+_DATA_OPS = frozenset({OpType.EXTENT, OpType.TRUNCATE, OpType.INODE_FREE})
 
 
 class Snapshot:
