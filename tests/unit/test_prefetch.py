@@ -143,7 +143,7 @@ async def test_cleaner_move_while_a_stream_is_read(fs: ZoneFS) -> None:
     dropped = prefetcher(fs).segments_dropped
     copied = await fs.cleaner.clean_zone(victim, throttle=False)
     assert copied > 0
-    await fs.commit_and_reset()
+    await fs.reclaim.commit_and_reset()
     assert prefetcher(fs).segments_dropped > dropped
     # The old zone is reset and taken by new data of another file.
     other, attr = await fs.create(ROOT_INO, b"other.bin", 0o644, os.O_RDWR, CTX)
