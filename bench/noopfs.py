@@ -233,7 +233,7 @@ async def serve(mountpoint: str) -> None:
 
 async def set_readahead(mountpoint: str, kib: int) -> None:
     """Widen the mount's readahead window once FUSE INIT is done (as zonefs-py does)."""
-    await trio.to_thread.run_sync(os.statvfs, mountpoint, cancellable=True)
+    await trio.to_thread.run_sync(os.statvfs, mountpoint, abandon_on_cancel=True)
     await trio.to_thread.run_sync(write_readahead, mountpoint, kib)
 
 
