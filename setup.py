@@ -22,7 +22,7 @@ setup(
         "prometheus-client>=0.17",
         "pyfuse3>=3.2.3",
         "trio>=0.23",  # to_thread.run_sync(abandon_on_cancel=) is new in 0.23
-        "xxhash>=3.1",  # the first with Python 3.11 wheels
+        "xxhash>=3.2",  # the first with Python 3.11 wheels
     ],
     extras_require={
         "test": ["pytest>=7", "pytest-trio>=0.8", "hypothesis>=6"],
