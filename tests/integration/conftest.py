@@ -240,3 +240,53 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# -- the daemonized path (what users run: `zonefs-py mount` without -f) ----------------------
+
+def daemon_mount(image: Path, mountpoint: Path, *options: str, log: Path | None = None,
+                 extra_env: dict[str, str] | None = None,
+                 check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run `zonefs-py mount` (it daemonizes and returns once the mount serves)."""
+    cmd = [*ZONEFS, "mount", str(image), str(mountpoint)]
+    if log is not None:
+        cmd += ["--log-file", str(log)]
+    for opt in options:
+        cmd += ["-o", opt]
+    proc = subprocess.run(cmd, env={**env(), **(extra_env or {})}, capture_output=True,
+                          text=True, timeout=MOUNT_DEADLINE_S * 2, stdin=subprocess.DEVNULL)
+    if check and proc.returncode != 0:
+        pytest.fail(f"zonefs-py mount exited {proc.returncode}:\n{proc.stdout}{proc.stderr}\n"
+                    + (log.read_text() if log is not None and log.exists() else "(no log)"))
+    return proc
+
+
+def wait_daemon_gone(image: Path) -> None:
+    """Wait (with a deadline) until no daemon holds `image`'s device lock."""
+    import fcntl
+
+    from zonefs_py.daemon.runstate import DeviceLock
+
+    path = DeviceLock(str(image)).path
+    deadline = time.monotonic() + EXIT_DEADLINE_S
+    while True:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                pytest.fail(f"the daemon of {image} still runs {EXIT_DEADLINE_S}s after unmount")
+        finally:
+            os.close(fd)
+        time.sleep(0.05)
+
+
+def daemon_unmount(image: Path, mountpoint: Path) -> None:
+    """Unmount a daemonized mount and wait for its daemon to finish closing the fs."""
+    if os.path.ismount(mountpoint) or in_mount_table(mountpoint):
+        subprocess.run(["fusermount3", "-u", str(mountpoint)], check=True, timeout=60)
+    wait_daemon_gone(image)
