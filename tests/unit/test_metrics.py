@@ -12,6 +12,8 @@ from zonefs_py.daemon.options import MountError, parse_host_port
 from zonefs_py.fs.latency import PROM_BOUNDS_S, Histogram
 from zonefs_py.metrics import render, textfile_name, write_textfile
 
+pytestmark = pytest.mark.smoke  # also run on the lowest prometheus-client (.ci/floor-smoke)
+
 DOC = {
     "device": {"path": "/dev/nullb0", "zone_size": 64 << 20, "nr_zones": 8},
     "filesystem": {"uuid": "u", "label": "l", "read_only": False, "failsafe": None},
