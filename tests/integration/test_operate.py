@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shutil
 import subprocess
 import threading
 import time
@@ -19,6 +20,7 @@ from .conftest import (
     daemon_unmount,
     env,
     in_mount_table,
+    wait_daemon_gone,
     zonefs,
 )
 
@@ -58,6 +60,31 @@ def test_failed_mount_exits_nonzero_and_logs_traceback(image: Path, mnt: Path, w
     # Nothing was damaged: the next mount works.
     daemon_mount(image, mnt, log=log)
     daemon_unmount(image, mnt)
+
+
+def test_stat_after_the_daemon_died(image: Path, mnt: Path, workdir: Path) -> None:
+    import signal
+
+    log = workdir / "daemon.log"
+    daemon_mount(image, mnt, log=log)
+    try:
+        pid = json.loads(zonefs("stat", str(mnt), "--json").stdout)["daemon"]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while os.path.exists(f"/proc/{pid}"):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        with pytest.raises(OSError) as err:
+            os.statvfs(mnt)
+        assert err.value.errno == 107  # ENOTCONN, as any FUSE mount whose daemon died
+        st = zonefs("stat", str(mnt), check=False)
+        assert st.returncode == 1
+        assert "daemon is gone (ENOTCONN)" in st.stderr, st.stderr
+        assert f"pid {pid} (exited while serving, without shutting down" in st.stderr
+        assert str(log) in st.stderr
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", str(mnt)], timeout=60)
+        wait_daemon_gone(image)
 
 
 def test_mount_error_before_forking_is_on_stderr(image: Path, mnt: Path, workdir: Path) -> None:
@@ -272,8 +299,9 @@ def test_zone_map_pictures(image: Path, mnt: Path, workdir: Path) -> None:
             if doc["cleaner"]["zones_cleaned"] > 0:
                 break
             assert time.monotonic() < deadline, doc["cleaner"]
-            (mnt / "dataset" / f"more-{n:04d}").write_bytes(os.urandom(1 << 20))
-            n += 1
+            for _ in range(8):  # a zone's worth (16 MiB) between looks
+                (mnt / "dataset" / f"more-{n:04d}").write_bytes(os.urandom(2 << 20))
+                n += 1
         os.sync()
         cleaned = _stat_png(mnt, out / "zonemap-cleaned.png")
         assert "k" in cleaned["zone_streams"], "the cleaner's zones are drawn"
@@ -314,3 +342,25 @@ def test_terminal_grid_is_coloured_only_on_a_tty() -> None:
     assert zonemap.use_colour(Tty()) == ("NO_COLOR" not in os.environ)
     with open(os.devnull) as devnull:
         assert not zonemap.use_colour(devnull)
+
+
+def test_progress_only_on_a_tty(image: Path, mnt: Path, workdir: Path) -> None:
+    import shlex
+
+    if shutil.which("script") is None:
+        pytest.skip("script(1) (util-linux) is needed to give the command a terminal")
+    quiet = zonefs("fsck", str(image))
+    assert "replaying" not in quiet.stderr + quiet.stdout
+    cmd = " ".join(shlex.quote(a) for a in [*ZONEFS, "fsck", str(image)])
+    on_tty = subprocess.run(["script", "-qec", cmd, "/dev/null"], env=env(), text=True,
+                            capture_output=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert on_tty.returncode == 0, on_tty.stdout
+    assert "replaying the log: " in on_tty.stdout and "(100%)" in on_tty.stdout  # noqa: PT018
+    cmd = " ".join(shlex.quote(a) for a in [*ZONEFS, "mount", str(image), str(mnt),
+                                             "--log-file", str(workdir / "daemon.log")])
+    on_tty = subprocess.run(["script", "-qec", cmd, "/dev/null"], env=env(), text=True,
+                            capture_output=True, timeout=300, stdin=subprocess.DEVNULL)
+    try:
+        assert "mount: replaying the metadata log: " in on_tty.stdout, on_tty.stdout
+    finally:
+        daemon_unmount(image, mnt)

@@ -112,9 +112,14 @@ def last_daemon_lines(mountpoint: str) -> list[str]:
     state = find_state(mountpoint)
     if state is None:
         return []
-    alive = pid_alive(state.get("pid"))
-    lines = [f"last daemon on {mountpoint}: pid {state.get('pid')} "
-             f"({'running' if alive else 'exited'}, {state.get('state', '?')}), "
+    phase = state.get("state", "?")
+    if pid_alive(state.get("pid")):
+        how = f"running, {phase}"
+    elif phase in ("stopped", "failed"):
+        how = f"exited, {phase}"
+    else:
+        how = f"exited while {phase}, without shutting down (killed?)"
+    lines = [f"last daemon on {mountpoint}: pid {state.get('pid')} ({how}), "
              f"device {state.get('device')}, log {state.get('log_file') or 'stderr'}"]
     if state.get("last_error"):
         lines.append(f"its last error: {state['last_error']}")

@@ -46,6 +46,7 @@ from typing import Any
 import trio
 
 from zonefs_py import control, errors
+from zonefs_py.cli.progress import progress_printer
 from zonefs_py.daemon.daemonize import Reporter
 from zonefs_py.daemon.options import MountConfig, MountError
 from zonefs_py.daemon.runstate import DeviceLock, LockHeld, RunState
@@ -161,7 +162,9 @@ async def serve(cfg: MountConfig, report: Reporter, state: RunState) -> int:
             try:
                 log.info("loading %s (recovery runs if the last unmount was not clean)",
                          cfg.device)
-                fs = await ZoneFS.load(device, cfg.fs_options)
+                # On a terminal (the caller's, until ready) the replay shows progress.
+                fs = await ZoneFS.load(device, cfg.fs_options, progress=progress_printer(
+                    "mount: replaying the metadata log"))
                 ops = Operations(fs, writeback_cache=cfg.writeback_cache,
                                  attr_timeout_s=cfg.attr_timeout_s,
                                  entry_timeout_s=cfg.attr_timeout_s,
