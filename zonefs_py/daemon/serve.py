@@ -115,8 +115,9 @@ def serve_reporting(cfg: MountConfig, report: Reporter | None) -> int:
             msg = f"{cfg.device}: {exc}"
         else:
             msg = f"internal error: {type(exc).__name__}: {exc}"
-        if report is not None or cfg.log_file:
-            # Into the log file; in the foreground without one, stderr gets one line.
+        if report is not None or cfg.log_file or not expected:
+            # Into the log file (a bug's traceback also to stderr in the foreground);
+            # an expected failure in the foreground without a log file is just one line.
             log.error("mount failed: %s", msg, exc_info=None if expected else exc)
         state.update(state="failed", last_error=msg)
         if report is not None:
