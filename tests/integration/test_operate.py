@@ -271,7 +271,25 @@ def _stat_png(mnt: Path, path: Path) -> dict:
     return json.loads(zonefs("stat", str(mnt), "--json").stdout)
 
 
+def test_zone_map_png_and_grid(image: Path, mnt: Path, workdir: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the [plot] extra is not installed")
+    daemon_mount(image, mnt, log=workdir / "daemon.log")
+    try:
+        (mnt / "checkpoints").mkdir()
+        (mnt / "checkpoints" / "step-0.pt").write_bytes(os.urandom(20 << 20))
+        os.sync()
+        doc = _stat_png(mnt, workdir / "z.png")
+        text = zonefs("stat", str(mnt)).stdout
+    finally:
+        daemon_unmount(image, mnt)
+    assert "c" in doc["zone_streams"]
+    grid = text.split("Zone map\n", 1)[1].splitlines()[0].strip()
+    assert grid == doc["zone_map"][:64]  # not a terminal: the plain map
+
+
+@pytest.mark.slow
 def test_zone_map_pictures(image: Path, mnt: Path, workdir: Path) -> None:
+    """Fresh, half-full and cleaned (ZONEFS_ZONEMAP_DIR=DIR keeps the PNGs to look at)."""
     pytest.importorskip("matplotlib", reason="the [plot] extra is not installed")
     out = Path(os.environ.get("ZONEFS_ZONEMAP_DIR") or workdir)
     daemon_mount(image, mnt, "cleaner_rate=1000", log=workdir / "daemon.log")
