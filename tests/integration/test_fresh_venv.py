@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import REPO, in_mount_table, wait_daemon_gone
+from .conftest import REPO, fusermount_u, in_mount_table, wait_daemon_gone
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -65,6 +65,6 @@ def test_fresh_venv_install_then_mount(workdir: Path) -> None:
         assert doc["user_bytes_written"] >= 100_000
     finally:
         if in_mount_table(mnt):
-            subprocess.run(["fusermount3", "-u", str(mnt)], timeout=60)
+            fusermount_u(mnt)
         wait_daemon_gone(image)
     run(zonefs, "fsck", str(image), cwd=workdir)
