@@ -15,15 +15,20 @@ setup(
     packages=find_packages(include=["zonefs_py", "zonefs_py.*"]),
     setup_requires=["cffi>=1.15"],
     cffi_modules=["native/build_native.py:ffibuilder"],
+    # Floors are the versions .ci/run proves (tests/floors.py writes them as a
+    # constraints file for its lowest-versions smoke run); no upper bounds.
     install_requires=[
-        "cffi>=1.15",
-        "pyfuse3>=3.2",
-        "trio>=0.22",
-        "xxhash>=3.0",
+        "cffi>=1.15.1",  # the first with Python 3.11 wheels
+        "prometheus-client>=0.17",
+        "pyfuse3>=3.2.3",
+        "trio>=0.23",  # to_thread.run_sync(abandon_on_cancel=) is new in 0.23
+        "xxhash>=3.2",  # the first with Python 3.11 wheels
     ],
     extras_require={
         "test": ["pytest>=7", "pytest-trio>=0.8", "hypothesis>=6"],
         "bench": ["matplotlib>=3.6"],
+        # `zonefs-py stat --zone-map FILE.png`
+        "plot": ["matplotlib>=3.6"],
         # .ci/run's lint step; ruff and mypy change their checks between
         # releases, so they are bounded to the majors the code was checked with.
         "lint": ["ruff>=0.6,<1", "mypy>=1.10,<3"],

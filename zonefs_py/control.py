@@ -1,11 +1,14 @@
 """The control interface: virtual `trusted.zonefs.*` xattrs on the mount root.
 
-A mounted zonefs-py answers two extended attributes on its root directory
-that are not stored anywhere:
+A mounted zonefs-py answers these extended attributes on its root directory;
+they are not stored anywhere:
 
-  * ``trusted.zonefs.status`` (read): compact JSON of `fs.status()` plus a
-    ``"daemon"`` object (pid, failsafe reason, cache mode). `zonefs-py stat`
-    reads it with getxattr(2).
+  * ``trusted.zonefs.status`` (read, root): compact JSON of `fs.status()` plus
+    a ``"daemon"`` object (pid, uid, failsafe reason, log file, metrics
+    endpoint). `zonefs-py stat` reads it with getxattr(2).
+  * ``user.zonefs.status`` (read): the same document for the user who
+    mounted (the daemon's uid) and root; anyone else gets EPERM. This is how
+    `zonefs-py stat` works for a user on their own mount.
   * ``trusted.zonefs.ctl`` (write): a command, one ASCII word:
       - ``sync``        make everything acknowledged so far durable (`fs.sync()`).
       - ``checkpoint``  write a journal checkpoint now (`fs.checkpoint()`).
@@ -17,7 +20,9 @@ Why xattrs: no extra socket, no daemon lookup by pid file, works through
 the mount point alone, and the kernel already limits the ``trusted.``
 namespace to CAP_SYS_ADMIN (non-root getxattr sees ENODATA, setxattr EPERM).
 We also check ``ctx.uid == 0`` ourselves, so an unprivileged caller in a user
-namespace cannot reach it either.
+namespace cannot reach it either. Commands stay root-only even on a user's
+own mount (docs/DESIGN.md, "Operating it"); ``user.zonefs.status`` cannot be
+set or removed.
 
 Caveats: neither name is listed by listxattr (so `cp -a` / `getfattr -d` do not
 copy them); the status JSON must fit the kernel's 64 KiB xattr limit, so
@@ -34,9 +39,12 @@ from zonefs_py import errors
 from zonefs_py.fs.api import XATTR_SIZE_MAX, Ctx, FileSystemAPI
 
 STATUS_XATTR = b"trusted.zonefs.status"
+USER_STATUS_XATTR = b"user.zonefs.status"
 CTL_XATTR = b"trusted.zonefs.ctl"
-CONTROL_NAMES = frozenset({STATUS_XATTR, CTL_XATTR})
+CONTROL_NAMES = frozenset({STATUS_XATTR, USER_STATUS_XATTR, CTL_XATTR})
 COMMANDS = ("sync", "checkpoint", "failsafe")
+#: Set by the daemon once it serves: log file, mount point, uid, metrics endpoint.
+DAEMON_INFO: dict[str, Any] = {}
 
 
 def is_control_name(name: bytes) -> bool:
@@ -53,6 +61,7 @@ def status_document(fs: FileSystemAPI, failsafe_reason: str | None) -> dict[str,
     """Return the status JSON object: the engine's figures plus the daemon's own."""
     doc: dict[str, Any] = dict(fs.status())
     daemon = dict(doc.get("daemon", {})) if isinstance(doc.get("daemon"), dict) else {}
+    daemon.update(DAEMON_INFO)
     daemon.update({"pid": os.getpid(), "failsafe": failsafe_reason})
     doc["daemon"] = daemon
     return doc
@@ -60,8 +69,13 @@ def status_document(fs: FileSystemAPI, failsafe_reason: str | None) -> dict[str,
 
 def get(fs: FileSystemAPI, name: bytes, ctx: Ctx, failsafe_reason: str | None) -> bytes:
     """Answer getxattr of a control name. Raises NotPermitted, NoAttribute, ValueTooLarge."""
-    _require_root(ctx)
-    if name != STATUS_XATTR:
+    if name == USER_STATUS_XATTR:
+        if ctx.uid not in (0, os.getuid()):
+            raise errors.NotPermitted("the status of this mount is for root and the user "
+                                      "who mounted it")
+    else:
+        _require_root(ctx)
+    if name not in (STATUS_XATTR, USER_STATUS_XATTR):
         raise errors.NoAttribute(name.decode(errors="replace"))
     blob = json.dumps(status_document(fs, failsafe_reason), separators=(",", ":"),
                       sort_keys=True, default=str).encode()

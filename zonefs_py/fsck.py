@@ -67,7 +67,8 @@ def check_filesystem(dev: ZonedDevice, *, check_data: bool = True,
         report.fatal = True
         return report
     try:
-        rec = recover(dev)
+        rec = recover(dev, progress=(lambda done, total: progress("replaying the log", done,
+                                                                   total)) if progress else None)
     except errors.CorruptionError as exc:
         report.add("INV-3", str(exc), repairable=True)
         report.fatal = True

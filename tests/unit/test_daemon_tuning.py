@@ -6,13 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from zonefs_py.daemon import (
-    MountConfig,
-    MountError,
-    _mount_dev,
-    _unescape_mountinfo,
-    keep_buffers_warm,
-)
+from zonefs_py.daemon.options import MountConfig, MountError
+from zonefs_py.daemon.serve import keep_buffers_warm
+from zonefs_py.daemon.tuning import _mount_dev, _unescape_mountinfo
 
 MOUNTINFO = (
     "22 1 254:1 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"

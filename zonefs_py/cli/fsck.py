@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 from zonefs_py import errors
-from zonefs_py.cli.progress import progress_printer
+from zonefs_py.progress import progress_printer
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -35,8 +36,17 @@ def run(args: argparse.Namespace) -> int:
     except (errors.ZoneFSError, OSError) as exc:
         print(f"zonefs-py fsck: {exc}", file=sys.stderr)
         return 8
-    bar = progress_printer("checking data")
-    progress = (lambda _what, done, total: bar(done, total)) if bar else None
+    bars: dict[str, Callable[[int, int], None] | None] = {}
+
+    def show(what: str, done: int, total: int) -> None:
+        """One progress line per phase ("replaying the log", "checking data")."""
+        if what not in bars:
+            bars[what] = progress_printer(what)
+        bar = bars[what]
+        if bar is not None:
+            bar(done, total)
+
+    progress = show if sys.stderr.isatty() else None
     try:
         report = check_filesystem(dev, check_data=not args.no_data, progress=progress)
         for f in report.findings:

@@ -1,12 +1,16 @@
-"""`zonefs-py mkfs DEVICE [--label L] [--force]`: exit 0 ok, 8 operational error, 16 usage."""
+"""`zonefs-py mkfs DEVICE [--label L] [--force] [--root-owner UID:GID]`.
+
+Exit 0 ok, 8 operational error, 16 usage.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from zonefs_py import errors
-from zonefs_py.cli.progress import progress_printer
+from zonefs_py.progress import progress_printer
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,7 +25,24 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="zones for the metadata log (default: 3%% of zones, at least 4)")
     p.add_argument("--reserve", type=float, default=5.0, metavar="PERCENT",
                    help="over-provisioning kept free for the cleaner (default 5%%)")
+    p.add_argument("--root-owner", metavar="UID:GID", type=parse_owner, default=None,
+                   help="owner of the root directory (default: the user running mkfs, "
+                        "as mke2fs does)")
     p.set_defaults(func=run)
+
+
+def parse_owner(value: str) -> tuple[int, int]:
+    """Parse `UID:GID` (numbers) for --root-owner."""
+    uid_s, sep, gid_s = value.partition(":")
+    try:
+        if not sep:
+            raise ValueError(value)
+        uid, gid = int(uid_s), int(gid_s)
+        if not (0 <= uid < 2**32 - 1 and 0 <= gid < 2**32 - 1):
+            raise ValueError(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected UID:GID (numbers), got {value!r}") from None
+    return uid, gid
 
 
 def run(args: argparse.Namespace) -> int:
@@ -33,10 +54,12 @@ def run(args: argparse.Namespace) -> int:
     except (errors.ZoneFSError, OSError) as exc:
         print(f"zonefs-py mkfs: {exc}", file=sys.stderr)
         return 8
+    uid, gid = args.root_owner or (os.getuid(), os.getgid())
     try:
         sb = make_filesystem(dev, args.label.encode(), meta_zones=args.meta_zones,
                              reserve_percent=args.reserve, force=args.force,
-                             progress=progress_printer("resetting zones"))
+                             progress=progress_printer("resetting zones"),
+                             root_uid=uid, root_gid=gid)
     except errors.InvalidArgument as exc:
         print(f"zonefs-py mkfs: {exc}", file=sys.stderr)
         return 16

@@ -3,8 +3,10 @@
     zonefs-py mount DEVICE MOUNTPOINT [-f] [-o opt,...] [--log-level L] [--log-file P]
     zonefs-py mount --install-helper [DIR]
 
-By default the command daemonizes and returns once the filesystem is mounted
-(exit 0) or with the daemon's one-line error (exit 1). `-f` stays in the
+By default the command daemonizes and returns once the filesystem serves
+(exit 0: INIT answered, connection tuned, a statfs answered) or with the
+daemon's one-line error (exit 1); the daemon then logs to its log file
+(`zonefs_py.daemon.daemonize.default_log_file`). `-f` stays in the
 foreground and logs to stderr. The heavy lifting is in `zonefs_py.daemon`.
 
 `mount -t fuse.zonefs-py DEVICE MOUNTPOINT -o ...` and fstab lines such as
@@ -73,7 +75,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper)
     p.add_argument("--log-file", metavar="PATH",
-                   help="log here (default: stderr with -f, else syslog)")
+                   help="log here (default: stderr with -f, else "
+                        "/var/log/zonefs-py/DEVICE-NAME.log for root, "
+                        "~/.local/state/zonefs-py/DEVICE-NAME.log for others)")
     p.add_argument("--install-helper", nargs="?", const=DEFAULT_HELPER_DIR, metavar="DIR",
                    help=f"install {HELPER_NAME} into DIR (default {DEFAULT_HELPER_DIR}) so that "
                         "mount -t fuse.zonefs-py and fstab work, then exit")

@@ -1,10 +1,14 @@
-"""`zonefs-py stat MOUNTPOINT [--json]`: live figures of a mounted filesystem.
+"""`zonefs-py stat MOUNTPOINT [--json | --format F] [--zone-map FILE.png]`: live figures.
 
-Reads the virtual xattr `trusted.zonefs.status` of the mount root (see
-`zonefs_py.control`): zones by condition, capacity, used and free space,
-user bytes vs device bytes (write amplification), per-stream figures,
-journal and cleaner state, and the daemon's own state (pid, failsafe).
-Needs root (the kernel keeps `trusted.*` for CAP_SYS_ADMIN).
+Reads the virtual xattr `trusted.zonefs.status` (root) or `user.zonefs.status`
+(the user who mounted) of the mount root (see `zonefs_py.control`): zones by
+condition, capacity, used and free space, user bytes vs device bytes (write
+amplification), per-stream figures, journal and cleaner state, and the
+daemon's own state (pid, failsafe, log file). `--format prometheus` prints
+the same figures in Prometheus's text format (`zonefs_py.metrics`);
+`--zone-map FILE.png` draws the zone map (`zonefs_py.zonemap`). When the
+mount is gone or its daemon died, the daemon's state record says why and
+where its log is.
 
 Human output is plain text: one section per top-level object, aligned
 `key  value` lines, lists of objects as tables, byte counts humanised.
@@ -21,7 +25,12 @@ import os
 import sys
 from typing import Any
 
+from zonefs_py import zonemap
+
 STATUS_XATTR = "trusted.zonefs.status"
+USER_STATUS_XATTR = "user.zonefs.status"
+#: Per-zone strings of the status document drawn by the zone map, not printed as figures.
+ZONE_KEYS = ("zone_map", "zone_streams", "zone_live")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -29,7 +38,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("stat", help="show live figures of a mounted filesystem",
                               description=__doc__.split("\n\n")[1] if __doc__ else None)
     p.add_argument("mountpoint", metavar="MOUNTPOINT")
-    p.add_argument("--json", action="store_true", help="print the raw JSON document")
+    p.add_argument("--json", action="store_true", help="print the raw JSON document "
+                   "(same as --format json)")
+    p.add_argument("--format", choices=("text", "json", "prometheus"), default="text",
+                   help="text (default), json, or prometheus (text exposition format)")
+    p.add_argument("--zone-map", metavar="FILE.png",
+                   help="also draw the zone map into FILE.png (needs zonefs-py[plot])")
     p.set_defaults(func=run)
 
 
@@ -38,16 +52,24 @@ def read_status(mountpoint: str) -> dict[str, Any]:
 
     Raises SystemExit-worthy `RuntimeError` with a one-line message otherwise.
     """
+    try:
+        os.statvfs(mountpoint)
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:
+            raise RuntimeError(f"{mountpoint}: the mount's daemon is gone (ENOTCONN); "
+                               f"unmount with fusermount3 -u {mountpoint}") from None
+        raise RuntimeError(f"{mountpoint}: {exc.strerror}") from None
     if not os.path.ismount(mountpoint):
         raise RuntimeError(f"{mountpoint} is not a mount point")
+    name = STATUS_XATTR if os.geteuid() == 0 else USER_STATUS_XATTR
     try:
-        blob = os.getxattr(mountpoint, STATUS_XATTR)
+        blob = os.getxattr(mountpoint, name)
     except OSError as exc:
         if exc.errno in (errno.ENODATA, errno.EOPNOTSUPP, errno.ENOTSUP):
-            hint = "" if os.geteuid() == 0 else " (or you are not root)"
-            raise RuntimeError(f"{mountpoint} is not a zonefs-py mount{hint}") from None
+            raise RuntimeError(f"{mountpoint} is not a zonefs-py mount") from None
         if exc.errno in (errno.EPERM, errno.EACCES):
-            raise RuntimeError("zonefs-py stat needs root") from None
+            raise RuntimeError(f"{mountpoint}: only root and the user who mounted it may "
+                               "read its status") from None
         raise RuntimeError(f"{mountpoint}: {exc.strerror}") from None
     doc: dict[str, Any] = json.loads(blob)
     return doc
@@ -59,12 +81,49 @@ def run(args: argparse.Namespace) -> int:
         doc = read_status(args.mountpoint)
     except RuntimeError as exc:
         print(f"zonefs-py stat: {exc}", file=sys.stderr)
+        for line in last_daemon_lines(args.mountpoint):
+            print(f"zonefs-py stat: {line}", file=sys.stderr)
         return 1
-    if args.json:
+    fmt = "json" if args.json else args.format
+    if fmt == "json":
         print(json.dumps(doc, indent=2, sort_keys=True))
+    elif fmt == "prometheus":
+        from zonefs_py.metrics import render as render_prometheus
+
+        print(render_prometheus(doc), end="")
     else:
-        print(render(doc), end="")
+        print(render(doc, colour=zonemap.use_colour(sys.stdout)), end="")
+    if args.zone_map:
+        try:
+            zonemap.save_png(doc, args.zone_map)
+        except (zonemap.MissingExtra, ValueError) as exc:
+            print(f"zonefs-py stat: {exc}", file=sys.stderr)
+            return 1
+        except OSError as exc:
+            print(f"zonefs-py stat: {args.zone_map}: {exc.strerror}", file=sys.stderr)
+            return 1
     return 0
+
+
+def last_daemon_lines(mountpoint: str) -> list[str]:
+    """What the state record of the last daemon on `mountpoint` says (pid, log, error)."""
+    from zonefs_py.daemon.runstate import find_state, pid_alive
+
+    state = find_state(mountpoint)
+    if state is None:
+        return []
+    phase = state.get("state", "?")
+    if pid_alive(state.get("pid")):
+        how = f"running, {phase}"
+    elif phase in ("stopped", "failed"):
+        how = f"exited, {phase}"
+    else:
+        how = f"exited while {phase}, without shutting down (killed?)"
+    lines = [f"last daemon on {mountpoint}: pid {state.get('pid')} ({how}), "
+             f"device {state.get('device')}, log {state.get('log_file') or 'stderr'}"]
+    if state.get("last_error"):
+        lines.append(f"its last error: {state['last_error']}")
+    return lines
 
 
 # -- rendering ----------------------------------------------------------------------------
@@ -125,7 +184,8 @@ def render_table(rows: list[dict[str, Any]], indent: str) -> list[str]:
 
 def render_mapping(obj: dict[str, Any], indent: str) -> list[str]:
     """Render an object: scalars as aligned lines, nested objects and lists below them."""
-    obj = with_write_amplification(obj)
+    # Latency histograms are for Prometheus (--format prometheus); the text shows percentiles.
+    obj = with_write_amplification({k: v for k, v in obj.items() if k != "histogram"})
     lines: list[str] = []
     scalars = {k: v for k, v in obj.items() if not isinstance(v, dict | list)}
     if scalars:
@@ -144,21 +204,24 @@ def render_mapping(obj: dict[str, Any], indent: str) -> list[str]:
     return lines
 
 
-def render(doc: dict[str, Any]) -> str:
-    """Render the whole status document as readable text."""
+def render(doc: dict[str, Any], colour: bool = False) -> str:
+    """Render the whole status document as readable text (ANSI colours in the zone map
+    if `colour`)."""
     keys = [k for k in SECTION_ORDER if k in doc] + sorted(k for k in doc if k not in
                                                            SECTION_ORDER)
     out: list[str] = []
-    loose = {k: doc[k] for k in keys if not isinstance(doc[k], dict | list) and k != "zone_map"}
+    loose = {k: doc[k] for k in keys
+             if not isinstance(doc[k], dict | list) and k not in ZONE_KEYS}
     if loose:
         out.append("Writes")
         out += render_mapping(loose, "  ")
         out.append("")
     if isinstance(doc.get("zone_map"), str):
         out.append("Zone map")
-        zone_map = doc["zone_map"]
-        out += ["  " + zone_map[i:i + 64] for i in range(0, len(zone_map), 64)]
+        out += ["  " + line for line in zonemap.grid(doc, colour)]
         out.append("  (" + ZONE_MAP_LEGEND + ")")
+        if colour:
+            out.append("  " + zonemap.grid_legend(colour))
         out.append("")
     for key in keys:
         value = doc[key]

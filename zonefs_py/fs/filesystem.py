@@ -25,11 +25,12 @@ Caveats:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import stat as statmod
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import trio
 
@@ -123,14 +124,18 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
 
     # -- lifecycle ------------------------------------------------------------------
     @classmethod
-    async def load(cls, dev: ZonedDevice, options: FsOptions | None = None) -> ZoneFS:
+    async def load(cls, dev: ZonedDevice, options: FsOptions | None = None, *,
+                   progress: Callable[[int, int], None] | None = None) -> ZoneFS:
         """Recover the filesystem on `dev` and return it ready to serve.
+
+        `progress(done_bytes, total_bytes)` follows the log replay (called from
+        the worker thread that runs it).
 
         Raises errors.NotAFilesystem or errors.CorruptionError (one-line
         messages) when the device cannot be mounted.
         """
         options = options or FsOptions()
-        rec = await trio.to_thread.run_sync(recover, dev)
+        rec = await trio.to_thread.run_sync(functools.partial(recover, dev, progress=progress))
         refuse_non_tree(rec.state, dev.info.path)
         fs = cls(dev, rec, options)
         log.info("recovered %s: %d records, %d ops in %.2f s (torn tail: %s)", dev.info.path,

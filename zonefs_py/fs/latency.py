@@ -1,4 +1,4 @@
-"""Latency histograms for `zonefs-py stat` (and, later, Prometheus).
+"""Latency histograms for `zonefs-py stat` and its Prometheus histograms.
 
 Log-linear buckets: 4 per power of two of nanoseconds (a value is placed
 within 19% of its size), 256 buckets reach past 10^19 ns. Recording is an
@@ -10,6 +10,9 @@ from __future__ import annotations
 
 SUB = 2  # 2**SUB buckets per power of two
 NBUCKETS = 256
+#: Upper bounds (seconds) of the Prometheus histogram buckets in `summary()["histogram"]`.
+PROM_BOUNDS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025,
+                 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 def _bucket(ns: int) -> int:
@@ -54,13 +57,30 @@ class Histogram:
                 return min(_upper_ns(i), self.max_ns)
         return self.max_ns
 
-    def summary(self) -> dict[str, float]:
-        """count, mean and p50/p99/p99.9/max in microseconds (since mount)."""
+    def cumulative(self, bounds_s: tuple[float, ...] = PROM_BOUNDS_S) -> list[int]:
+        """Observations at or below each bound, Prometheus-style (cumulative).
+
+        An observation counts by its log-linear bucket's upper edge: a count is
+        never above the true one, and an observation within 19% below a bound
+        may be counted at the next bound.
+        """
+        out = []
+        for bound in bounds_s:
+            limit_ns = bound * 1e9
+            out.append(sum(c for i, c in enumerate(self.counts) if c and _upper_ns(i) <= limit_ns))
+        return out
+
+    def summary(self) -> dict[str, object]:
+        """count, mean and p50/p99/p99.9/max in microseconds (since mount), and
+        `histogram`: cumulative counts at PROM_BOUNDS_S and the sum in seconds."""
+        histogram = {"le_seconds": list(PROM_BOUNDS_S), "cumulative": self.cumulative(),
+                     "sum_seconds": self.total_ns / 1e9}
         if not self.count:
-            return {"count": 0}
+            return {"count": 0, "histogram": histogram}
         return {"count": self.count,
                 "mean_us": round(self.total_ns / self.count / 1000, 1),
                 "p50_us": round(self.percentile_ns(50) / 1000, 1),
                 "p99_us": round(self.percentile_ns(99) / 1000, 1),
                 "p99.9_us": round(self.percentile_ns(99.9) / 1000, 1),
-                "max_us": round(self.max_ns / 1000, 1)}
+                "max_us": round(self.max_ns / 1000, 1),
+                "histogram": histogram}

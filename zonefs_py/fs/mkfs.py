@@ -36,8 +36,12 @@ def default_meta_zones(nr_seq_zones: int) -> int:
 
 def make_filesystem(dev: ZonedDevice, label: bytes = b"", *, meta_zones: int | None = None,
                     reserve_percent: float = DEFAULT_RESERVE_PERCENT, force: bool = False,
-                    progress: Callable[[int, int], None] | None = None) -> Superblock:
+                    progress: Callable[[int, int], None] | None = None,
+                    root_uid: int = 0, root_gid: int = 0) -> Superblock:
     """Write a new empty filesystem; return its superblock.
+
+    The root directory (mode 755) belongs to `root_uid`:`root_gid` (the CLI
+    passes the invoking user's, as mke2fs does).
 
     Raises errors.Exists if the device holds data and `force` is False, and
     errors.InvalidArgument if the device is too small or unsuitable.
@@ -84,7 +88,8 @@ def make_filesystem(dev: ZonedDevice, label: bytes = b"", *, meta_zones: int | N
         checkpoint_seq=0, created_ns=time.time_ns())
     state = State(info.block_size, info.zone_size_bytes)
     now = time.time_ns()
-    state.apply((OpType.INODE, ROOT_INO, stat.S_IFDIR | 0o755, 0, 0, 2, 0, 0, now, now, now, 0))
+    state.apply((OpType.INODE, ROOT_INO, stat.S_IFDIR | 0o755, root_uid, root_gid, 2, 0, 0,
+                 now, now, now, 0))
     mlog = MetaLog(dev, sb.meta_first_zone, m, sb.fs_uuid, sb.fs_id)
     positions = mlog.append(checkpoint_records(state, 0), new_zone=True)
     dev.flush()

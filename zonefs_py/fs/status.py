@@ -91,6 +91,7 @@ def build_status(fs: StatusSource) -> dict[str, object]:
                 "live_bytes": sum(fs.alloc.live_bytes(dz.idx) for dz in zones_of),
             }
     zone_map = "".join(_zone_char(fs, z, roles[z.index]) for z in zones)
+    zone_detail = _zone_detail(fs, zones) if len(zone_map) <= MAP_CHARS_MAX else {}
     if len(zone_map) > MAP_CHARS_MAX:
         zone_map = _run_length(zone_map)
     total = fs.alloc.total_capacity()
@@ -142,7 +143,30 @@ def build_status(fs: StatusSource) -> dict[str, object]:
         "read_qos": fs.data.qos.status(),
         "prefetch": fs.data.prefetch.status() if fs.data.prefetch is not None else None,
         "zone_map": zone_map,
+        **zone_detail,
     }
+
+
+#: One character per stream in `zone_streams` (the stream name's initial; DEFAULT is "f").
+STREAM_CHARS: dict[int, str] = {Stream.DEFAULT: "f", Stream.METADATA: "m", Stream.CHECKPOINT: "c",
+                Stream.DATASET: "d", Stream.LOG: "l", Stream.SCRATCH: "s", Stream.CLEANER: "k"}
+
+
+def _zone_detail(fs: StatusSource, zones: list) -> dict[str, str]:
+    """Per zone, for pictures: `zone_streams` (STREAM_CHARS, "-" for no data zone or
+    none written) and `zone_live` (live tenths of the capacity, "0"-"9" and "X" for all,
+    "-" for no data zone)."""
+    streams, live = [], []
+    for z in zones:
+        dz = fs.alloc.zones.get(z.index)
+        if dz is None:
+            streams.append("-")
+            live.append("-")
+            continue
+        streams.append(STREAM_CHARS.get(dz.stream, "f") if dz.reserved else "-")
+        frac = fs.alloc.live_bytes(dz.idx) / dz.capacity if dz.capacity else 0.0
+        live.append("X" if frac >= 0.999 else str(min(9, int(frac * 10))))
+    return {"zone_streams": "".join(streams), "zone_live": "".join(live)}
 
 
 def _dead_zones(fs: StatusSource) -> dict[str, object]:

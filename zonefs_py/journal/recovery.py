@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from zonefs_py import errors
@@ -84,8 +85,17 @@ def read_superblock(dev: ZonedDevice) -> tuple[Superblock, SuperblockStore]:
     return sb, store
 
 
-def recover(dev: ZonedDevice, *, salvage: bool = False) -> Recovered:
+#: Records replayed between two calls of a progress callback.
+PROGRESS_EVERY = 512
+
+
+def recover(dev: ZonedDevice, *, salvage: bool = False,
+            progress: Callable[[int, int], None] | None = None) -> Recovered:
     """Rebuild the State (see `_recover`), with the cyclic GC paused meanwhile.
+
+    `progress(done_bytes, total_bytes)` is called now and then during the
+    replay (payload bytes replayed against the bytes written in the metadata
+    zones, so it ends a little short of the total) and once at the end.
 
     Recovery creates millions of small objects and no garbage cycles; letting
     the collector scan them over and over made mount ~15% slower.
@@ -93,13 +103,14 @@ def recover(dev: ZonedDevice, *, salvage: bool = False) -> Recovered:
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _recover(dev, salvage=salvage)
+        return _recover(dev, salvage=salvage, progress=progress)
     finally:
         if was_enabled:
             gc.enable()
 
 
-def _recover(dev: ZonedDevice, *, salvage: bool = False) -> Recovered:
+def _recover(dev: ZonedDevice, *, salvage: bool = False,
+             progress: Callable[[int, int], None] | None = None) -> Recovered:
     """Rebuild the State from the newest checkpoint and the journal after it.
 
     `salvage` (fsck --repair only) stops at the first damaged record instead of
@@ -115,9 +126,15 @@ def _recover(dev: ZonedDevice, *, salvage: bool = False) -> Recovered:
     loading: State | None = None
     loaded_records = 0
     first = True
+    total_bytes = 0
+    if progress is not None:
+        meta = range(sb.meta_first_zone, sb.meta_first_zone + sb.meta_zone_count)
+        total_bytes = sum(z.written_bytes for z in dev.report_zones() if z.index in meta)
     try:
         for rec, off in mlog.scan(start, scan):
             res.records += 1
+            if progress is not None and res.records % PROGRESS_EVERY == 0:
+                progress(res.checkpoint_bytes + res.journal_bytes, total_bytes)
             if first and rec.type != RecordType.CHECKPOINT_BEGIN:
                 raise LogCorrupt(f"superblock points at a {rec.type.name} record, not a checkpoint")
             if rec.type == RecordType.CHECKPOINT_BEGIN:
@@ -169,6 +186,8 @@ def _recover(dev: ZonedDevice, *, salvage: bool = False) -> Recovered:
             loading = None
     res.state = state
     res.seconds = time.monotonic() - t0
+    if progress is not None:
+        progress(total_bytes, total_bytes)
     return res
 
 
