@@ -87,7 +87,6 @@ class Journal:
         #: Commits that went ahead of a running checkpoint (a figure for stat/tests).
         self.commits_during_checkpoint = 0
         self._checkpoint_done = trio.Event()
-        self._durable_changed = trio.Event()
         self.journal_bytes_since_checkpoint = 0
         self.last_checkpoint_bytes = 0
         self.checkpoints_written = 0
@@ -123,8 +122,6 @@ class Journal:
     def _set_durable(self, upto: int) -> None:
         if upto > self.durable_txn:
             self.durable_txn = upto
-        ev, self._durable_changed = self._durable_changed, trio.Event()
-        ev.set()
         for cb in self.on_durable:
             cb(self.durable_txn)
 
@@ -145,9 +142,11 @@ class Journal:
         target = self.added_txn
         while self.durable_txn < target:
             self._check_broken()
-            if self._write_lock.locked():
-                await self._durable_changed.wait()
-                continue
+            # (No waiting for a "durable" event while another task writes: the lock
+            # holder may mark transactions durable before it releases the lock, e.g.
+            # a checkpoint before its superblock write, and a waiter that arrived in
+            # between would sleep until someone else's commit. Queue for the lock
+            # instead; a batch that made ours durable meanwhile ends the loop.)
             if self._tail is not None and not self._commit_may_overtake():
                 await self._checkpoint_done.wait()
                 continue
