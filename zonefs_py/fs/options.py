@@ -43,6 +43,19 @@ class FsOptions:
     sqpoll_ms: int = 2
     #: Read QoS: MB/s of file-data appends while reads are being served (0: no limit).
     qos_write_mb_s: float = 32.0
+    #: Drain to an object store (zonefs_py/drain): S3 endpoint URL, region, profile and
+    #: shared-credentials file; empty fields are left to boto3's standard resolution.
+    drain_endpoint: str = ""
+    drain_region: str = ""
+    drain_profile: str = ""
+    drain_credentials: str = ""
+    #: Upload rate limit, MB/s (0: none); parts in flight; part size, MiB.
+    drain_rate_mb_s: float = 0.0
+    drain_parts: int = 4
+    drain_part_mb: int = 16
+    #: Seconds a queued file waits before its upload starts (a rename into place
+    #: right after the fsync+close then names the object).
+    drain_delay_s: float = 1.0
 
     _MOUNT_NAMES: ClassVar[dict[str, tuple[str, Callable[[str], object]]]] = {
         "commit": ("commit_interval_s", float),
@@ -53,6 +66,14 @@ class FsOptions:
         "io_uring": ("io_uring", _flag),
         "sqpoll_ms": ("sqpoll_ms", int),
         "qos_write_mb": ("qos_write_mb_s", float),
+        "drain_endpoint": ("drain_endpoint", str),
+        "drain_region": ("drain_region", str),
+        "drain_profile": ("drain_profile", str),
+        "drain_credentials": ("drain_credentials", str),
+        "drain_rate": ("drain_rate_mb_s", float),
+        "drain_parts": ("drain_parts", int),
+        "drain_part_mb": ("drain_part_mb", int),
+        "drain_delay": ("drain_delay_s", float),
     }
 
     @classmethod
@@ -82,6 +103,9 @@ class FsOptions:
                 raise ValueError(f"bad value for mount option {name}: {value!r}") from None
         if result.cleaner_policy not in ("cost-benefit", "greedy"):
             raise ValueError("cleaner_policy must be cost-benefit or greedy")
+        if not 5 <= result.drain_part_mb <= 5120 or not 1 <= result.drain_parts <= 64:
+            raise ValueError("drain_part_mb must be 5..5120 (S3's part sizes), "
+                             "drain_parts 1..64")
         return result, rest
 
     def replace(self, **changes: object) -> FsOptions:

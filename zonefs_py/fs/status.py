@@ -105,6 +105,7 @@ def build_status(fs: ZoneFS) -> dict[str, object]:
                     "meta_zones": fs.sb.meta_zone_count,
                     "broken": fs.journal.broken},
         "latency": {"read": fs.read_latency.summary(), "write": fs.write_latency.summary()},
+        "drain": fs.drain.status(),
         "zone_map": zone_map,
     }
 
