@@ -475,7 +475,7 @@ async def _tune_after_init(cfg: MountConfig) -> None:
     INIT and then the STATFS itself.
     """
     try:
-        await trio.to_thread.run_sync(os.statvfs, cfg.mountpoint, cancellable=True)
+        await trio.to_thread.run_sync(os.statvfs, cfg.mountpoint, abandon_on_cancel=True)
     except OSError as exc:
         log.warning("could not tune the FUSE connection of %s: %s", cfg.mountpoint, exc)
         return
