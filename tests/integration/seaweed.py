@@ -154,8 +154,12 @@ class SeaweedFS:
                         f"aws_secret_access_key = {secret}\n")
         return path
 
-    def stop(self) -> None:
-        """SIGTERM the server (its whole process group), SIGKILL after 20 s."""
+    def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM the server (its whole process group), SIGKILL after `grace_s`.
+
+        weed's own shutdown takes ~15 s; what it has acknowledged is on disk
+        well before that (the tests restart it on the same data and check).
+        """
         proc = self.proc
         if proc is None:
             return
@@ -165,10 +169,17 @@ class SeaweedFS:
         except ProcessLookupError:
             pass
         try:
-            proc.wait(timeout=20)
+            proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=20)
+        # weed leaves the S3 gateway's gRPC socket in /tmp (no option names it).
+        for sock in (f"/tmp/seaweedfs-s3-grpc-{self.s3_grpc}.sock",
+                     f"/tmp/seaweedfs-s3-grpc-{self.s3_port}.sock"):
+            try:
+                os.unlink(sock)
+            except OSError:
+                pass
 
     def log_tail(self, nbytes: int = 4000) -> str:
         try:

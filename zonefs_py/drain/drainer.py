@@ -211,6 +211,8 @@ class Drainer:
                 upload_id = await trio.to_thread.run_sync(m.store.create_multipart, bucket,
                                                           key, meta)
                 self._set_uploading(ino, gen, url, snap.size, xxh, upload_id.encode())
+                # Durable now: a crash mid-upload then knows the upload id to abort.
+                await self.fs.journal.commit()
                 try:
                     etag, want = await self._parts(snap, gen, bucket, key, upload_id)
                 except BaseException:

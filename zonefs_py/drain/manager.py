@@ -14,12 +14,12 @@ Policy, per directory, inherited by everything below it (like streams):
     of one directory, the newest N stay local, older *drained* ones are
     evicted. A file that is not drained is never evicted.
 
-When a file queues: at its last close, if it was written and then fsync'ed
-or renamed since its last queueing; or at a rename, if it was written and
-is closed. The object key is taken when the upload starts (`drain_delay`
-after queueing), so a `.tmp` renamed into place uploads once, under its
-final name. Written-and-fsync'ed marks live in memory: a crash between the
-fsync and the close leaves the file LOCAL (its writer did not finish).
+When a file queues: QUEUED is journaled at an fsync after writing (so the
+fsync's commit makes it durable with the data: a crash after the fsync
+still drains that version) or at a rename of a written file; the upload is
+scheduled at its last close (or at the rename, if it is closed). The object
+key is taken when the upload starts (`drain_delay` after scheduling), so a
+`.tmp` renamed into place uploads once, under its final name.
 
 Eviction drops every extent of the file in one transaction with the
 EVICTED record (size, times, xattrs unchanged; its zones die whole and are
@@ -296,8 +296,17 @@ class DrainManager:
         await self.restore(inode)
 
     def on_fsync(self, inode: Inode) -> None:
-        if inode.ino in self.written:
-            self.synced.add(inode.ino)
+        """fsync of a written file: journal QUEUED now, so the fsync's own commit makes
+        it durable with the data (a crash before the close still drains this
+        version; a later write sends it back to LOCAL). Upload starts at close."""
+        ino = inode.ino
+        if ino not in self.written:
+            return
+        self.synced.add(ino)
+        rec = self.state.drain.get(ino)
+        if rec is None and inode.nlink and self.policy_of(inode) is not None \
+                and not self.fs.options.read_only and self.fs.failsafe is None:
+            self._txn([model.queue(rec).op(ino)])
 
     def on_release(self, inode: Inode) -> None:
         """Last close: queue a written file that was fsync'ed or renamed."""
