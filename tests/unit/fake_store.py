@@ -65,8 +65,10 @@ class FakeStore:
                     del self._fail[i]
                     raise StoreError(kind, f"{name}: injected {kind}")
 
-    def put(self, bucket: str, key: str, data: bytes, metadata: dict[str, str]) -> str:
+    def put(self, bucket: str, key: str, data: bytes, metadata: dict[str, str],
+            md5: bytes) -> str:
         self._enter("put")
+        assert md5 == hashlib.md5(data).digest(), "Content-MD5 of other bytes"
         etag = hashlib.md5(data).hexdigest()
         self.objects[(bucket, key)] = (bytes(data), etag, dict(metadata))
         return etag
@@ -80,8 +82,9 @@ class FakeStore:
         return uid
 
     def upload_part(self, bucket: str, key: str, upload_id: str, number: int,
-                    data: bytes) -> str:
+                    data: bytes, md5: bytes) -> str:
         self._enter("upload_part")
+        assert md5 == hashlib.md5(data).digest(), "Content-MD5 of other bytes"
         if upload_id not in self.uploads:
             raise StoreError("missing", "NoSuchUpload")
         self.uploads[upload_id][3][number] = bytes(data)

@@ -23,7 +23,7 @@ import hashlib
 import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
-from urllib.parse import quote, urlsplit
+from urllib.parse import urlsplit
 
 #: Object metadata keys (S3 user metadata: sent as x-amz-meta-*).
 META_XXH3 = "zonefs-xxh3"
@@ -63,8 +63,9 @@ def join_url(bucket: str, key: str) -> str:
     return f"s3://{bucket}/{key}"
 
 
-def md5_b64(data: bytes | memoryview) -> str:
-    return base64.b64encode(hashlib.md5(data).digest()).decode()
+def b64(digest: bytes) -> str:
+    """Content-MD5 header value of an MD5 digest (the caller computed it once)."""
+    return base64.b64encode(digest).decode()
 
 
 def multipart_etag(part_md5s: list[bytes]) -> str:
@@ -73,12 +74,13 @@ def multipart_etag(part_md5s: list[bytes]) -> str:
 
 
 class ObjectStore(Protocol):
-    def put(self, bucket: str, key: str, data: bytes, metadata: dict[str, str]) -> str: ...
+    def put(self, bucket: str, key: str, data: bytes, metadata: dict[str, str],
+            md5: bytes) -> str: ...
 
     def create_multipart(self, bucket: str, key: str, metadata: dict[str, str]) -> str: ...
 
     def upload_part(self, bucket: str, key: str, upload_id: str, number: int,
-                    data: bytes) -> str: ...
+                    data: bytes, md5: bytes) -> str: ...
 
     def complete_multipart(self, bucket: str, key: str, upload_id: str,
                            etags: list[str]) -> str: ...
@@ -153,9 +155,10 @@ class S3Store:
         except Exception as exc:  # noqa: BLE001 - classified below, never swallowed
             raise _classify(what, exc) from exc
 
-    def put(self, bucket: str, key: str, data: bytes, metadata: dict[str, str]) -> str:
+    def put(self, bucket: str, key: str, data: bytes, metadata: dict[str, str],
+            md5: bytes) -> str:
         r = self._call(f"PUT s3://{bucket}/{key}", "put_object", Bucket=bucket, Key=key,
-                       Body=data, Metadata=metadata, ContentMD5=md5_b64(data))
+                       Body=data, Metadata=metadata, ContentMD5=b64(md5))
         return str(r["ETag"]).strip('"')
 
     def create_multipart(self, bucket: str, key: str, metadata: dict[str, str]) -> str:
@@ -164,10 +167,10 @@ class S3Store:
         return str(r["UploadId"])
 
     def upload_part(self, bucket: str, key: str, upload_id: str, number: int,
-                    data: bytes) -> str:
+                    data: bytes, md5: bytes) -> str:
         r = self._call(f"part {number} of s3://{bucket}/{key}", "upload_part", Bucket=bucket,
                        Key=key, UploadId=upload_id, PartNumber=number, Body=data,
-                       ContentMD5=md5_b64(data))
+                       ContentMD5=b64(md5))
         return str(r["ETag"]).strip('"')
 
     def complete_multipart(self, bucket: str, key: str, upload_id: str,
@@ -237,6 +240,3 @@ def object_key(prefix: str, rel_path: str) -> str:
     key = rel_path.strip("/")
     return f"{prefix}/{key}" if prefix else key
 
-
-def quote_key(key: str) -> str:
-    return quote(key, safe="/")
