@@ -201,3 +201,84 @@ class SeaweedFS:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class SeaweedCluster(SeaweedFS):
+    """A SeaweedFS cluster as separate processes: master, two volume servers, a filer
+    and the S3 gateway, all on 127.0.0.1 (the scale-out test's shared store)."""
+
+    def __init__(self, data_dir: Path, volumes: int = 2) -> None:
+        super().__init__(data_dir)
+        self.volume_ports = [free_ports(2) for _ in range(volumes)]
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def commands(self) -> list[list[str]]:
+        d, w = self.dir, self.weed
+        master = f"127.0.0.1:{self.master_port}.{self.master_grpc}"
+        filer = f"127.0.0.1:{self.filer_port}.{self.filer_grpc}"
+        local = ["-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
+        cmds = [[w, "master", *local, f"-port={self.master_port}",
+                 f"-port.grpc={self.master_grpc}", f"-mdir={d / 'master'}",
+                 "-telemetry=false", "-telemetry.url=http://127.0.0.1:9/",
+                 "-volumeSizeLimitMB=64"]]
+        for i, (port, grpc) in enumerate(self.volume_ports):
+            cmds.append([w, "volume", *local, f"-port={port}", f"-port.grpc={grpc}",
+                         f"-dir={d / f'volume{i}'}", f"-mserver={master}", "-max=0",
+                         "-preStopSeconds=0"])
+        cmds.append([w, "filer", *local, f"-port={self.filer_port}",
+                     f"-port.grpc={self.filer_grpc}", f"-master={master}",
+                     f"-defaultStoreDir={d / 'filer'}", f"-localSocket={d / 'filer.sock'}"])
+        cmds.append([w, "s3", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-port={self.s3_port}",
+                     f"-port.grpc={self.s3_grpc}", f"-filer={filer}", f"-config={self.config}",
+                     "-port.iceberg=0", "-port.lance=0", f"-localSocket={d / 's3.sock'}"])
+        return cmds
+
+    def start(self) -> SeaweedCluster:
+        assert not self.procs, "already running"
+        for sub in ("master", "volume0", "volume1", "filer"):
+            (self.dir / sub).mkdir(exist_ok=True)
+        with open(self.log, "ab") as logf:
+            for cmd in self.commands():
+                self.procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf,
+                                                   stderr=subprocess.STDOUT, cwd=self.dir,
+                                                   start_new_session=True))
+                time.sleep(0.5)  # master before volumes, filer before the gateway
+        deadline = time.monotonic() + START_DEADLINE_S
+        while not (self._s3_ready() and self.volume_servers() == len(self.volume_ports)):
+            dead = [p for p in self.procs if p.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"SeaweedFS cluster did not start:\n{self.log_tail()}")
+            time.sleep(0.3)
+        return self
+
+    def volume_servers(self) -> int:
+        """Volume servers the master knows (from its /dir/status)."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.master_port}/dir/status",
+                                        timeout=2) as r:
+                topo = json.load(r)["Topology"]
+        except (OSError, ValueError, KeyError):
+            return 0
+        return sum(len(rack.get("DataNodes") or []) for dc in topo.get("DataCenters") or []
+                   for rack in dc.get("Racks") or [])
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        for proc in reversed(self.procs):
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=20)
+        self.procs = []
+        for sock in (f"/tmp/seaweedfs-s3-grpc-{self.s3_grpc}.sock",
+                     f"/tmp/seaweedfs-s3-grpc-{self.s3_port}.sock"):
+            try:
+                os.unlink(sock)
+            except OSError:
+                pass
