@@ -18,7 +18,9 @@ at a time, oldest queued first:
    Only then DRAINED (with the ETag) is journaled, and retention runs.
 
 Reads of file data go through the read-QoS gate as appends do (training
-reads first) and the upload through a token bucket (`drain_rate=`).
+reads first), wait for user writes to pause (WRITER_IDLE_S, at most
+WRITER_WAIT_S per part: the burst first), and the upload passes a token
+bucket (`drain_rate=`).
 A file modified, renamed or deleted while uploading (its generation moves)
 loses that upload: it is aborted and the file re-queues when it is complete
 again. Store errors: transient ones back off (1 s doubling to 60 s, for the
@@ -47,6 +49,10 @@ log = logging.getLogger(__name__)
 BACKOFF_MIN_S = 1.0
 BACKOFF_MAX_S = 60.0
 AUTH_RETRY_S = 300.0
+#: The drainer reads the next part only once user writes paused this long...
+WRITER_IDLE_S = 0.2
+#: ...or it waited this long (a writer that never pauses does not stop the drain).
+WRITER_WAIT_S = 5.0
 
 
 class UploadAbandoned(Exception):
@@ -60,6 +66,7 @@ class Drainer:
         self.backoff_s = 0.0
         self._cancel = trio.CancelScope()
         self._next_free = 0.0
+        self._qos_next = 0.0
 
     def stop(self) -> None:
         self._cancel.cancel()
@@ -257,9 +264,38 @@ class Drainer:
         except StoreError as exc:
             log.info("drain: abort of an upload of s3://%s/%s failed: %s", bucket, key, exc)
 
+    async def _yield_to_writers(self) -> None:
+        """Wait (at most WRITER_WAIT_S) until no user write came for WRITER_IDLE_S: a
+        checkpoint burst is absorbed at device speed first, drained in the gaps."""
+        deadline = trio.current_time() + WRITER_WAIT_S
+        while True:
+            now = trio.current_time()
+            quiet_at = self.m.last_write + WRITER_IDLE_S
+            if quiet_at <= now or now >= deadline:
+                return
+            await trio.sleep(min(quiet_at, deadline) - now)
+
+    async def _admit_read(self, nbytes: int) -> None:
+        """The read-QoS rule (fs/qos.py) with a bucket of the drainer's own: while
+        training reads are served, drain reads pass at `qos_write_mb` MB/s. Sharing
+        the appends' bucket halved a checkpoint writer's speed (measured)."""
+        qos = self.fs.data.qos
+        if qos.rate <= 0:
+            return
+        now = trio.current_time()
+        if not qos.reads_active(now):
+            self._qos_next = now
+            return
+        self._qos_next = max(self._qos_next, now - 0.05) + nbytes / qos.rate
+        wait = self._qos_next - now
+        if wait > 0:
+            await trio.sleep(wait)
+
     async def _read(self, snap: Inode, offset: int, length: int, gen: int) -> bytes:
-        """Read the snapshot's bytes behind the read-QoS gate (training reads first)."""
-        await self.fs.data.qos.admit_write(length)
+        """Read the snapshot's bytes behind the read-QoS gate (training reads first),
+        after user writes pause."""
+        await self._yield_to_writers()
+        await self._admit_read(length)
         self._check_gen(snap.ino, gen)
         return await self.fs.data._read_stored(snap, offset, length)
 
