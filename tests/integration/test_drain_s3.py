@@ -293,3 +293,24 @@ def test_three_nodes_drain_into_one_cluster(workdir: Path, template_image: Path)
     for m in mounts:
         proc = zonefs("fsck", str(m.image), check=False)
         assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_enospc_relieved_by_evicting_drained_files(image: Path, mount_factory: Mount,
+                                                   workdir: Path, store: SeaweedFS,
+                                                   bucket: str) -> None:
+    """A write that would not fit evicts a drained file (oldest first) instead of ENOSPC."""
+    m = mount_factory.start(*drain_options(store, workdir))
+    d = m.path / "ck"
+    policy(d, bucket, "e")
+    capacity = os.statvfs(m.path).f_blocks * os.statvfs(m.path).f_frsize
+    first = os.urandom(int(capacity * 0.6) // MiB * MiB)
+    write_synced(d / "old.pt", first)
+    wait_until(lambda: state(d / "old.pt") == "drained", "drained", mount=m)
+    second = os.urandom(len(first))
+    write_synced(d / "new.pt", second)  # ENOSPC without the eviction
+    assert state(d / "old.pt") == "evicted"
+    assert "to relieve ENOSPC" in m.log_text()
+    assert (d / "new.pt").read_bytes() == second
+    check_object(store, bucket, "e/old.pt", first)
+    assert m.unmount() == 0

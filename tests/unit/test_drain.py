@@ -392,3 +392,37 @@ async def test_policy_xattrs_are_checked(tmp_path: Path) -> None:
         await write_file(fs, "/ck/f", b"x")
         with pytest.raises(errors.InvalidArgument):
             await fs.setxattr(await resolve(fs, "/ck/f"), KEEP_XATTR, b"2", XattrFlags(0), CTX)
+
+
+async def test_write_or_truncate_of_evicted_file(tmp_path: Path,
+                                                 clock: trio.testing.MockClock) -> None:
+    """Opening an evicted file for writing restores it first, or is refused (EIO) when
+    the store is unreachable; truncation to 0 needs no bytes and no store."""
+    data = payload(2 * PART + 7, 6)
+    async with mounted(tmp_path / "img", create=True, options=OPTIONS) as fs:
+        store = use_fake(fs)
+        await setup_dir(fs)
+        for name in ("a.pt", "b.pt"):
+            await write_file(fs, f"/ck/{name}", data)
+        a, b = await resolve(fs, "/ck/a.pt"), await resolve(fs, "/ck/b.pt")
+        async with drainer_running(fs):
+            await wait_for(lambda: state_of(fs, a) == state_of(fs, b) == "drained")
+        for ino in (a, b):
+            await fs.setxattr(ino, STATE_XATTR, b"evicted", XattrFlags(0), CTX)
+        store.fail_always = "transient"
+        with pytest.raises(errors.IOFailure):
+            await fs.open(a, os.O_RDWR)
+        assert state_of(fs, a) == "evicted"
+        fh = await fs.open(b, os.O_WRONLY | os.O_TRUNC)  # no bytes needed
+        await fs.release(fh)
+        assert state_of(fs, b) == "local"
+        assert (await fs.getattr(b)).size == 0
+        store.fail_always = None
+        fh = await fs.open(a, os.O_RDWR)
+        try:
+            assert state_of(fs, a) == "drained"
+            await fs.write(fh, 0, b"X")
+            assert state_of(fs, a) == "local"
+            assert await fs.read(fh, 0, 3) == b"X" + data[1:3]
+        finally:
+            await fs.release(fh)

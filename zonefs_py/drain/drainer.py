@@ -144,7 +144,7 @@ class Drainer:
             etag = await self._upload(inode, *target)
         except UploadAbandoned as exc:
             log.info("drain: upload of %s abandoned: %s", self.fs.path_of(ino), exc)
-            self._requeue_if_needed(ino, 0.0)
+            self._requeue_if_needed(ino, max(1.0, m.delay_s))  # never a busy loop
         except StoreError as exc:
             self._store_failed(ino, exc)
         except errors.ZoneFSError as exc:

@@ -136,7 +136,7 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         self.data.on_need_space = self.cleaner.clean_for_space
         from zonefs_py.drain.manager import DrainManager
 
-        self.drain = DrainManager(self)  # zonefs_py/drain: hooks marked "drain" below
+        self.drain = DrainManager(self)  # zonefs_py/drain; its hooks: the self.drain.* calls
         self.data.on_need_space = self.drain.need_space_hook(self.cleaner.clean_for_space)
         self.files: dict[int, int] = {}  # fh -> ino
         #: Time spent in read/write requests by the engine (not FUSE queueing).
