@@ -173,13 +173,21 @@ class SeaweedFS:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=20)
-        # weed leaves the S3 gateway's gRPC socket in /tmp (no option names it).
-        for sock in (f"/tmp/seaweedfs-s3-grpc-{self.s3_grpc}.sock",
-                     f"/tmp/seaweedfs-s3-grpc-{self.s3_port}.sock"):
-            try:
-                os.unlink(sock)
-            except OSError:
-                pass
+        self.remove_sockets()
+
+    def grpc_ports(self) -> dict[str, list[int]]:
+        return {"master": [self.master_grpc], "volume": [self.volume_grpc],
+                "s3": [self.s3_grpc], "filer": [self.filer_grpc]}
+
+    def remove_sockets(self) -> None:
+        """weed leaves a unix socket per gRPC server in /tmp (no option names them):
+        remove the ones of this server's ports."""
+        for role, ports in self.grpc_ports().items():
+            for port in ports:
+                try:
+                    os.unlink(f"/tmp/seaweedfs-{role}-grpc-{port}.sock")
+                except OSError:
+                    pass
 
     def log_tail(self, nbytes: int = 4000) -> str:
         try:
@@ -276,9 +284,9 @@ class SeaweedCluster(SeaweedFS):
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=20)
         self.procs = []
-        for sock in (f"/tmp/seaweedfs-s3-grpc-{self.s3_grpc}.sock",
-                     f"/tmp/seaweedfs-s3-grpc-{self.s3_port}.sock"):
-            try:
-                os.unlink(sock)
-            except OSError:
-                pass
+        self.remove_sockets()
+
+    def grpc_ports(self) -> dict[str, list[int]]:
+        ports = super().grpc_ports()
+        ports["volume"] = [grpc for _port, grpc in self.volume_ports]
+        return ports
