@@ -426,3 +426,25 @@ async def test_write_or_truncate_of_evicted_file(tmp_path: Path,
             assert await fs.read(fh, 0, 3) == b"X" + data[1:3]
         finally:
             await fs.release(fh)
+
+
+async def test_fsck_flags_an_evicted_file_with_data(tmp_path: Path) -> None:
+    """INV-21: corrupt one thing (an EVICTED record on a file that keeps its extents);
+    fsck flags exactly that; the same image with a proper eviction is clean."""
+    from zonefs_py.fsck import check_filesystem
+
+    image = tmp_path / "img"
+    async with mounted(image, create=True, options=OPTIONS, fsck_after=False) as fs:
+        await setup_dir(fs)
+        await write_file(fs, "/ck/a.pt", b"abc" * 5000)
+        ino = await resolve(fs, "/ck/a.pt")
+        fs._txn([DrainRecord(DrainState.EVICTED, b"s3://ckpts/run1/a.pt", 15000, 1,
+                             b"etag").op(ino)])
+    dev = open_image(image, read_only=True)
+    try:
+        report = check_filesystem(dev)
+    finally:
+        dev.close()
+    assert [f.invariant for f in report.findings] == ["INV-21"]
+    async with mounted(image, options=OPTIONS) as fs:  # fsck clean after: evicted for real
+        fs._txn([(OpType.TRUNCATE, ino, 0)])
