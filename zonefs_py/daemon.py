@@ -562,7 +562,9 @@ async def _serve_mounted(cfg: MountConfig, fs: Any, ops: Any, signals: Any) -> i
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_run_background, fs, ops)
         if getattr(fs, "drain", None) is not None:  # uploads to an object store (drain/)
-            nursery.start_soon(fs.drain.run)
+            from zonefs_py.drain.drainer import Drainer
+
+            nursery.start_soon(Drainer(fs.drain).run)
         nursery.start_soon(_watch_signals, signals)
         nursery.start_soon(_tune_after_init, cfg)
         try:

@@ -23,8 +23,8 @@ from zonefs_py.format.checksum import first_bad_block
 from zonefs_py.format.constants import Stream
 from zonefs_py.format.superblock import Superblock
 from zonefs_py.fs.api import ROOT_INO
-from zonefs_py.fs.state import State
 from zonefs_py.journal.recovery import Recovered, read_superblock, recover
+from zonefs_py.model.state import State
 
 Progress = Callable[[str, int, int], None]
 
@@ -266,7 +266,7 @@ def check_inv13_file_types(state: State, report: Report) -> None:
 def check_inv21_drain_records(state: State, report: Report) -> None:
     """INV-21: drain records name s3:// objects; an EVICTED file has no extents and
     the size of its object; DRAINED/EVICTED records carry an ETag."""
-    from zonefs_py.drain.model import DrainState
+    from zonefs_py.model.drain import DrainState
 
     for ino, rec in state.drain.items():
         inode = state.inodes.get(ino)

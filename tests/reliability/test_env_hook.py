@@ -1,4 +1,4 @@
-"""The emulator's TEST HOOK for daemons (ZONEFS_PY_EMU_TEST_HOOK, emu_faults.EnvTestHook)."""
+"""The emulator's TEST HOOK for daemons (ZONEFS_PY_EMU_TEST_HOOK, emu_hook.EnvTestHook)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from zonefs_py.device.emu_faults import ENV_HOOK, EnvTestHook
+from zonefs_py.device.emu_hook import ENV_HOOK, EnvTestHook
 from zonefs_py.device.emulated import EmulatedZonedDevice
 
 REPO = Path(__file__).resolve().parents[2]

@@ -32,7 +32,7 @@ async def test_zone_of_a_freed_orphan_is_not_reset_before_the_free_is_durable(
         await fs.sync()  # the unlink (nlink 0) is durable; the inode lives on, open
         fs.forget([(attr.ino, 1)])
         await fs.release(fh)  # INODE_FREE: its zone dies, in a transaction not yet durable
-        await fs._reset_dead_zones()  # a reset pass now must leave that zone alone
+        await fs.reclaim.reset_dead_zones()  # a reset pass now must leave that zone alone
         dev.simulate_power_cut("drop")
     finally:
         dev.close()

@@ -10,7 +10,7 @@ moment in one of three ways:
     unflushed appends are lost on reopen (like a drive dropping its cache).
   * ``drop`` / ``tear``: SIGUSR1 through the emulator's TEST HOOK
     (`ZONEFS_PY_EMU_TEST_HOOK=powercut=MODE,seed=N`, see
-    zonefs_py/device/emu_faults.py): the daemon's own emulator runs
+    zonefs_py/device/emu_hook.py): the daemon's own emulator runs
     `simulate_power_cut` (unflushed data dropped, or a random prefix of each
     zone's unflushed appends kept) and then SIGKILLs itself.
   * ``cut``: the daemon's emulator dies right after its N-th write once the

@@ -12,7 +12,7 @@ from zonefs_py.alloc.allocator import Allocator
 from zonefs_py.device.base import DeviceInfo, Zone, ZoneCond, ZoneType
 from zonefs_py.format.constants import Stream
 from zonefs_py.format.ops import Op
-from zonefs_py.fs.state import State
+from zonefs_py.model.state import State
 
 ZONE = 1 << 20
 BS = 4096

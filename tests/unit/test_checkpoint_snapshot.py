@@ -17,8 +17,8 @@ from zonefs_py.device.emulated import EmulatedZonedDevice
 from zonefs_py.format.ops import Op, decode_ops, encode_op
 from zonefs_py.fs.api import ROOT_INO, RenameFlags, SetAttrRequest, XattrFlags
 from zonefs_py.fs.filesystem import ZoneFS
-from zonefs_py.fs.state import Snapshot, State, StateError
 from zonefs_py.journal import journal as journal_mod
+from zonefs_py.model.state import Snapshot, State, StateError
 
 
 def canonical(ops: list[Op]) -> list[str]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import random
+import stat
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -273,6 +274,44 @@ async def checkpoint_during_changes(fs: ZoneFS, t: Tracker) -> None:
     t.ack_all()
 
 
+async def fsync_during_checkpoint(fs: ZoneFS, t: Tracker) -> None:
+    """fsyncs that return while a checkpoint is still encoding (they go ahead of it
+    as JOURNAL records and into its tail): acknowledged at once, they must survive a
+    power cut at any write before, inside or after the checkpoint."""
+    for i in range(60):
+        t.expect(f"/e{i}", b"")
+        await fs.mknod(ROOT_INO, b"e%d" % i, stat.S_IFREG | 0o644, 0, CTX)
+    t.expect("/q", b"")
+    t.expect("/q", pattern(120, 3000))
+    await write_file(fs, "/q", pattern(120, 3000), fsync=False)
+    await fs.sync()
+    t.ack_all()
+    saved = journal_mod.CHECKPOINT_SLICE_INODES
+    journal_mod.CHECKPOINT_SLICE_INODES = 1
+    try:
+        async with _one_error(), trio.open_nursery() as nursery:
+            nursery.start_soon(fs.journal.checkpoint)
+            await trio.lowlevel.checkpoint()
+            t.expect("/f", b"")
+            t.expect("/f", pattern(121, 6000))
+            await write_file(fs, "/f", pattern(121, 6000), fsync=True)
+            assert fs.journal.commits_during_checkpoint >= 1, "the fsync waited"
+            t.ack("/f")
+            t.expect("/e0", None)
+            await fs.unlink(ROOT_INO, b"e0")
+            t.expect("/q", None)
+            t.expect("/r", t.versions["/q"][-2])
+            await fs.rename(ROOT_INO, b"q", ROOT_INO, b"r", RenameFlags.NONE)
+            await fs.sync()
+            t.ack("/e0", "/q", "/r")
+    finally:
+        journal_mod.CHECKPOINT_SLICE_INODES = saved
+    t.expect("/e1", None)
+    await fs.unlink(ROOT_INO, b"e1")
+    await fs.sync()
+    t.ack_all()
+
+
 async def cleaning_pass(fs: ZoneFS, t: Tracker) -> None:
     """Fill a zone with four files, delete one, clean that zone (relocate, commit, reset)."""
     for i in range(4):
@@ -287,10 +326,10 @@ async def cleaning_pass(fs: ZoneFS, t: Tracker) -> None:
     t.ack("/k1")
     victim = fs.cleaner.pick_victim()
     assert victim is not None, "the scenario must leave a zone worth cleaning"
-    copied = await fs.cleaner.clean_zone(victim.idx, throttle=False)
+    copied = await fs.cleaner.clean_zone(victim.zone_idx, throttle=False)
     assert copied > 0
-    await fs.commit_and_reset()
-    assert fs.alloc.zones[victim.idx].reserved == 0, "the cleaned zone must have been reset"
+    await fs.reclaim.commit_and_reset()
+    assert fs.alloc.zones[victim.zone_idx].reserved == 0, "the cleaned zone must have been reset"
 
 
 SCENARIOS: dict[str, tuple[Scenario, Geometry]] = {
@@ -302,6 +341,7 @@ SCENARIOS: dict[str, tuple[Scenario, Geometry]] = {
     "meta_zone_roll": (meta_zone_roll, TINY),
     "explicit_checkpoint": (explicit_checkpoint, SMALL),
     "checkpoint_during_changes": (checkpoint_during_changes, SMALL),
+    "fsync_during_checkpoint": (fsync_during_checkpoint, SMALL),
 }
 
 

@@ -34,15 +34,16 @@ from engine_helpers import (
 from fake_store import FakeStore
 
 from zonefs_py import errors
-from zonefs_py.drain import model
+from zonefs_py.drain.drainer import Drainer
 from zonefs_py.drain.manager import DRAIN_XATTR, KEEP_XATTR, STATE_XATTR
-from zonefs_py.drain.model import DrainRecord, DrainState, DrainTransitionError
 from zonefs_py.drain.store import META_XXH3, parse_url
 from zonefs_py.format.constants import OpType
 from zonefs_py.format.ops import decode_ops, encode_ops
 from zonefs_py.fs.api import ROOT_INO, XattrFlags
 from zonefs_py.fs.filesystem import ZoneFS
 from zonefs_py.fs.options import FsOptions
+from zonefs_py.model import drain as model
+from zonefs_py.model.drain import DrainRecord, DrainState, DrainTransitionError
 
 BUCKET = "ckpts"
 PART = 64 * KiB
@@ -78,7 +79,7 @@ def use_fake(fs: ZoneFS) -> FakeStore:
 @asynccontextmanager
 async def drainer_running(fs: ZoneFS) -> AsyncIterator[None]:
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(fs.drain.run)
+        nursery.start_soon(Drainer(fs.drain).run)
         try:
             yield
         finally:
@@ -316,7 +317,7 @@ async def test_keep_evicts_and_open_restores(tmp_path: Path,
             inos = [await resolve(fs, p) for p in files]
             await wait_for(lambda: [state_of(fs, i) for i in inos]
                            == ["evicted"] * 3 + ["drained"] * 2)
-        await fs.commit_and_reset()
+        await fs.reclaim.commit_and_reset()
         first = fs.state.inodes[inos[0]]
         attr = await fs.getattr(inos[0])
         assert attr.size == len(files["/ck/step-0.pt"])

@@ -35,7 +35,7 @@ from zonefs_py.device.base import DeviceInfo, Zone, ZoneCond
 from zonefs_py.format.constants import OpType, Stream
 from zonefs_py.format.ops import Op
 from zonefs_py.format.superblock import Superblock
-from zonefs_py.fs.state import State
+from zonefs_py.model.state import State
 
 log = logging.getLogger(__name__)
 

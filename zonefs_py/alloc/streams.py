@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 
 from zonefs_py.format.constants import Stream
-from zonefs_py.fs.state import State
+from zonefs_py.model.state import State
 
 STREAM_XATTR = b"user.zonefs.stream"
 STREAM_NAMES = {

@@ -24,9 +24,12 @@ finds no empty zone left for users (`NeedCleaning`). The empty zones held back f
 (`Allocator.reserve_zones`) mean cleaning always has somewhere to write
 (INV-14); a victim is only taken if its live data fits in the cleaner's room.
 
-All of this runs on the trio thread except device I/O and checksums (worker
-threads). Nothing between reading the current mapping and applying the new
-EXTENT op awaits.
+The cleaner reaches the filesystem only through `CleanerHost` (host.py):
+it sees zones as `ZoneUsage` figures and live data as `LivePiece`s, and the
+host reads, relocates and re-points them (`zonefs_py.fs.reclaim`). All of this
+runs on the trio thread except device I/O and checksums (worker threads, in
+the host). Nothing between reading the current mapping and applying the new
+EXTENT op awaits (the host's `relocate` keeps that promise).
 """
 
 from __future__ import annotations
@@ -34,24 +37,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import trio
 
-from zonefs_py import errors
-from zonefs_py.alloc.allocator import DataZone
-from zonefs_py.format.checksum import first_bad_block
-from zonefs_py.format.constants import OpType, Stream
-from zonefs_py.format.ops import Op
-
-if TYPE_CHECKING:
-    from zonefs_py.fs.filesystem import ZoneFS
+from zonefs_py.cleaner.host import CleanerHost, LivePiece, ZoneUsage
 
 log = logging.getLogger(__name__)
 
 #: Largest piece copied with one read and one append.
 COPY_UNIT = 256 << 10
-C_CLEANER_BYTES = 4
 
 
 @dataclass(slots=True)
@@ -64,66 +58,45 @@ class CleanerStats:
 
 
 class Cleaner:
-    """Background and foreground space reclaim for one mounted ZoneFS."""
+    """Background and foreground space reclaim for one mounted filesystem (its host)."""
 
-    def __init__(self, fs: ZoneFS) -> None:
-        self.fs = fs
-        self.alloc = fs.alloc
-        self.state = fs.state
-        self.bs = fs.bs
-        self.policy = fs.options.cleaner_policy
-        self.rate = fs.options.cleaner_rate_mb_s * 1e6
+    def __init__(self, host: CleanerHost, policy: str, rate_mb_s: float) -> None:
+        self.host = host
+        self.policy = policy
+        self.rate = rate_mb_s * 1e6
         self.stats = CleanerStats()
         self._lock = trio.Lock()
         self._bucket_time = time.monotonic()
         #: Zones that could not be cleaned (unreadable data); not retried this mount.
         self.skip: set[int] = set()
-        n = len(self.alloc.zones)
-        self.low_watermark = self.alloc.reserve_zones + max(2, n // 10)
+        self.low_watermark = host.reserve_zones + max(2, host.data_zone_count() // 10)
 
     # -- choosing ---------------------------------------------------------------------
-    def dead_bytes(self, dz: DataZone) -> int:
-        return dz.reserved - self.alloc.live_bytes(dz.idx)
+    def candidates(self) -> list[ZoneUsage]:
+        """Zones worth cleaning: the host's candidates less the ones given up on."""
+        return [z for z in self.host.candidate_zones() if z.zone_idx not in self.skip]
 
-    def candidates(self) -> list[DataZone]:
-        """Zones worth cleaning: written, not being written, some data dead, some live."""
-        pending = {z for z, _ in self.alloc.pending_resets}
-        out = []
-        for dz in self.alloc.zones.values():
-            if ((dz.unusable and not dz.write_failed) or dz.head_of is not None
-                    or dz.inflight or dz.reserved == 0 or dz.idx in pending
-                    or dz.idx in self.skip):
-                continue
-            if self.dead_bytes(dz) > 0 and self.alloc.live_bytes(dz.idx) > 0:
-                out.append(dz)
-        return out
-
-    def score(self, dz: DataZone, now_ns: int, policy: str) -> float:
-        live = self.alloc.live_bytes(dz.idx)
+    @staticmethod
+    def score(zone: ZoneUsage, now_ns: int, policy: str) -> float:
         if policy == "greedy":
-            return float(dz.reserved - live)
-        u = live / dz.capacity
-        age = max(1.0, (now_ns - dz.last_write_ns) / 1e9)
+            return float(zone.dead_bytes)
+        u = zone.live_bytes / zone.capacity_bytes
+        age = max(1.0, (now_ns - zone.last_write_ns) / 1e9)
         return (1.0 - u) * age / (1.0 + u)
 
-    def pick_victim(self, policy: str | None = None) -> DataZone | None:
+    def pick_victim(self, policy: str | None = None) -> ZoneUsage | None:
         """Best candidate whose live data fits where the cleaner can write."""
         policy = policy or self.policy
-        room = self._cleaner_room()
+        room = self.host.cleaner_room_bytes()
         now = time.time_ns()
-        best: tuple[float, DataZone] | None = None
-        for dz in self.candidates():
-            if self.alloc.live_bytes(dz.idx) > room:
+        best: tuple[float, ZoneUsage] | None = None
+        for zone in self.candidates():
+            if zone.live_bytes > room:
                 continue
-            s = self.score(dz, now, policy)
+            s = self.score(zone, now, policy)
             if best is None or s > best[0]:
-                best = (s, dz)
+                best = (s, zone)
         return best[1] if best else None
-
-    def _cleaner_room(self) -> int:
-        head = self.alloc.heads.get((Stream.CLEANER, 0))
-        room = self.alloc.zones[head].remaining if head is not None else 0
-        return room + sum(dz.capacity for dz in self.alloc.empty_zones())
 
     # -- copying ------------------------------------------------------------------------
     async def _throttle(self, nbytes: int) -> None:
@@ -135,108 +108,45 @@ class Cleaner:
             await trio.sleep(self._bucket_time - now)
 
     async def clean_zone(self, victim: int, *, throttle: bool) -> int:
-        """Relocate the live data of `victim`; return bytes copied.
+        """Relocate the live data of `victim`, in device order; return bytes copied.
 
         The victim becomes dead (and is reset after the next commit) unless
         a block of it could not be read correctly, in which case it is left
         alone and skipped from now on.
         """
-        bs = self.bs
-        zsize = self.state.zone_size
-        pieces: list[tuple[int, int, int, int, bytes]] = []
-        for ino in list(self.state.zone_owners.get(victim, ())):
-            inode = self.state.inodes.get(ino)
-            if inode is None or inode.extents is None:
-                continue
-            for e in inode.extents:
-                if e.dev // zsize == victim:
-                    for off in range(0, e.nblocks, COPY_UNIT // bs):
-                        n = min(COPY_UNIT // bs, e.nblocks - off)
-                        pieces.append((e.dev + off * bs, ino, e.fblock + off, n,
-                                       e.csums[off * 4:(off + n) * 4]))
-        pieces.sort()
+        pieces = sorted(self.host.live_pieces(victim, COPY_UNIT))
+        # Pinned in the same step as the pieces were taken (INV-8): data that dies
+        # while we copy it stays readable until we are done.
+        self.host.pin_zone(victim)
+        try:
+            return await self._copy_pieces(victim, pieces, throttle)
+        finally:
+            self.host.unpin_zone(victim)
+
+    async def _copy_pieces(self, victim: int, pieces: list[LivePiece], throttle: bool) -> int:
+        """Copy `pieces` of `victim` elsewhere (device order); return bytes copied."""
         copied = 0
-        for dev_off, ino, fblock, nblocks, csums in pieces:
-            nbytes = nblocks * bs
+        for piece in pieces:
             if throttle:
-                await self._throttle(nbytes)
-            data = await trio.to_thread.run_sync(self._read_verified, dev_off, nbytes, csums,
-                                                 limiter=self.fs.cleaner_limiter)
+                await self._throttle(piece.nblocks * self.host.block_size)
+            data = await self.host.read_verified(piece)
             if data is None:
                 self.skip.add(victim)
                 self.stats.checksum_failures += 1
                 log.error("cleaner: zone %d holds data of inode %d that fails its checksum at "
-                          "device offset %d; the zone is left as it is", victim, ino, dev_off)
+                          "device offset %d; the zone is left as it is", victim, piece.ino,
+                          piece.dev_offset_bytes)
                 return copied
-            copied += await self._relocate(ino, fblock, nblocks, dev_off, data, csums)
+            copied += await self.host.relocate(piece, data)
         self.stats.zones_cleaned += 1
         self.stats.bytes_copied += copied
-        self.state.counters[C_CLEANER_BYTES] = self.state.counters.get(C_CLEANER_BYTES, 0) \
-            + copied
+        self.host.count_cleaned(copied)
         return copied
-
-    def _read_verified(self, dev_off: int, nbytes: int, csums: bytes) -> bytes | None:
-        try:
-            data = self.fs.dev.read(dev_off, nbytes)
-        except OSError:
-            return None
-        return None if first_bad_block(data, self.bs, csums) is not None else data
-
-    async def _relocate(self, ino: int, fblock: int, nblocks: int, old_dev: int, data: bytes,
-                        csums: bytes) -> int:
-        bs = self.bs
-        pos = 0
-        copied = 0
-        while pos < len(data):
-            zone_ops: list[Op] = []
-            to_finish: list[int] = []
-            zone, granted = self.alloc.reserve(Stream.CLEANER, 0, len(data) - pos, zone_ops,
-                                               to_finish)
-            if zone_ops:
-                self.fs.journal.add(zone_ops)
-            try:
-                for z in to_finish:
-                    await trio.to_thread.run_sync(self.fs.dev.finish_zone, z,
-                                                  limiter=self.fs.cleaner_limiter)
-                new_dev = await trio.to_thread.run_sync(
-                    self.fs.dev.append, zone, memoryview(data)[pos:pos + granted],
-                    limiter=self.fs.cleaner_limiter)
-            except OSError as exc:
-                self.alloc.append_done(zone, ok=False)
-                raise errors.IOFailure(f"cleaner write to zone {zone} failed: {exc}") from exc
-            # No await from here: re-point only blocks still mapped to the old copy.
-            first = fblock + pos // bs
-            count = granted // bs
-            ops = self._repoint(ino, first, count, old_dev + pos, new_dev,
-                                csums[pos // bs * 4:(pos // bs + count) * 4])
-            for op in ops:
-                self.state.apply(op)
-            self.alloc.append_done(zone, ok=True)
-            if ops:
-                self.fs.journal.add(ops)
-            self.fs.journal.data_dirty = True
-            copied += granted
-            pos += granted
-        return copied
-
-    def _repoint(self, ino: int, first: int, count: int, old_dev: int, new_dev: int,
-                 csums: bytes) -> list[Op]:
-        inode = self.state.inodes.get(ino)
-        if inode is None or inode.extents is None:
-            return []
-        bs = self.bs
-        ops: list[Op] = []
-        for start, n, ext in inode.extents.lookup(first, count):
-            if ext is None:
-                continue
-            rel = start - first
-            if ext.dev + (start - ext.fblock) * bs != old_dev + rel * bs:
-                continue  # rewritten since we read it: the newer data stays
-            ops.append((OpType.EXTENT, ino, start, n, new_dev + rel * bs,
-                        csums[rel * 4:(rel + n) * 4]))
-        return ops
 
     # -- passes --------------------------------------------------------------------------
+    def _users_short(self) -> bool:
+        return self.host.empty_zone_count() <= self.host.reserve_zones
+
     async def clean_for_space(self) -> bool:
         """Foreground: clean (unthrottled) until users have an empty zone again.
 
@@ -245,20 +155,20 @@ class Cleaner:
         async with self._lock:
             self.stats.foreground_passes += 1
             freed = False
-            while len(self.alloc.empty_zones()) <= self.alloc.reserve_zones:
-                await self.fs.commit_and_reset()
-                if len(self.alloc.empty_zones()) > self.alloc.reserve_zones:
+            while self._users_short():
+                await self.host.commit_and_reset()
+                if not self._users_short():
                     return True
                 victim = self.pick_victim()
                 if victim is None:
                     return freed
-                await self.clean_zone(victim.idx, throttle=False)
+                await self.clean_zone(victim.zone_idx, throttle=False)
                 freed = True
             return True
 
     async def background_pass(self) -> int:
         """Clean one victim at the configured rate if empty zones run low."""
-        if self.rate <= 0 or len(self.alloc.empty_zones()) >= self.low_watermark:
+        if self.rate <= 0 or self.host.empty_zone_count() >= self.low_watermark:
             return 0
         if self._lock.locked():
             return 0
@@ -267,8 +177,8 @@ class Cleaner:
             if victim is None:
                 return 0
             self.stats.passes += 1
-            copied = await self.clean_zone(victim.idx, throttle=True)
-            await self.fs.commit_and_reset()
-            log.info("cleaner: zone %d cleaned, %d bytes relocated (%s)", victim.idx, copied,
-                     self.policy)
+            copied = await self.clean_zone(victim.zone_idx, throttle=True)
+            await self.host.commit_and_reset()
+            log.info("cleaner: zone %d cleaned, %d bytes relocated (%s)", victim.zone_idx,
+                     copied, self.policy)
             return copied

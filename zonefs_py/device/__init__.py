@@ -69,7 +69,7 @@ def _open_image(path: str, size_bytes: int, *, read_only: bool) -> ZonedDevice:
         raise DeviceRefused(f"{path} is a regular file of {size_bytes} bytes that is not a "
                             f"valid zonefs-py emulator image (too small, damaged or another "
                             f"format); {_EXPECTED} (create one with `zonefs-py emu create`)")
-    from zonefs_py.device.emu_faults import EnvTestHook
+    from zonefs_py.device.emu_hook import EnvTestHook
 
     hook = EnvTestHook.from_env()  # TEST HOOK (tests/torture); None unless the variable is set
     dev = emulated.EmulatedZonedDevice.open(

@@ -1,7 +1,10 @@
 """Fault injection for the emulated zoned device (test hook, never on a user path).
 
 Reach it as `EmulatedZonedDevice.faults`. Every hook is off until armed, and
-the device pays one attribute test per I/O while none is armed.
+the device pays one attribute test per I/O while none is armed. The injector
+holds the faults as data the emulator consults, and reaches back only through
+`FaultTarget` (so it does not import the emulator; docs/DESIGN.md §1). The
+daemon's environment-variable hook is in `emu_hook`.
 
 Hooks:
   * `fail_writes` / `fail_reads`: EIO for I/O touching a byte range of a zone,
@@ -28,14 +31,29 @@ from __future__ import annotations
 import errno
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
-from zonefs_py.device.base import ZoneCond
-
-if TYPE_CHECKING:
-    from zonefs_py.device.emulated import EmulatedZonedDevice
+from zonefs_py.device.base import DeviceInfo, ZoneCond
 
 FlushCutStage = Literal["before_table", "torn_table"]
+
+
+class FaultTarget(Protocol):
+    """What the injector asks of the device it is armed on (`EmulatedZonedDevice`).
+
+    Everything else the hooks do is data the device consults on its own I/O
+    path (`io_armed`, `check_read`, `check_write`, `apply_flips`, `cut_after`,
+    `writes_seen`, `flush_cut`), so this module never imports the emulator.
+    """
+
+    @property
+    def info(self) -> DeviceInfo: ...
+
+    def set_zone_bad(self, zone_idx: int, cond: ZoneCond) -> None:
+        """Turn a zone READONLY/OFFLINE durably (again: back to EMPTY)."""
+
+    def power_cut_now(self) -> None:
+        """Mark the device dead at once, keeping the image as it is."""
 
 
 @dataclass(slots=True)
@@ -58,7 +76,7 @@ class _BitFlip:
 class FaultInjector:
     """Arm and disarm the emulator's failure hooks (see the module docstring)."""
 
-    def __init__(self, device: EmulatedZonedDevice) -> None:
+    def __init__(self, device: FaultTarget) -> None:
         self._dev = device
         self._lock = threading.Lock()
         self._write_faults: list[_RangeFault] = []
@@ -114,11 +132,11 @@ class FaultInjector:
 
     def set_zone_readonly(self, zone_idx: int) -> None:
         """Turn a sequential zone READONLY, durably (again: back to EMPTY, as null_blk)."""
-        self._dev._set_zone_bad(zone_idx, ZoneCond.READONLY)
+        self._dev.set_zone_bad(zone_idx, ZoneCond.READONLY)
 
     def set_zone_offline(self, zone_idx: int) -> None:
         """Turn a sequential zone OFFLINE, durably (again: back to EMPTY, as null_blk)."""
-        self._dev._set_zone_bad(zone_idx, ZoneCond.OFFLINE)
+        self._dev.set_zone_bad(zone_idx, ZoneCond.OFFLINE)
 
     def cut_after_writes(self, count: int | None) -> None:
         """Cut power right after `count` more successful mutating calls (None disarms)."""
@@ -127,7 +145,7 @@ class FaultInjector:
         with self._lock:
             self.cut_after = None if count is None else self.writes_seen + count
         if count == 0:
-            self._dev._power_cut_now()
+            self._dev.power_cut_now()
 
     def cut_in_next_flush(self, stage: FlushCutStage) -> None:
         """Make the next flush cut power at `stage` ("before_table" or "torn_table")."""
@@ -186,93 +204,3 @@ class FaultInjector:
 
     def _update_armed_locked(self) -> None:
         self.io_armed = bool(self._write_faults or self._read_faults or self._flips)
-
-
-# -- TEST HOOK for a separate process (the mount daemon) -----------------------------------
-
-#: Environment variable read by `open_device` for emulator images. TEST HOOK: ignored unless set.
-ENV_HOOK = "ZONEFS_PY_EMU_TEST_HOOK"
-
-
-@dataclass(slots=True)
-class EnvTestHook:
-    """What `ZONEFS_PY_EMU_TEST_HOOK` asks of an emulator opened by a daemon (TEST HOOK).
-
-    The value is comma-separated `key=value` items:
-      * ``powercut=drop|tear``: open with `volatile_cache=True`; on SIGUSR1 a
-        thread runs `simulate_power_cut(mode, Random(seed))` and then the
-        process SIGKILLs itself, so a test can cut power of a running daemon
-        (a plain SIGKILL loses no write the emulator acknowledged).
-      * ``seed=N``: seed of the tear (default 0).
-      * ``cut_after_writes=N``: the device dies after N mutating calls, counted
-        from open, or (with ``arm=sigusr2``) from when the process gets SIGUSR2,
-        so that a test can let mount and recovery finish first.
-    Crash-torture runs (tests/torture) set it; users never should.
-    """
-
-    powercut: str | None = None
-    seed: int = 0
-    cut_after_writes: int | None = None
-    arm_on_sigusr2: bool = False
-
-    @classmethod
-    def from_env(cls) -> EnvTestHook | None:
-        """Parse the variable; None when unset or empty. Raises ValueError for a bad value."""
-        import os
-
-        spec = os.environ.get(ENV_HOOK, "").strip()
-        if not spec:
-            return None
-        hook = cls()
-        for item in spec.split(","):
-            key, _, value = item.strip().partition("=")
-            if key == "powercut" and value in ("drop", "tear"):
-                hook.powercut = value
-            elif key == "seed":
-                hook.seed = int(value)
-            elif key == "cut_after_writes":
-                hook.cut_after_writes = int(value)
-            elif key == "arm" and value == "sigusr2":
-                hook.arm_on_sigusr2 = True
-            else:
-                raise ValueError(f"{ENV_HOOK}: bad item {item!r}")
-        return hook
-
-    @property
-    def volatile_cache(self) -> bool:
-        return self.powercut is not None
-
-    def install(self, dev: EmulatedZonedDevice) -> None:
-        """Arm the hooks on a freshly opened device (SIGUSR1 only from the main thread)."""
-        import logging
-        import os
-        import random
-        import signal
-
-        main = threading.current_thread() is threading.main_thread()
-        count = self.cut_after_writes
-        if count is not None and self.arm_on_sigusr2 and main:
-
-            def arm(_signum: int, _frame: object) -> None:
-                threading.Thread(target=dev.faults.cut_after_writes, args=(count,),
-                                 name="emu-arm-cut", daemon=True).start()
-
-            signal.signal(signal.SIGUSR2, arm)
-        elif count is not None:
-            dev.faults.cut_after_writes(count)
-        if self.powercut is None or not main:
-            return
-        mode = self.powercut
-        rng = random.Random(self.seed)
-
-        def cut_and_die() -> None:
-            try:
-                dev.simulate_power_cut(mode, rng)  # type: ignore[arg-type]
-                logging.getLogger(__name__).warning("TEST HOOK: power cut (%s)", mode)
-            finally:
-                os.kill(os.getpid(), signal.SIGKILL)
-
-        def on_sigusr1(_signum: int, _frame: object) -> None:
-            threading.Thread(target=cut_and_die, name="emu-power-cut", daemon=True).start()
-
-        signal.signal(signal.SIGUSR1, on_sigusr1)

@@ -456,7 +456,7 @@ class EmulatedZonedDevice:
             self._io.fdatasync()
             stage = self.faults.flush_cut
             if stage == "before_table":
-                self._power_cut_now()
+                self.power_cut_now()
                 raise _power_loss()
             if snapshot != self._durable or stage is not None:
                 self._write_table_locked(snapshot, torn=stage == "torn_table")
@@ -480,7 +480,7 @@ class EmulatedZonedDevice:
             old = self._io.pread(offset, tbytes)
             self._io.pwrite(offset, buf[:cut] + old[cut:])
             self._io.fdatasync()
-            self._power_cut_now()
+            self.power_cut_now()
             raise _power_loss()
         self._io.pwrite(offset, buf)
         self._io.fdatasync()
@@ -546,8 +546,8 @@ class EmulatedZonedDevice:
             entries[zone_idx] = entry
             self._write_table_locked(entries)
 
-    def _set_zone_bad(self, zone_idx: int, cond: ZoneCond) -> None:
-        """Turn a zone READONLY/OFFLINE durably (FaultInjector hook)."""
+    def set_zone_bad(self, zone_idx: int, cond: ZoneCond) -> None:
+        """Turn a zone READONLY/OFFLINE durably (test hook: reach it as `faults.set_zone_*`)."""
         self._check_writable()
         self._check_zone_idx(zone_idx)
         with self._zone_locks[zone_idx]:
@@ -585,7 +585,7 @@ class EmulatedZonedDevice:
             if entries != self._durable:
                 self._io.fdatasync()
                 self._write_table_locked(entries)
-            self._power_cut_now()
+            self.power_cut_now()
 
     def _torn_entries_locked(self, rng: random.Random) -> list[TableEntry]:
         bs = self._geo.block_size
@@ -603,8 +603,8 @@ class EmulatedZonedDevice:
                                       old.reset_count)
         return entries
 
-    def _power_cut_now(self) -> None:
-        """Mark the device dead and drop the image lock (the image stays as it is)."""
+    def power_cut_now(self) -> None:
+        """Mark the device dead and drop the image lock (the image stays as it is; test hook)."""
         self._dead = True
         self._overlay.clear()
         if self._io.fd >= 0 and not self._read_only:
@@ -614,7 +614,7 @@ class EmulatedZonedDevice:
         faults = self.faults
         faults.writes_seen += 1
         if faults.cut_after is not None and faults.writes_seen >= faults.cut_after:
-            self._power_cut_now()
+            self.power_cut_now()
 
     # -- argument checks ------------------------------------------------------------
 

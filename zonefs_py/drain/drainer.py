@@ -38,11 +38,11 @@ import trio
 import xxhash
 
 from zonefs_py import errors
-from zonefs_py.drain import model
 from zonefs_py.drain.manager import DrainManager, object_metadata, object_url, snapshot_inode
-from zonefs_py.drain.model import DrainState
 from zonefs_py.drain.store import META_SIZE, META_XXH3, StoreError, multipart_etag
-from zonefs_py.fs.state import Inode
+from zonefs_py.model import drain as model
+from zonefs_py.model.drain import DrainState
+from zonefs_py.model.state import Inode
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,7 @@ class Drainer:
         """Upload queued files until `stop()`."""
         if self.fs.options.read_only:
             return
+        self.m._drainer = self  # so that the engine's close() can stop us
         with self._cancel:
             self.m.resume_after_mount()
             await self._abort_stale()

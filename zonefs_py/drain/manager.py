@@ -4,7 +4,7 @@
 at a few points (write, truncate, open, fsync, last close, rename, the
 `user.zonefs.state` xattr, ENOSPC) and `Drainer` (drainer.py) uploads what
 it queues. Every state change is a DRAIN op applied and journaled like any
-other transaction (model.py gives the legal moves and the crash argument).
+other transaction (zonefs_py/model/drain.py gives the legal moves and the crash argument).
 
 Policy, per directory, inherited by everything below it (like streams):
   * `user.zonefs.drain` = s3://bucket/prefix: files below drain to
@@ -37,14 +37,12 @@ import logging
 import os
 import re
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 import xxhash
 
 from zonefs_py import errors
-from zonefs_py.drain import model
-from zonefs_py.drain.model import DrainRecord, DrainState
 from zonefs_py.drain.store import (
     META_SIZE,
     META_XXH3,
@@ -59,10 +57,9 @@ from zonefs_py.drain.store import (
 from zonefs_py.format.constants import OpType
 from zonefs_py.format.ops import Op
 from zonefs_py.fs.api import ROOT_INO
-from zonefs_py.fs.state import Inode
-
-if TYPE_CHECKING:
-    from zonefs_py.fs.filesystem import ZoneFS
+from zonefs_py.model import drain as model
+from zonefs_py.model.drain import DrainRecord, DrainState
+from zonefs_py.model.state import Inode
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +97,7 @@ def check_policy_xattr(name: bytes, value: bytes, is_dir: bool) -> None:
 
 def snapshot_inode(inode: Inode) -> Inode:
     """A detached copy of a file's size and extent map (the version to upload)."""
-    from zonefs_py.fs.extents import Extent, ExtentMap
+    from zonefs_py.model.extents import Extent, ExtentMap
 
     snap = Inode(inode.ino, inode.mode, size=inode.size, flags=inode.flags)
     if inode.extents is not None and len(inode.extents):
@@ -113,7 +110,9 @@ def snapshot_inode(inode: Inode) -> Inode:
 
 
 class DrainManager:
-    def __init__(self, fs: ZoneFS, store: ObjectStore | None = None) -> None:
+    def __init__(self, fs: Any, store: ObjectStore | None = None) -> None:
+        # fs: the ZoneFS that owns this manager (not imported: it imports this module,
+        # docs/DESIGN.md §1 allows no cycle).
         o = fs.options
         self.fs = fs
         self.state = fs.state
@@ -153,14 +152,8 @@ class DrainManager:
         self._drainer: Any = None
 
     # -- the background task ----------------------------------------------------------
-    async def run(self) -> None:
-        """Run the drainer (drainer.py) until `stop()`; the daemon starts this."""
-        from zonefs_py.drain.drainer import Drainer
-
-        self._drainer = Drainer(self)
-        await self._drainer.run()
-
     def stop(self) -> None:
+        """Stop the drainer (drainer.py registers itself in `_drainer` when it runs)."""
         if self._drainer is not None:
             self._drainer.stop()
 
@@ -446,7 +439,7 @@ class DrainManager:
         """Wrap DataPath.on_need_space: evict drained files first, then clean."""
         async def need_space() -> bool:
             if await self.relieve_space(self.fs.data.zone_size):
-                await self.fs.commit_and_reset()
+                await self.fs.reclaim.commit_and_reset()
                 return True
             result: bool = await fallback()
             return result

@@ -55,8 +55,8 @@ from zonefs_py.format.checksum import Data, block_checksums, first_bad_block
 from zonefs_py.format.constants import OpType, Stream
 from zonefs_py.format.ops import Op
 from zonefs_py.fs.qos import ReadPriority
-from zonefs_py.fs.state import Inode, State
 from zonefs_py.journal.journal import Journal
+from zonefs_py.model.state import Inode, State
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +130,10 @@ class DataPath:
         self.reader: AsyncReader | None = None
         #: Read QoS gate for appends (disabled until the engine sets a rate).
         self.qos = ReadPriority(0)
+        #: TEST HOOK: awaited by every chunk after its data is placed and before its
+        #: ops are applied, so tests can make chunks land before, during or after
+        #: another request (tests/unit/test_chunk_landing.py). None in production.
+        self.chunk_landing_hook: Callable[[], Awaitable[None]] | None = None
 
     # -- helpers -----------------------------------------------------------------
     def lock(self, ino: int) -> trio.Lock:
@@ -195,7 +199,11 @@ class DataPath:
                 start = offset // self.bs * self.bs
                 buf = WriteBuffer(start)
                 if start < offset:
-                    buf.data += await self._read_stored(inode, start, offset - start)
+                    # The head of the block from the file as readers see it: chunks
+                    # still in flight included (the extents alone may be older, and
+                    # this buffer lands after those chunks, so stale bytes here
+                    # would overwrite newer ones).
+                    buf.data += await self._read_locked(inode, start, offset - start)
                 self.buffers[inode.ino] = buf
             rel = offset - buf.start
             if rel == len(buf.data):
@@ -303,6 +311,8 @@ class DataPath:
             log.exception("unexpected error writing file data of inode %d", inode.ino)
             error = errors.IOFailure(f"unexpected error: {exc!r}")
             placed = []
+        if self.chunk_landing_hook is not None:
+            await self.chunk_landing_hook()
         if chunk.prev is not None:
             await chunk.prev.applied.wait()
         try:
@@ -438,6 +448,8 @@ class DataPath:
 
     async def _read_locked(self, inode: Inode, offset: int, length: int
                            ) -> bytes | memoryview:
+        """The file's bytes as readers see them: extents, then in-flight chunks, then
+        the buffer, newest last (the caller holds the file's lock)."""
         # Snapshot the in-flight chunks first: one that lands while the extents
         # are read leaves the in-flight list but may be missing from the extent
         # map as it was looked up (that read would see a hole).
@@ -468,7 +480,14 @@ class DataPath:
     async def _read_view(self, inode: Inode, offset: int, length: int) -> bytes | memoryview:
         """`_read_stored`, but a single device read comes back as the reader's
         read-only view (no copy): for `read()`, whose result goes straight to
-        the reply."""
+        the reply.
+
+        The mapping is looked up and every zone it touches pinned in one step
+        (no await between): the read is of the file as it was at that instant,
+        however the map changes while the device reads run (chunks landing,
+        the cleaner re-pointing), and no zone it reads is reset under it
+        (INV-8).
+        """
         assert inode.extents is not None
         bs = self.bs
         end = min(offset + length, max(inode.size, offset))
@@ -476,26 +495,23 @@ class DataPath:
             return bytes(length)
         fb0 = offset // bs
         fb1 = (end + bs - 1) // bs
+        pieces = inode.extents.lookup(fb0, fb1 - fb0, bs)
+        zsize = self.zone_size
+        pinned = [z for p in pieces if p.dev is not None
+                  for z in range(p.dev // zsize, (p.dev + p.nblocks * bs - 1) // zsize + 1)]
+        for z in pinned:
+            self.alloc.pin_read(z)
         parts: list[bytes | memoryview] = []
-        for start, count, ext in inode.extents.lookup(fb0, fb1 - fb0):
-            if ext is None:
-                parts.append(bytes(count * bs))
-                continue
-            rel = start - ext.fblock
-            dev_off = ext.dev + rel * bs
-            csums = ext.csums[rel * 4:(rel + count) * 4]
-            # The extent may die while we read it (overwrite, cleaning): its zone
-            # is not reset until the read is done.
-            zsize = self.zone_size
-            zones = range(dev_off // zsize, (dev_off + count * bs - 1) // zsize + 1)
-            for z in zones:
-                self.alloc.pin_read(z)
-            try:
-                parts.append(await self._read_extent(inode.ino, start, dev_off, count * bs,
-                                                     csums))
-            finally:
-                for z in zones:
-                    self.alloc.unpin_read(z)
+        try:
+            for p in pieces:
+                if p.dev is None:
+                    parts.append(bytes(p.nblocks * bs))
+                else:
+                    parts.append(await self._read_extent(inode.ino, p.fblock, p.dev,
+                                                         p.nblocks * bs, p.csums))
+        finally:
+            for z in pinned:
+                self.alloc.unpin_read(z)
         blob = b"".join(parts) if len(parts) != 1 else parts[0]
         skip = offset - fb0 * bs
         out = blob[skip:skip + (end - offset)]
@@ -533,6 +549,16 @@ class DataPath:
         raise errors.IOFailure(f"device read failed: {exc}") from exc
 
     def _verify(self, ino: int, fblock: int, dev_off: int, data: Data, csums: bytes) -> None:
+        """Check every block of `data` against `csums`; a mismatch (or a mapping whose
+        checksums do not cover its blocks) is an `IOFailure` for this file alone."""
+        nblocks = len(data) // self.bs
+        if len(csums) != nblocks * 4:
+            # An inconsistency of this file's mapping, not of the device or the
+            # metadata as a whole: EIO for this read, the mount stays writable.
+            log.error("internal error in %s at file offset %d: %d checksums for %d blocks "
+                      "(device offset %d); the read fails with EIO", self.path_of(ino),
+                      fblock * self.bs, len(csums) // 4, nblocks, dev_off)
+            raise errors.IOFailure(f"inconsistent mapping at file offset {fblock * self.bs}")
         bad = first_bad_block(data, self.bs, csums)
         if bad is not None:
             file_off = (fblock + bad) * self.bs
@@ -552,8 +578,8 @@ class DataPath:
                 keep_blocks = (new_size + bs - 1) // bs
                 if new_size % bs:
                     block_start = new_size // bs * bs
-                    pieces = inode.extents.lookup(new_size // bs, 1)
-                    if pieces and pieces[0][2] is not None:
+                    pieces = inode.extents.lookup(new_size // bs, 1, bs)
+                    if pieces and pieces[0].dev is not None:
                         head = await self._read_stored(inode, block_start, new_size - block_start)
                         block = head + bytes(bs - len(head))
                         ops += await self._append_file_data(inode, block_start // bs, block)

@@ -1,8 +1,12 @@
 """ZoneFS: the namespace engine behind the FUSE adapter (see fs/api.py).
 
-Namespace-changing operations and xattrs live in the `NamespaceOps` mixin
-(fs/namespace.py); this module has lifecycle, lookups, attributes, files,
-directories and whole-filesystem operations.
+This module serves requests: lookups, attributes, files, directories and
+whole-filesystem operations, plus the lifecycle that wraps them (load,
+background loop, close). Around it, each with one job: namespace-changing
+operations and xattrs in the `NamespaceOps` mixin (fs/namespace.py); file data
+in `DataPath` (fs/datapath.py); putting a recovered image in order at mount
+(fs/after_recovery.py); zone resets and the cleaner's host (fs/reclaim.py);
+the status figures (fs/status.py).
 
 Every namespace operation follows one pattern: validate against the State,
 build the ops, apply them and add them to the journal as one transaction,
@@ -31,10 +35,12 @@ import trio
 
 from zonefs_py import errors
 from zonefs_py.alloc.allocator import Allocator
+from zonefs_py.cleaner.cleaner import Cleaner
 from zonefs_py.device.aread import AsyncReader
 from zonefs_py.device.base import ZonedDevice
 from zonefs_py.format.constants import OpType
 from zonefs_py.format.ops import Op
+from zonefs_py.fs.after_recovery import finish_recovery, refuse_non_tree
 from zonefs_py.fs.api import (
     FILE_SIZE_MAX,
     NAME_MAX,
@@ -52,9 +58,11 @@ from zonefs_py.fs.namespace import NamespaceOps
 from zonefs_py.fs.options import FsOptions
 from zonefs_py.fs.qos import ReadPriority
 from zonefs_py.fs.quota import QuotaTracker
-from zonefs_py.fs.state import Inode, State
+from zonefs_py.fs.reclaim import SpaceReclaim
+from zonefs_py.fs.status import build_status
 from zonefs_py.journal.journal import Journal
 from zonefs_py.journal.recovery import Recovered, recover
+from zonefs_py.model.state import Inode, State
 
 log = logging.getLogger(__name__)
 
@@ -66,39 +74,6 @@ class _DirHandle:
     def __init__(self, ino: int, names: list[bytes]) -> None:
         self.ino = ino
         self.names = names
-
-
-def _refuse_non_tree(state: State, path: str) -> None:
-    """Raise CorruptionError unless every linked directory has one name, reachable from the root.
-
-    INV-11; checked at mount so that the kernel never walks a loop or a
-    directory alias, whatever a damaged (but checksummed) log says.
-    Directories with nlink 0 (removed while open before a crash) are freed later.
-    """
-    names: dict[int, int] = {}
-    for d in state.inodes.values():
-        for child in (d.entries or {}).values():
-            c = state.inodes.get(child)
-            if c is not None and c.is_dir:
-                names[child] = names.get(child, 0) + 1
-    root = state.inodes.get(ROOT_INO)
-    if root is None or not root.is_dir:
-        raise errors.CorruptionError(f"{path}: the root directory is missing; "
-                                     "run 'zonefs-py fsck'")
-    reached, stack = {ROOT_INO}, [ROOT_INO]
-    while stack:
-        for child in (state.inodes[stack.pop()].entries or {}).values():
-            c = state.inodes.get(child)
-            if c is not None and c.is_dir and child not in reached:
-                reached.add(child)
-                stack.append(child)
-    for ino, inode in state.inodes.items():
-        if not inode.is_dir or ino == ROOT_INO or (inode.nlink == 0 and ino not in names):
-            continue
-        if names.get(ino, 0) != 1 or ino not in reached:
-            raise errors.CorruptionError(
-                f"{path}: directory {ino} has {names.get(ino, 0)} names or is not reachable "
-                "from the root (INV-11); run 'zonefs-py fsck'")
 
 
 class ZoneFS(NamespaceOps, FileSystemAPI):
@@ -117,7 +92,6 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         self.read_limiter = trio.CapacityLimiter(options.max_device_threads)
         self.limiter = trio.CapacityLimiter(max(2, options.max_device_threads // 4))
         self.meta_limiter = trio.CapacityLimiter(2)
-        self.cleaner_limiter = trio.CapacityLimiter(1)
         self.journal = Journal(dev, rec.log, rec.sbstore, rec.sb, self.state, self.meta_limiter)
         self.journal.journal_limit = options.checkpoint_journal_bytes
         self.alloc = Allocator(dev.info, rec.sb, self.state, dev.report_zones())
@@ -128,9 +102,8 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         self.data.qos = ReadPriority(options.qos_write_mb_s * 1e6)
         if options.io_uring:
             self.data.reader = AsyncReader(dev, self.read_limiter, options.sqpoll_ms)
-        from zonefs_py.cleaner.cleaner import Cleaner
-
-        self.cleaner = Cleaner(self)
+        self.reclaim = SpaceReclaim(dev, self.state, self.journal, self.alloc, self.limiter)
+        self.cleaner = Cleaner(self.reclaim, options.cleaner_policy, options.cleaner_rate_mb_s)
         self.quota = QuotaTracker(self.state)
         self._meta_base = self.state.counters.get(C_META_BYTES, 0)
         self.data.on_need_space = self.cleaner.clean_for_space
@@ -160,7 +133,7 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         """
         options = options or FsOptions()
         rec = await trio.to_thread.run_sync(recover, dev)
-        _refuse_non_tree(rec.state, dev.info.path)
+        refuse_non_tree(rec.state, dev.info.path)
         fs = cls(dev, rec, options)
         log.info("recovered %s: %d records, %d ops in %.2f s (torn tail: %s)", dev.info.path,
                  rec.records, rec.ops, rec.seconds, rec.scan.torn_tail)
@@ -169,46 +142,11 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         return fs
 
     async def _after_recovery(self) -> None:
-        """Free orphans, reset dead zones, and start a clean log if its tail was torn."""
-        scan = self.recovered.scan
-        stale = scan.obsolete_zones + scan.garbage_zones
-        if stale:
-            await trio.to_thread.run_sync(self.journal.log.reset_zones, stale)
-        torn = self.recovered.torn_checkpoint
-        if torn is not None:
-            # A checkpoint always starts a fresh zone: drop the zones of a torn one
-            # and continue the log from its first sequence number (so the chain
-            # stays gapless), else later journal records would land inside it.
-            mlog = self.journal.log
-            first_seq = mlog.zone_first_seq[torn.zone]
-            garbage = [z for z, s in mlog.zone_first_seq.items() if s >= first_seq]
-            mlog.cur_zone = None
-            await trio.to_thread.run_sync(mlog.reset_zones, garbage)
-            mlog.next_seq = first_seq
-        cp = self.recovered.newest_checkpoint
-        if cp is not None and cp.offset != self.sb.checkpoint_offset:
-            # A crash hit between a complete checkpoint and its superblock write:
-            # finish that step, or the zones before it stay in use for good and
-            # the log runs out of meta zones (LogFull).
-            sb = self.sb.with_checkpoint(cp.zone, cp.offset, cp.seq)
-            await trio.to_thread.run_sync(self.journal.sbstore.write, sb)
-            self.sb = self.journal.sb = sb
-            mlog = self.journal.log
-            obsolete = mlog.zones_before(mlog.zone_first_seq[cp.zone])
-            if obsolete:
-                await trio.to_thread.run_sync(mlog.reset_zones, obsolete)
-        orphans = [i for i in self.state.inodes.values() if i.nlink == 0 and i.ino != ROOT_INO]
-        for inode in orphans:
-            log.info("freeing orphan inode %d (unlinked while open before a crash)", inode.ino)
-            self._txn([(OpType.INODE_FREE, inode.ino)])
-        dead = self.alloc.adopt_partial_zones()
-        for zone in dead:
-            self.alloc.pending_resets.append((zone, 0))
-        await self.journal.commit()
-        if scan.torn_tail or torn is not None or self.journal.checkpoint_needed(
-                self.options.checkpoint_journal_bytes):
-            await self.journal.checkpoint()
-        await self._reset_dead_zones()
+        """Put a recovered image in order before serving (fs/after_recovery.py)."""
+        sb = await finish_recovery(self.recovered, self.journal, self.alloc, self.reclaim,
+                                   self._txn, self.options.checkpoint_journal_bytes)
+        if sb is not None:
+            self.sb = sb
 
     async def serve_background(self) -> None:
         """Run periodic commits, checkpoints and zone resets until `close()`."""
@@ -230,18 +168,13 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
             await self.journal.commit()
         if self.journal.checkpoint_needed(self.options.checkpoint_journal_bytes):
             await self.journal.checkpoint()
-        await self._reset_dead_zones()
+        await self.reclaim.reset_dead_zones()
         await self.cleaner.background_pass()
 
     def metadata_bytes_written(self) -> int:
         """Metadata bytes written over the filesystem's life (earlier mounts + this one)."""
         return (self._meta_base + self.journal.log.bytes_written
                 + self.journal.sbstore.bytes_written)
-
-    async def commit_and_reset(self) -> None:
-        """Make queued changes durable, then reset the zones they left dead."""
-        await self.journal.commit()
-        await self._reset_dead_zones()
 
     def wake_background(self) -> None:
         self._wake.set()
@@ -273,7 +206,7 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
             self._record_counters()
             await self.journal.commit()
             await self.journal.checkpoint()
-            await self._reset_dead_zones()
+            await self.reclaim.reset_dead_zones()
             await trio.to_thread.run_sync(self.dev.flush)
         except (errors.ZoneFSError, OSError) as exc:
             log.error("unmount could not write everything: %s", exc)
@@ -284,21 +217,6 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         if self.failsafe is None:
             self.failsafe = reason
             log.error("switching to read-only failsafe mode: %s", reason)
-
-    async def _reset_dead_zones(self) -> None:
-        for zone in self.alloc.take_resettable(self.journal.durable_txn):
-            try:
-                await trio.to_thread.run_sync(self.dev.reset_zone, zone, limiter=self.limiter)
-            except OSError as exc:
-                # The zone's data is dead and durable as such: losing the zone
-                # costs space, not data. Keep going with the others.
-                log.error("reset of dead data zone %d failed (%s); not used again "
-                          "until remount", zone, exc)
-                self.alloc.zone_reset_failed(zone)
-                continue
-            ops: list[Op] = []
-            self.alloc.zone_was_reset(zone, ops)
-            self.journal.add(ops)
 
     def _record_counters(self) -> None:
         """Queue the write counters so that they survive a crash (persisted figures)."""
@@ -655,7 +573,7 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         await self.data.flush_all()
         self._record_counters()
         await self.journal.checkpoint()
-        await self._reset_dead_zones()
+        await self.reclaim.reset_dead_zones()
 
     async def sync(self) -> None:
         if self.options.read_only:
@@ -665,8 +583,6 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         await self.journal.commit()
 
     def status(self) -> dict[str, object]:
-        from zonefs_py.fs.status import build_status
-
         return build_status(self)
 
 

@@ -20,10 +20,10 @@ from zonefs_py.device.base import ZoneCond, ZonedDevice
 from zonefs_py.format.constants import OpType
 from zonefs_py.format.superblock import LABEL_MAX, Superblock
 from zonefs_py.fs.api import ROOT_INO
-from zonefs_py.fs.state import State
 from zonefs_py.journal.journal import checkpoint_records
 from zonefs_py.journal.log import MetaLog
 from zonefs_py.journal.sbstore import SuperblockStore
+from zonefs_py.model.state import State
 
 MIN_DATA_ZONES = 4
 DEFAULT_RESERVE_PERCENT = 5.0

@@ -29,7 +29,7 @@ from zonefs_py.fs.api import (
 )
 from zonefs_py.fs.datapath import FLAG_STREAM_SET
 from zonefs_py.fs.quota import QUOTA_XATTR, QuotaTracker
-from zonefs_py.fs.state import Inode, State
+from zonefs_py.model.state import Inode, State
 
 LINK_MAX = 65000
 _XATTR_PREFIXES = (b"user.", b"trusted.", b"security.")

@@ -28,7 +28,7 @@ from zonefs_py import errors
 from zonefs_py.fs.api import ROOT_INO
 
 if TYPE_CHECKING:
-    from zonefs_py.fs.state import Inode, State
+    from zonefs_py.model.state import Inode, State
 
 QUOTA_XATTR = b"user.zonefs.quota"
 #: Ancestors walked at most (deeper trees are still accounted up to this depth).

@@ -1,17 +1,65 @@
-"""Figures for `zonefs-py stat` (JSON-serialisable), built from a mounted ZoneFS."""
+"""Figures for `zonefs-py stat` (JSON-serialisable), built from a mounted filesystem.
+
+The builder reads the filesystem through `StatusSource`, the parts a mounted
+ZoneFS exposes, so this module does not import filesystem.py (which calls
+`build_status(self)`; docs/DESIGN.md §1). The dict's keys and values are an
+interface: `zonefs-py stat` prints them and metrics are built from them.
+"""
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from zonefs_py.alloc.allocator import Allocator
+from zonefs_py.cleaner.cleaner import Cleaner
+from zonefs_py.device.base import Zone, ZoneCond, ZonedDevice
 from zonefs_py.format.constants import Stream, ZoneRole
+from zonefs_py.format.superblock import Superblock
+from zonefs_py.fs.datapath import (
+    C_CLEANER_BYTES,
+    C_DATA_BYTES,
+    C_PAD_BYTES,
+    C_STREAM_BASE,
+    C_USER_BYTES,
+)
+from zonefs_py.fs.latency import Histogram
+from zonefs_py.fs.options import FsOptions
+from zonefs_py.fs.quota import QuotaTracker
+from zonefs_py.journal.journal import Journal
+from zonefs_py.model.state import State
 
-if TYPE_CHECKING:
-    from zonefs_py.fs.filesystem import ZoneFS
+
+class DrainFigures(Protocol):
+    """The drain's part of the status (zonefs_py/drain/manager.py)."""
+
+    def status(self) -> dict[str, object]: ...
 
 
-def zone_roles(fs: ZoneFS) -> dict[int, ZoneRole]:
+class StatusSource(Protocol):
+    """What the status is built from: the parts of a mounted filesystem (ZoneFS)."""
+
+    dev: ZonedDevice
+    #: Block size in bytes.
+    bs: int
+    sb: Superblock
+    state: State
+    options: FsOptions
+    failsafe: str | None
+    alloc: Allocator
+    journal: Journal
+    quota: QuotaTracker
+    cleaner: Cleaner
+    read_latency: Histogram
+    write_latency: Histogram
+
+    @property
+    def drain(self) -> DrainFigures: ...
+
+    def metadata_bytes_written(self) -> int: ...
+
+
+def zone_roles(fs: StatusSource) -> dict[int, ZoneRole]:
     sb = fs.sb
     roles: dict[int, ZoneRole] = {}
     for z in range(sb.nr_zones):
@@ -26,16 +74,8 @@ def zone_roles(fs: ZoneFS) -> dict[int, ZoneRole]:
     return roles
 
 
-def build_status(fs: ZoneFS) -> dict[str, object]:
+def build_status(fs: StatusSource) -> dict[str, object]:
     """Return zones by condition, space, write amplification, streams and journal state."""
-    from zonefs_py.fs.datapath import (
-        C_CLEANER_BYTES,
-        C_DATA_BYTES,
-        C_PAD_BYTES,
-        C_STREAM_BASE,
-        C_USER_BYTES,
-    )
-
     zones = fs.dev.report_zones()
     roles = zone_roles(fs)
     by_cond = Counter(z.cond.name for z in zones)
@@ -110,7 +150,7 @@ def build_status(fs: ZoneFS) -> dict[str, object]:
     }
 
 
-def _dead_zones(fs: ZoneFS) -> dict[str, object]:
+def _dead_zones(fs: StatusSource) -> dict[str, object]:
     """Zones written but holding no live data, by why they are not reset yet."""
     pending = {z for z, _ in fs.alloc.pending_resets}
     why: Counter[str] = Counter()
@@ -147,12 +187,9 @@ def _run_length(chars: str) -> str:
     return " ".join(runs)
 
 
-def _zone_char(fs: ZoneFS, z: object, role: ZoneRole) -> str:
+def _zone_char(fs: StatusSource, z: Zone, role: ZoneRole) -> str:
     """One character per zone: S superblock, M metadata, . empty data, d/D data
     (partly / fully written), x dead awaiting reset, ! read-only or offline, c conventional."""
-    from zonefs_py.device.base import Zone, ZoneCond
-
-    assert isinstance(z, Zone)
     if z.cond in (ZoneCond.READONLY, ZoneCond.OFFLINE):
         return "!"
     if role == ZoneRole.SUPERBLOCK:

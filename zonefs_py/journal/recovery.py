@@ -20,10 +20,10 @@ from zonefs_py.device.base import ZonedDevice
 from zonefs_py.format.constants import RecordType
 from zonefs_py.format.ops import OpDecodeError, decode_ops
 from zonefs_py.format.superblock import Superblock
-from zonefs_py.fs.state import State, StateError
 from zonefs_py.journal.journal import CHECKPOINT_END
 from zonefs_py.journal.log import LogCorrupt, LogPosition, MetaLog, ScanResult
 from zonefs_py.journal.sbstore import SuperblockStore
+from zonefs_py.model.state import State, StateError
 
 log = logging.getLogger(__name__)
 

@@ -7,12 +7,17 @@ overlap (INV-5); a newer extent replaces whatever it overlaps, splitting older
 extents. Adjacent extents that are contiguous both in the file and on the
 device, inside one zone, are merged to keep memory small for large sequential
 files (a 1 GiB checkpoint in its own zone is one extent).
+
+Extents are changed in place (split, trimmed, merged) without an await in
+between, so an extent and its checksums always change together (INV-5).
+Code that awaits while using a mapping holds `Piece` copies from `lookup`.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Iterator
+from typing import NamedTuple
 
 
 class Extent:
@@ -34,6 +39,20 @@ class Extent:
 
 #: A piece of the device that stopped being referenced: (dev_offset, nblocks).
 Freed = tuple[int, int]
+
+
+class Piece(NamedTuple):
+    """A copy of part of a file's mapping, as `ExtentMap.lookup` saw it.
+
+    `dev` is the device byte offset of file block `fblock`, or None for a
+    hole; `csums` holds exactly `nblocks` checksums (empty for a hole). It
+    stays true to the moment of the lookup whatever happens to the map later.
+    """
+
+    fblock: int
+    nblocks: int
+    dev: int | None
+    csums: bytes
 
 
 class ExtentMap:
@@ -129,9 +148,16 @@ class ExtentMap:
     def is_shared_empty(self) -> bool:
         return self is EMPTY_EXTENTS
 
-    def lookup(self, fblock: int, nblocks: int) -> list[tuple[int, int, Extent | None]]:
-        """Cover [fblock, fblock+nblocks) with pieces (start, count, extent-or-None for a hole)."""
-        out: list[tuple[int, int, Extent | None]] = []
+    def lookup(self, fblock: int, nblocks: int, block_size: int) -> list[Piece]:
+        """Cover [fblock, fblock+nblocks) with `Piece`s, holes included, in file order.
+
+        The pieces are copies: `insert`, `truncate` and the cleaner change
+        `Extent` objects in place, so a caller that awaits between looking up
+        and using a mapping must hold pieces, never extents (issue 18: a read
+        that held an extent across an await saw it trimmed by a chunk that
+        landed meanwhile, and sliced checksums that did not match its length).
+        """
+        out: list[Piece] = []
         end = fblock + nblocks
         pos = fblock
         i = bisect.bisect_right(self.starts, fblock) - 1
@@ -139,14 +165,16 @@ class ExtentMap:
             i += 1
         while pos < end:
             if i >= len(self.exts) or self.exts[i].fblock >= end:
-                out.append((pos, end - pos, None))
+                out.append(Piece(pos, end - pos, None, b""))
                 break
             e = self.exts[i]
             if e.fblock > pos:
-                out.append((pos, e.fblock - pos, None))
+                out.append(Piece(pos, e.fblock - pos, None, b""))
                 pos = e.fblock
             hi = min(end, e.fend)
-            out.append((pos, hi - pos, e))
+            rel = pos - e.fblock
+            out.append(Piece(pos, hi - pos, e.dev + rel * block_size,
+                             e.csums[rel * 4:(hi - e.fblock) * 4]))
             pos = hi
             i += 1
         return out

@@ -17,10 +17,10 @@ from __future__ import annotations
 import stat as statmod
 from collections.abc import Callable, Iterator
 
-from zonefs_py.drain.model import DrainRecord
 from zonefs_py.format.constants import OpType
 from zonefs_py.format.ops import Op
-from zonefs_py.fs.extents import EMPTY_EXTENTS, ExtentMap, Freed
+from zonefs_py.model.drain import DrainRecord
+from zonefs_py.model.extents import EMPTY_EXTENTS, ExtentMap, Freed
 
 
 class Inode:

@@ -1,0 +1,334 @@
+"""fsx for zonefs-py: random file operations through a real mount, against a model.
+
+After xfstests' fsx: every operation is checked against an in-memory model of
+the file, every operation is logged, and a mismatch saves the expected and
+actual contents beside the log and prints the seed. A log replays
+(`--replay LOG`), so a failure is a file one can shrink by deleting lines.
+
+Operations, on files of up to `--max-size` bytes (default 8 MiB):
+  write     pwrite of 1 B .. 2 MiB at an unaligned offset (overlapping others)
+  read      pread, compared with the model
+  truncate  ftruncate, growing or shrinking (through written data)
+  fsync     fsync (or fdatasync)
+  reopen    close and open again
+  drop      posix_fadvise(DONTNEED): later reads reach the daemon, not the page cache
+  mwrite    store through a shared mmap of the file, sometimes msync'ed
+  mread     read through a mmap, compared
+  dread     O_DIRECT read of aligned blocks into an aligned buffer, compared
+
+Several processes (`--procs`) run at once, each on files of its own, and all
+of them on one shared file, where each owns a disjoint, unaligned stripe (so
+their read-modify-writes meet in the blocks at the stripe borders); no
+truncate on the shared file.
+
+Log lines: `<proc> <op> <file> <a> <b> <data-seed>`; `a`/`b` are offset and
+length (truncate: size). Usage:
+
+  python tests/integration/fsx.py DIR --seed 7 --ops 2000 --procs 3 [--no-mmap]
+  python tests/integration/fsx.py DIR --replay DIR/fsx-7.log
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import mmap
+import multiprocessing
+import os
+import random
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BLOCK = 4096
+#: A stripe of the shared file: unaligned, so neighbours share a block.
+STRIPE = (1 << 20) + 1000
+
+
+class Mismatch(AssertionError):
+    pass
+
+
+def data_for(seed: int, length: int) -> bytes:
+    return random.Random(seed).randbytes(length)
+
+
+@dataclass
+class FileState:
+    path: Path
+    model: bytearray = field(default_factory=bytearray)
+    fd: int = -1
+    #: Region this process may touch: (lo, hi) on the shared file, None otherwise.
+    stripe: tuple[int, int] | None = None
+
+    def open(self) -> None:
+        if self.fd < 0:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class Runner:
+    """Apply logged operations to real files and to the model; check every read."""
+
+    def __init__(self, directory: Path, proc: int, log_path: Path, use_mmap: bool,
+                 use_direct: bool) -> None:
+        self.dir = directory
+        self.proc = proc
+        self.log_path = log_path
+        self.log = open(log_path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+        self.use_mmap = use_mmap
+        self.use_direct = use_direct
+        self.files: dict[str, FileState] = {}
+        self.count = 0
+
+    def file(self, name: str) -> FileState:
+        st = self.files.get(name)
+        if st is None:
+            st = FileState(self.dir / name)
+            if name == "shared":
+                lo = self.proc * STRIPE
+                st.stripe = (lo, lo + STRIPE)
+            st.open()
+            if name != "shared":
+                os.ftruncate(st.fd, 0)
+            self.files[name] = st
+        return st
+
+    def close(self) -> None:
+        for st in self.files.values():
+            st.close()
+        self.log.close()
+
+    # -- checking ----------------------------------------------------------------
+    def expect(self, st: FileState, off: int, requested: int, got: bytes, what: str) -> None:
+        """Check a read of `requested` bytes at `off` that returned `got`.
+
+        A private file must return exactly the model's bytes up to its size. In
+        a stripe of the shared file the size is the neighbours' business too:
+        at least the model's bytes, and zeros past them up to the stripe's end.
+        """
+        have = bytes(st.model[off:off + requested])
+        if st.stripe is None:
+            want = have
+        else:
+            want = have + bytes(max(0, len(got) - len(have)))
+        if got != want:
+            n = min(len(got), len(want))
+            first = next((i for i in range(n) if got[i] != want[i]), n)
+            base = self.log_path.with_suffix("")
+            good = Path(f"{base}.{st.path.name}.good")
+            bad = Path(f"{base}.{st.path.name}.bad")
+            good.write_bytes(bytes(st.model))
+            with contextlib.suppress(OSError):
+                bad.write_bytes(st.path.read_bytes())
+            raise Mismatch(f"proc {self.proc} op #{self.count} {what} of {st.path.name} at "
+                           f"{off:#x}+{requested:#x}: got {len(got):#x} bytes, expected "
+                           f"{len(want):#x}, first difference at {off + first:#x}; log "
+                           f"{self.log_path}, expected {good}, actual {bad}")
+
+    # -- operations ----------------------------------------------------------------
+    def apply(self, op: str, name: str, a: int, b: int, dseed: int) -> None:
+        self.count += 1
+        self.log.write(f"{self.proc} {op} {name} {a} {b} {dseed}\n")
+        st = self.file(name)
+        if op == "write":
+            data = data_for(dseed, b)
+            os.pwrite(st.fd, data, a)
+            self._model_write(st, a, data)
+        elif op == "read":
+            self.expect(st, a, b, os.pread(st.fd, b, a), "read")
+        elif op == "truncate":
+            os.ftruncate(st.fd, a)
+            del st.model[a:]
+            st.model.extend(bytes(a - len(st.model)))
+        elif op == "fsync":
+            (os.fdatasync if b else os.fsync)(st.fd)
+        elif op == "drop":
+            # Clean pages leave the page cache: the next reads reach the daemon,
+            # possibly while dirty pages are still being written back.
+            os.posix_fadvise(st.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        elif op == "reopen":
+            st.close()
+            st.open()
+        elif op == "mwrite":
+            data = data_for(dseed, b)
+            with mmap.mmap(st.fd, a + b) as m:
+                m[a:a + b] = data
+                if dseed % 2:
+                    m.flush()
+            self._model_write(st, a, data)
+        elif op == "mread":
+            with mmap.mmap(st.fd, a + b, prot=mmap.PROT_READ) as m:
+                got = bytes(m[a:a + b])
+            self.expect(st, a, b, got, "mmap read")
+        elif op == "dread":
+            fd = os.open(st.path, os.O_RDONLY | os.O_DIRECT)
+            try:
+                buf = mmap.mmap(-1, b)
+                try:
+                    n = os.preadv(fd, [buf], a)
+                    got = bytes(buf[:n])
+                finally:
+                    buf.close()
+            finally:
+                os.close(fd)
+            self.expect(st, a, b, got, "O_DIRECT read")
+        else:
+            raise ValueError(f"unknown operation {op!r}")
+
+    def _model_write(self, st: FileState, off: int, data: bytes) -> None:
+        end = off + len(data)
+        if end > len(st.model):
+            st.model.extend(bytes(end - len(st.model)))
+        st.model[off:end] = data
+
+    def final_check(self) -> None:
+        """Every byte of every file, read again from a fresh descriptor."""
+        for st in self.files.values():
+            with open(st.path, "rb") as f:
+                if st.stripe is None:
+                    got = f.read()
+                    self.expect(st, 0, len(got) + 1, got, "final read")
+                else:
+                    lo, hi = st.stripe
+                    f.seek(lo)
+                    self.expect(st, lo, hi - lo, f.read(hi - lo), "final read")
+
+
+def generate(rnd: random.Random, proc: int, max_size: int, use_mmap: bool, use_direct: bool,
+             sizes: dict[str, int]) -> tuple[str, str, int, int, int]:
+    """One random operation (op, file, a, b, data seed); `sizes` tracks model sizes."""
+    name = rnd.choice([f"p{proc}-a", f"p{proc}-b", "shared"])
+    lo, hi = (proc * STRIPE, (proc + 1) * STRIPE) if name == "shared" else (0, max_size)
+    size = sizes.get(name, 0)
+    dseed = rnd.randrange(1 << 30)
+    r = rnd.random()
+    if r < 0.55:
+        length = rnd.choice([rnd.randrange(1, 8192), rnd.randrange(1, 256 << 10),
+                             rnd.randrange(1, 1 << 20), 1 << 20, 2 << 20])
+        length = min(length, hi - lo)
+        off = rnd.randrange(lo, hi - length + 1)
+        if rnd.random() < 0.25:
+            off = max(lo, off - off % BLOCK)
+        sizes[name] = max(size, off + length)
+        return "write", name, off, length, dseed
+    if r < 0.70:
+        off = rnd.randrange(lo, hi)
+        return "read", name, off, min(rnd.randrange(1, 1 << 20), hi - off), dseed
+    if r < 0.85 and name != "shared":
+        new = rnd.choice([rnd.randrange(0, max_size), rnd.randrange(0, max(1, size + 1))])
+        sizes[name] = new
+        return "truncate", name, new, 0, dseed
+    if r < 0.87:
+        return "fsync", name, 0, rnd.randrange(2), dseed
+    if r < 0.89:
+        return "reopen", name, 0, 0, dseed
+    if r < 0.92:
+        return "drop", name, 0, 0, dseed
+    if use_mmap and r < 0.96 and size > lo:
+        off = rnd.randrange(lo, min(size, hi))
+        length = rnd.randrange(1, min(size, hi) - off + 1)
+        return ("mwrite" if rnd.random() < 0.5 else "mread"), name, off, length, dseed
+    if use_direct:
+        blo = (lo + BLOCK - 1) // BLOCK
+        bhi = hi // BLOCK
+        first = rnd.randrange(blo, bhi)
+        count = rnd.randrange(1, min(bhi - first, 256) + 1)
+        return "dread", name, first * BLOCK, count * BLOCK, dseed
+    off = rnd.randrange(lo, hi)
+    return "read", name, off, min(rnd.randrange(1, 1 << 20), hi - off), dseed
+
+
+def run_proc(directory: str, seed: int, proc: int, ops: int, max_size: int, use_mmap: bool,
+             use_direct: bool, log_dir: str) -> str | None:
+    """One worker: `ops` random operations; return an error message or None."""
+    rnd = random.Random(seed * 1000 + proc)
+    log_path = Path(log_dir) / f"fsx-{seed}.p{proc}.log"
+    log_path.unlink(missing_ok=True)
+    runner = Runner(Path(directory), proc, log_path, use_mmap, use_direct)
+    sizes: dict[str, int] = {}
+    try:
+        for _ in range(ops):
+            runner.apply(*generate(rnd, proc, max_size, use_mmap, use_direct, sizes))
+        runner.final_check()
+    except Mismatch as exc:
+        return f"seed {seed}: {exc}"
+    except OSError as exc:
+        return f"seed {seed}: proc {proc} op #{runner.count} failed: {exc!r}; log {log_path}"
+    finally:
+        runner.close()
+    return None
+
+
+def run(directory: Path, seed: int, ops: int, procs: int = 1, max_size: int = 8 << 20,
+        use_mmap: bool = True, use_direct: bool = True, log_dir: Path | None = None
+        ) -> list[str]:
+    """Run `procs` workers at once; return their error messages (empty: all passed)."""
+    log_dir = log_dir or directory
+    (directory / "shared").unlink(missing_ok=True)
+    args = [(str(directory), seed, p, ops, max_size, use_mmap, use_direct, str(log_dir))
+            for p in range(procs)]
+    if procs == 1:
+        results = [run_proc(*args[0])]
+    else:
+        ctx = multiprocessing.get_context("fork")
+        with ctx.Pool(procs) as pool:
+            results = pool.starmap(run_proc, args)
+    return [r for r in results if r is not None]
+
+
+def replay(directory: Path, log_path: Path, use_direct: bool = True) -> str | None:
+    """Replay a log's operations in order (one process; each proc's stripe kept)."""
+    runners: dict[int, Runner] = {}
+    (directory / "shared").unlink(missing_ok=True)
+    try:
+        for line in log_path.read_text().splitlines():
+            if not line.strip() or line.startswith("#"):
+                continue
+            proc, op, name, a, b, dseed = line.split()
+            p = int(proc)
+            if p not in runners:
+                runners[p] = Runner(directory, p, log_path.with_suffix(f".replay{p}.log"),
+                                    True, use_direct)
+            runners[p].apply(op, name, int(a), int(b), int(dseed))
+        for r in runners.values():
+            r.final_check()
+    except (Mismatch, OSError) as exc:
+        return str(exc)
+    finally:
+        for r in runners.values():
+            r.close()
+    return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("dir", type=Path, help="a directory on the filesystem under test")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--ops", type=int, default=1000, help="operations per process")
+    ap.add_argument("--procs", type=int, default=1)
+    ap.add_argument("--max-size", type=int, default=8 << 20)
+    ap.add_argument("--no-mmap", action="store_true")
+    ap.add_argument("--no-direct", action="store_true")
+    ap.add_argument("--log-dir", type=Path, help="where logs and good/bad copies go")
+    ap.add_argument("--replay", type=Path, help="replay this operation log instead")
+    args = ap.parse_args()
+    if args.replay:
+        err = replay(args.dir, args.replay, not args.no_direct)
+        print(err or f"replay of {args.replay}: all operations matched the model")
+        return 1 if err else 0
+    errs = run(args.dir, args.seed, args.ops, args.procs, args.max_size, not args.no_mmap,
+               not args.no_direct, args.log_dir)
+    for e in errs:
+        print(e, file=sys.stderr)
+    print(f"seed {args.seed}: {args.ops * args.procs} operations in {args.procs} process(es): "
+          f"{'FAILED' if errs else 'all matched the model'}")
+    return 1 if errs else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

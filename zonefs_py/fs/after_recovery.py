@@ -1,0 +1,112 @@
+"""What a mount does between journal recovery and serving its first request.
+
+`refuse_non_tree` checks the recovered namespace (INV-11) on every mount;
+`finish_recovery` runs on writable mounts and puts a crashed image back in
+order: stale log zones reset, a torn checkpoint's zones dropped, a checkpoint
+completed whose superblock write was lost, orphans freed, dead data zones
+queued for reset (docs/DESIGN.md 3.4).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import trio
+
+from zonefs_py import errors
+from zonefs_py.alloc.allocator import Allocator
+from zonefs_py.format.constants import OpType
+from zonefs_py.format.ops import Op
+from zonefs_py.format.superblock import Superblock
+from zonefs_py.fs.api import ROOT_INO
+from zonefs_py.fs.reclaim import SpaceReclaim
+from zonefs_py.journal.journal import Journal
+from zonefs_py.journal.recovery import Recovered
+from zonefs_py.model.state import State
+
+log = logging.getLogger(__name__)
+
+
+def refuse_non_tree(state: State, path: str) -> None:
+    """Raise CorruptionError unless every linked directory has one name, reachable from the root.
+
+    INV-11; checked at mount so that the kernel never walks a loop or a
+    directory alias, whatever a damaged (but checksummed) log says.
+    Directories with nlink 0 (removed while open before a crash) are freed later.
+    """
+    names: dict[int, int] = {}
+    for d in state.inodes.values():
+        for child in (d.entries or {}).values():
+            c = state.inodes.get(child)
+            if c is not None and c.is_dir:
+                names[child] = names.get(child, 0) + 1
+    root = state.inodes.get(ROOT_INO)
+    if root is None or not root.is_dir:
+        raise errors.CorruptionError(f"{path}: the root directory is missing; "
+                                     "run 'zonefs-py fsck'")
+    reached, stack = {ROOT_INO}, [ROOT_INO]
+    while stack:
+        for child in (state.inodes[stack.pop()].entries or {}).values():
+            c = state.inodes.get(child)
+            if c is not None and c.is_dir and child not in reached:
+                reached.add(child)
+                stack.append(child)
+    for ino, inode in state.inodes.items():
+        if not inode.is_dir or ino == ROOT_INO or (inode.nlink == 0 and ino not in names):
+            continue
+        if names.get(ino, 0) != 1 or ino not in reached:
+            raise errors.CorruptionError(
+                f"{path}: directory {ino} has {names.get(ino, 0)} names or is not reachable "
+                "from the root (INV-11); run 'zonefs-py fsck'")
+
+
+async def finish_recovery(rec: Recovered, journal: Journal, alloc: Allocator,
+                          reclaim: SpaceReclaim, txn: Callable[[list[Op]], None],
+                          checkpoint_journal_bytes: int) -> Superblock | None:
+    """Free orphans, reset dead zones, and start a clean log if its tail was torn.
+
+    `txn` applies and queues one transaction (ZoneFS._txn). Returns the
+    superblock written to complete a checkpoint whose superblock write was
+    lost, else None.
+    """
+    scan = rec.scan
+    stale = scan.obsolete_zones + scan.garbage_zones
+    if stale:
+        await trio.to_thread.run_sync(journal.log.reset_zones, stale)
+    torn = rec.torn_checkpoint
+    if torn is not None:
+        # A checkpoint always starts a fresh zone: drop the zones of a torn one
+        # and continue the log from its first sequence number (so the chain
+        # stays gapless), else later journal records would land inside it.
+        mlog = journal.log
+        first_seq = mlog.zone_first_seq[torn.zone]
+        garbage = [z for z, s in mlog.zone_first_seq.items() if s >= first_seq]
+        mlog.cur_zone = None
+        await trio.to_thread.run_sync(mlog.reset_zones, garbage)
+        mlog.next_seq = first_seq
+    written: Superblock | None = None
+    cp = rec.newest_checkpoint
+    if cp is not None and cp.offset != rec.sb.checkpoint_offset:
+        # A crash hit between a complete checkpoint and its superblock write:
+        # finish that step, or the zones before it stay in use for good and
+        # the log runs out of meta zones (LogFull).
+        written = rec.sb.with_checkpoint(cp.zone, cp.offset, cp.seq)
+        await trio.to_thread.run_sync(journal.sbstore.write, written)
+        journal.sb = written
+        mlog = journal.log
+        obsolete = mlog.zones_before(mlog.zone_first_seq[cp.zone])
+        if obsolete:
+            await trio.to_thread.run_sync(mlog.reset_zones, obsolete)
+    orphans = [i for i in rec.state.inodes.values() if i.nlink == 0 and i.ino != ROOT_INO]
+    for inode in orphans:
+        log.info("freeing orphan inode %d (unlinked while open before a crash)", inode.ino)
+        txn([(OpType.INODE_FREE, inode.ino)])
+    for zone in alloc.adopt_partial_zones():
+        alloc.pending_resets.append((zone, 0))
+    await journal.commit()
+    if scan.torn_tail or torn is not None or journal.checkpoint_needed(
+            checkpoint_journal_bytes):
+        await journal.checkpoint()
+    await reclaim.reset_dead_zones()
+    return written

@@ -1,0 +1,190 @@
+"""The filesystem's side of reclaiming space: dead zones reset, live data relocated.
+
+`SpaceReclaim` resets data zones whose death is durable (INV-8) and
+implements `CleanerHost` (zonefs_py/cleaner/host.py), the one interface
+the cleaner uses: it shows the allocator's zones as `ZoneUsage`, a zone's
+extents as `LivePiece`s, and relocates a piece for the cleaner: append to the
+cleaner stream's head, then, without awaiting, re-point the blocks still
+mapped to the old copy (INV-15) and queue the EXTENT ops (docs/DESIGN.md 3.8).
+
+Device I/O runs in worker threads: resets under the write limiter, the
+cleaner's reads and appends under its own limiter of one thread, so cleaning
+never takes more than one device thread from users.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from zonefs_py import errors
+from zonefs_py.alloc.allocator import Allocator
+from zonefs_py.cleaner.host import LivePiece, ZoneUsage
+from zonefs_py.device.base import ZonedDevice
+from zonefs_py.format.checksum import first_bad_block
+from zonefs_py.format.constants import OpType, Stream
+from zonefs_py.format.ops import Op
+from zonefs_py.fs.datapath import C_CLEANER_BYTES
+from zonefs_py.journal.journal import Journal
+from zonefs_py.model.state import State
+
+log = logging.getLogger(__name__)
+
+
+class SpaceReclaim:
+    """Zone resets and the cleaner's host, over one mounted filesystem's parts."""
+
+    def __init__(self, dev: ZonedDevice, state: State, journal: Journal, alloc: Allocator,
+                 limiter: trio.CapacityLimiter) -> None:
+        self.dev = dev
+        self.state = state
+        self.journal = journal
+        self.alloc = alloc
+        self.limiter = limiter
+        self.cleaner_limiter = trio.CapacityLimiter(1)
+        self.block_size = dev.info.block_size
+
+    # -- resets -------------------------------------------------------------------------
+    async def reset_dead_zones(self) -> None:
+        """Reset the data zones whose death is durable (INV-8) and queue their ZONE_STATE."""
+        for zone in self.alloc.take_resettable(self.journal.durable_txn):
+            try:
+                await trio.to_thread.run_sync(self.dev.reset_zone, zone, limiter=self.limiter)
+            except OSError as exc:
+                # The zone's data is dead and durable as such: losing the zone
+                # costs space, not data. Keep going with the others.
+                log.error("reset of dead data zone %d failed (%s); not used again "
+                          "until remount", zone, exc)
+                self.alloc.zone_reset_failed(zone)
+                continue
+            ops: list[Op] = []
+            self.alloc.zone_was_reset(zone, ops)
+            self.journal.add(ops)
+
+    async def commit_and_reset(self) -> None:
+        """Make queued changes durable, then reset the zones they left dead."""
+        await self.journal.commit()
+        await self.reset_dead_zones()
+
+    # -- CleanerHost: zones ------------------------------------------------------------
+    @property
+    def reserve_zones(self) -> int:
+        return self.alloc.reserve_zones
+
+    def data_zone_count(self) -> int:
+        return len(self.alloc.zones)
+
+    def empty_zone_count(self) -> int:
+        return len(self.alloc.empty_zones())
+
+    def cleaner_room_bytes(self) -> int:
+        head = self.alloc.heads.get((Stream.CLEANER, 0))
+        room = self.alloc.zones[head].remaining if head is not None else 0
+        return room + sum(dz.capacity for dz in self.alloc.empty_zones())
+
+    def candidate_zones(self) -> list[ZoneUsage]:
+        pending = {z for z, _ in self.alloc.pending_resets}
+        out = []
+        for dz in self.alloc.zones.values():
+            if ((dz.unusable and not dz.write_failed) or dz.head_of is not None
+                    or dz.inflight or dz.reserved == 0 or dz.idx in pending):
+                continue
+            live = self.alloc.live_bytes(dz.idx)
+            if dz.reserved - live > 0 and live > 0:
+                out.append(ZoneUsage(dz.idx, dz.capacity, dz.reserved, live, dz.last_write_ns))
+        return out
+
+    # -- CleanerHost: data ---------------------------------------------------------------
+    def live_pieces(self, zone_idx: int, max_bytes: int) -> list[LivePiece]:
+        bs = self.block_size
+        unit = max_bytes // bs
+        zsize = self.state.zone_size
+        pieces: list[LivePiece] = []
+        for ino in list(self.state.zone_owners.get(zone_idx, ())):
+            inode = self.state.inodes.get(ino)
+            if inode is None or inode.extents is None:
+                continue
+            for e in inode.extents:
+                if e.dev // zsize == zone_idx:
+                    for off in range(0, e.nblocks, unit):
+                        n = min(unit, e.nblocks - off)
+                        pieces.append(LivePiece(e.dev + off * bs, ino, e.fblock + off, n,
+                                                e.csums[off * 4:(off + n) * 4]))
+        return pieces
+
+    def pin_zone(self, zone_idx: int) -> None:
+        self.alloc.pin_read(zone_idx)
+
+    def unpin_zone(self, zone_idx: int) -> None:
+        self.alloc.unpin_read(zone_idx)
+
+    async def read_verified(self, piece: LivePiece) -> bytes | None:
+        return await trio.to_thread.run_sync(self._read_verified, piece,
+                                             limiter=self.cleaner_limiter)
+
+    def _read_verified(self, piece: LivePiece) -> bytes | None:
+        try:
+            data = self.dev.read(piece.dev_offset_bytes, piece.nblocks * self.block_size)
+        except OSError:
+            return None
+        return None if first_bad_block(data, self.block_size, piece.csums) is not None else data
+
+    async def relocate(self, piece: LivePiece, data: bytes) -> int:
+        bs = self.block_size
+        pos = 0
+        copied = 0
+        while pos < len(data):
+            zone_ops: list[Op] = []
+            to_finish: list[int] = []
+            zone, granted = self.alloc.reserve(Stream.CLEANER, 0, len(data) - pos, zone_ops,
+                                               to_finish)
+            if zone_ops:
+                self.journal.add(zone_ops)
+            try:
+                for z in to_finish:
+                    await trio.to_thread.run_sync(self.dev.finish_zone, z,
+                                                  limiter=self.cleaner_limiter)
+                new_dev = await trio.to_thread.run_sync(
+                    self.dev.append, zone, memoryview(data)[pos:pos + granted],
+                    limiter=self.cleaner_limiter)
+            except OSError as exc:
+                self.alloc.append_done(zone, ok=False)
+                raise errors.IOFailure(f"cleaner write to zone {zone} failed: {exc}") from exc
+            # No await from here: re-point only blocks still mapped to the old copy.
+            first = piece.fblock + pos // bs
+            count = granted // bs
+            ops = self._repoint(piece.ino, first, count, piece.dev_offset_bytes + pos, new_dev,
+                                piece.csums[pos // bs * 4:(pos // bs + count) * 4])
+            for op in ops:
+                self.state.apply(op)
+            self.alloc.append_done(zone, ok=True)
+            if ops:
+                self.journal.add(ops)
+            self.journal.data_dirty = True
+            copied += granted
+            pos += granted
+        return copied
+
+    def _repoint(self, ino: int, first: int, count: int, old_dev: int, new_dev: int,
+                 csums: bytes) -> list[Op]:
+        """EXTENT ops moving blocks first..first+count of ino to new_dev, where they are
+        still at old_dev (INV-15: blocks rewritten since the read keep their new data)."""
+        inode = self.state.inodes.get(ino)
+        if inode is None or inode.extents is None:
+            return []
+        bs = self.block_size
+        ops: list[Op] = []
+        for start, n, dev, _csums in inode.extents.lookup(first, count, bs):
+            if dev is None:
+                continue
+            rel = start - first
+            if dev != old_dev + rel * bs:
+                continue  # rewritten since we read it: the newer data stays
+            ops.append((OpType.EXTENT, ino, start, n, new_dev + rel * bs,
+                        csums[rel * 4:(rel + n) * 4]))
+        return ops
+
+    def count_cleaned(self, nbytes: int) -> None:
+        self.state.counters[C_CLEANER_BYTES] = self.state.counters.get(C_CLEANER_BYTES, 0) \
+            + nbytes

@@ -1,0 +1,1 @@
+"""The in-memory metadata model: State, Inode, ExtentMap; changed only by `State.apply(op)`."""
