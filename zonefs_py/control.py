@@ -14,6 +14,8 @@ they are not stored anywhere:
       - ``checkpoint``  write a journal checkpoint now (`fs.checkpoint()`).
       - ``failsafe``    switch the mount to read-only failsafe (for drills and
                         tests; a remount clears it).
+      - ``drain-pause`` / ``drain-resume``  stop / restart uploads to the object
+                        store (resume also retries at once after an error).
     Reading it gives ENODATA; unknown commands give EINVAL.
 
 Why xattrs: no extra socket, no daemon lookup by pid file, works through
@@ -42,7 +44,7 @@ STATUS_XATTR = b"trusted.zonefs.status"
 USER_STATUS_XATTR = b"user.zonefs.status"
 CTL_XATTR = b"trusted.zonefs.ctl"
 CONTROL_NAMES = frozenset({STATUS_XATTR, USER_STATUS_XATTR, CTL_XATTR})
-COMMANDS = ("sync", "checkpoint", "failsafe")
+COMMANDS = ("sync", "checkpoint", "failsafe", "drain-pause", "drain-resume")
 #: Set by the daemon once it serves: log file, mount point, uid, metrics endpoint.
 DAEMON_INFO: dict[str, Any] = {}
 
@@ -97,5 +99,10 @@ async def command(fs: FileSystemAPI, name: bytes, value: bytes, ctx: Ctx) -> Non
         await fs.checkpoint()
     elif word == "failsafe":
         fs.enter_failsafe("requested through trusted.zonefs.ctl")
+    elif word in ("drain-pause", "drain-resume"):
+        drain = getattr(fs, "drain", None)
+        if drain is None:
+            raise errors.NotSupported("this filesystem has no drain")
+        drain.pause(word == "drain-pause")
     else:
         raise errors.InvalidArgument(f"unknown control command {word!r}; known: {COMMANDS}")

@@ -83,6 +83,7 @@ def check_filesystem(dev: ZonedDevice, *, check_data: bool = True,
     check_inv9_streams_apart(state, report)
     check_inv11_namespace(state, report)
     check_inv13_file_types(state, report)
+    check_inv21_drain_records(state, report)
     if check_data:
         check_inv12_data_checksums(dev, rec, report, progress)
     return report
@@ -261,6 +262,29 @@ def check_inv13_file_types(state: State, report: Report) -> None:
         if fmt not in (statmod.S_IFREG, statmod.S_IFDIR, statmod.S_IFLNK, statmod.S_IFIFO,
                        statmod.S_IFSOCK, statmod.S_IFCHR, statmod.S_IFBLK):
             report.add("INV-13", f"inode {inode.ino} has unknown file type {fmt:o}")
+
+
+def check_inv21_drain_records(state: State, report: Report) -> None:
+    """INV-21: drain records name s3:// objects; an EVICTED file has no extents and
+    the size of its object; DRAINED/EVICTED records carry an ETag."""
+    from zonefs_py.model.drain import DrainState
+
+    for ino, rec in state.drain.items():
+        inode = state.inodes.get(ino)
+        if inode is None or not inode.is_reg:
+            report.add("INV-21", f"drain record of inode {ino}, which is not a regular file")
+            continue
+        if rec.state in (DrainState.DRAINED, DrainState.EVICTED) and \
+                (not rec.url.startswith(b"s3://") or not rec.token):
+            report.add("INV-21", f"inode {ino} is {rec.state.name} without an object URL "
+                                 "or ETag")
+        if rec.state == DrainState.EVICTED:
+            if inode.extents is not None and inode.extents.mapped_blocks:
+                report.add("INV-21", f"evicted inode {ino} still maps "
+                                     f"{inode.extents.mapped_blocks} blocks")
+            if inode.size != rec.size:
+                report.add("INV-21", f"evicted inode {ino} has size {inode.size}, its object "
+                                     f"{rec.size}")
 
 
 def check_inv12_data_checksums(dev: ZonedDevice, rec: Recovered, report: Report,

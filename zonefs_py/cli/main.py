@@ -11,7 +11,7 @@ import importlib
 import sys
 
 #: Subcommand modules, in the order `--help` lists them.
-SUBCOMMANDS = ("emu", "mkfs", "fsck", "mount", "stat")
+SUBCOMMANDS = ("emu", "mkfs", "fsck", "mount", "stat", "drain")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -220,6 +220,10 @@ async def _serve_mounted(cfg: MountConfig, fs: Any, ops: Any, signals: Any,
     failed: list[BaseException] = []
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_run_background, fs, ops)
+        if getattr(fs, "drain", None) is not None:  # uploads to an object store (drain/)
+            from zonefs_py.drain.drainer import Drainer
+
+            nursery.start_soon(Drainer(fs.drain).run)
         nursery.start_soon(_watch_signals, signals)
         nursery.start_soon(_become_ready, cfg, report, state, failed)
         await start_exporters(

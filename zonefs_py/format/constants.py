@@ -46,6 +46,8 @@ class OpType(enum.IntEnum):
     COUNTERS = 11
     NEXT_INO = 12
     TENANT_BYTES = 13
+    # 14-19 left to other features of the same release; see docs/SPEC.md.
+    DRAIN = 20
 
 
 class Stream(enum.IntEnum):

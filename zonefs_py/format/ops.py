@@ -19,6 +19,7 @@ u32 body length, body (docs/SPEC.md "Operations").
     COUNTERS    (dict[int, int])   counter id -> value
     NEXT_INO    (next_ino,)
     TENANT_BYTES (dir_ino, bytes_written)   user bytes written below a top-level directory
+    DRAIN       (ino, state, size, xxh3, url, token)   drain state of a file (zonefs_py/drain)
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ _XATTR_SET = struct.Struct("<QHI")
 _XATTR_DEL = struct.Struct("<QH")
 _ZONE_STATE = struct.Struct("<IBBHI")
 _COUNTER = struct.Struct("<HQ")
+_DRAIN = struct.Struct("<QBQQHH")
 
 
 class OpDecodeError(Exception):
@@ -74,6 +76,8 @@ def encode_op(op: Op) -> bytes:
     elif kind == OpType.COUNTERS:
         items = sorted(op[1].items())
         body = struct.pack("<H", len(items)) + b"".join(_COUNTER.pack(k, v) for k, v in items)
+    elif kind == OpType.DRAIN:
+        body = _DRAIN.pack(op[1], op[2], op[3], op[4], len(op[5]), len(op[6])) + op[5] + op[6]
     else:
         raise ValueError(f"unknown op type {kind!r}")
     return _FRAME.pack(int(kind), len(body)) + body
@@ -171,6 +175,12 @@ def _decode_body(kind: int, payload: bytes, mv: memoryview, pos: int, bend: int)
             k, v = _COUNTER.unpack_from(payload, pos + 2 + i * _COUNTER.size)
             values[k] = v
         return (OpType.COUNTERS, values)
+    if kind == OpType.DRAIN:
+        ino, dstate, size, xxh, ulen, tlen = _DRAIN.unpack_from(payload, pos)
+        start = pos + _DRAIN.size
+        _check(start + ulen + tlen == bend, "DRAIN lengths")
+        return (OpType.DRAIN, ino, dstate, size, xxh, bytes(mv[start:start + ulen]),
+                bytes(mv[start + ulen:bend]))
     raise OpDecodeError(f"unknown op type {kind}")
 
 

@@ -110,6 +110,10 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         self.quota = QuotaTracker(self.state)
         self._meta_base = self.state.counters.get(C_META_BYTES, 0)
         self.data.on_need_space = self.cleaner.clean_for_space
+        from zonefs_py.drain.manager import DrainManager
+
+        self.drain = DrainManager(self)  # zonefs_py/drain; its hooks: the self.drain.* calls
+        self.data.on_need_space = self.drain.need_space_hook(self.cleaner.clean_for_space)
         self.files: dict[int, int] = {}  # fh -> ino
         #: Time spent in read/write requests by the engine (not FUSE queueing).
         self.read_latency = Histogram()
@@ -187,6 +191,7 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         if self._closed:
             return
         self._closed = True
+        self.drain.stop()
         self._stop.set()
         self._wake.set()
         try:
@@ -349,6 +354,7 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
                 raise errors.FileTooBig(f"size {req.size} out of range")
             if req.size > self.data.visible_size(inode):
                 self._check_quota(inode, req.size - self.data.visible_size(inode))
+            await self.drain.before_truncate(inode, req.size)
             ops += await self.data.truncate(inode, req.size, now)
         changes: dict[str, int] = {}
         if req.mode is not None:
@@ -417,6 +423,7 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         writing = flags & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR)
         if writing or flags & os.O_TRUNC:
             self._writable()
+        await self.drain.before_open(inode, flags)
         fh = self._new_fh(ino)
         if flags & os.O_TRUNC and inode.is_reg and self.data.visible_size(inode) > 0:
             try:
@@ -456,8 +463,10 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
             self._check_quota(inode, grow)
             live = self.alloc.live_total_bytes() + self.data.pending_bytes()
             # A hole takes no space: only the written bytes can become live data.
-            if live + min(grow, len(data)) > self.alloc.user_capacity_bytes():
+            over = live + min(grow, len(data)) - self.alloc.user_capacity_bytes()
+            if over > 0 and not await self.drain.relieve_space(over):
                 raise errors.NoSpace("the live data would not fit on the device")
+        self.drain.on_write(inode)
         t0 = time.perf_counter_ns()
         n = await self.data.write(inode, offset, data)
         self.write_latency.record(time.perf_counter_ns() - t0)
@@ -486,6 +495,7 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
                 self.alloc.release_owner(ino, to_finish)
                 if to_finish:
                     await trio.to_thread.run_sync(self._finish_later, to_finish)
+                self.drain.on_release(inode)
             self._free_if_unused(inode)
 
     async def fsync(self, fh: int, datasync: bool) -> None:
@@ -494,6 +504,7 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
             return
         self._writable()
         await self.data.flush(inode)
+        self.drain.on_fsync(inode)
         await self.journal.commit()
 
     # -- directories -------------------------------------------------------------------------

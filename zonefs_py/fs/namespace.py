@@ -14,6 +14,7 @@ import time
 
 from zonefs_py import errors
 from zonefs_py.alloc.streams import STREAM_XATTR, classify, parse_stream_name
+from zonefs_py.drain.manager import STATE_XATTR, DrainManager, check_policy_xattr
 from zonefs_py.format.constants import OpType
 from zonefs_py.format.ops import Op
 from zonefs_py.fs.api import (
@@ -40,6 +41,7 @@ class NamespaceOps:
     # Provided by ZoneFS:
     state: State
     quota: QuotaTracker
+    drain: DrainManager
 
     def _txn(self, ops: list[Op]) -> None:
         raise NotImplementedError
@@ -266,6 +268,7 @@ class NamespaceOps:
             self.quota.stale = True
         if dst is not None and not flags & RenameFlags.EXCHANGE:
             self._free_if_unused(dst)
+        self.drain.on_rename(src)
 
     # -- quotas and streams ----------------------------------------------------------
     def _stream_flags(self, d: Inode, name: bytes) -> int:
@@ -288,6 +291,8 @@ class NamespaceOps:
     async def getxattr(self, ino: int, name: bytes) -> bytes:
         inode = self.inode(ino)
         self._check_xattr_name(name)
+        if name == STATE_XATTR and inode.is_reg:
+            return self.drain.state_value(inode)
         if not inode.xattrs or name not in inode.xattrs:
             raise errors.NoAttribute(f"no attribute {name!r}")
         return inode.xattrs[name]
@@ -306,6 +311,10 @@ class NamespaceOps:
             raise errors.NoAttribute(f"no attribute {name!r}")
         if name.startswith(b"user.") and not (inode.is_reg or inode.is_dir):
             raise errors.NotPermitted("user.* attributes only on files and directories")
+        if name == STATE_XATTR:
+            await self.drain.set_state(inode, value)  # evict or fetch (not stored)
+            return
+        check_policy_xattr(name, value, inode.is_dir)
         if name == STREAM_XATTR:
             if not inode.is_dir:
                 raise errors.InvalidArgument(f"{name.decode()} is set on directories")

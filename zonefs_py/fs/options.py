@@ -50,6 +50,19 @@ class FsOptions:
     #: Appends as true zone appends (NVMe Zone Append; device/zappend.py): "auto"
     #: when the device has it, "on" to require it, "off" for writes at the write pointer.
     zone_append: str = "auto"
+    #: Drain to an object store (zonefs_py/drain): S3 endpoint URL, region, profile and
+    #: shared-credentials file; empty fields are left to boto3's standard resolution.
+    drain_endpoint: str = ""
+    drain_region: str = ""
+    drain_profile: str = ""
+    drain_credentials: str = ""
+    #: Upload rate limit, MB/s (0: none); parts in flight; part size, MiB.
+    drain_rate_mb_s: float = 0.0
+    drain_parts: int = 4
+    drain_part_mb: int = 16
+    #: Seconds a queued file waits before its upload starts (a rename into place
+    #: right after the fsync+close then names the object).
+    drain_delay_s: float = 1.0
 
     _MOUNT_NAMES: ClassVar[dict[str, tuple[str, Callable[[str], object]]]] = {
         "commit": ("commit_interval_s", float),
@@ -62,6 +75,14 @@ class FsOptions:
         "read_latency_ms": ("read_latency_ms", float),
         "prefetch_mb": ("prefetch_mb", int),
         "zone_append": ("zone_append", lambda v: {"1": "on", "0": "off"}.get(v, v)),
+        "drain_endpoint": ("drain_endpoint", str),
+        "drain_region": ("drain_region", str),
+        "drain_profile": ("drain_profile", str),
+        "drain_credentials": ("drain_credentials", str),
+        "drain_rate": ("drain_rate_mb_s", float),
+        "drain_parts": ("drain_parts", int),
+        "drain_part_mb": ("drain_part_mb", int),
+        "drain_delay": ("drain_delay_s", float),
     }
     #: Options that were removed, with what replaced them.
     _RETIRED: ClassVar[dict[str, str]] = {
@@ -104,6 +125,9 @@ class FsOptions:
             raise ValueError("prefetch_mb must be 0 (off) or a number of MiB")
         if not result.read_latency_ms >= 0:
             raise ValueError("read_latency_ms must be 0 (off) or a positive number of ms")
+        if not 5 <= result.drain_part_mb <= 5120 or not 1 <= result.drain_parts <= 64:
+            raise ValueError("drain_part_mb must be 5..5120 (S3's part sizes), "
+                             "drain_parts 1..64")
         return result, rest
 
     def replace(self, **changes: object) -> FsOptions:

@@ -31,6 +31,12 @@ from zonefs_py.journal.journal import Journal
 from zonefs_py.model.state import State
 
 
+class DrainFigures(Protocol):
+    """The drain's part of the status (zonefs_py/drain/manager.py)."""
+
+    def status(self) -> dict[str, object]: ...
+
+
 class StatusSource(Protocol):
     """What the status is built from: the parts of a mounted filesystem (ZoneFS)."""
 
@@ -48,6 +54,9 @@ class StatusSource(Protocol):
     read_latency: Histogram
     write_latency: Histogram
     data: DataPath
+
+    @property
+    def drain(self) -> DrainFigures: ...
 
     def metadata_bytes_written(self) -> int: ...
 
@@ -142,6 +151,7 @@ def build_status(fs: StatusSource) -> dict[str, object]:
         "latency": {"read": fs.read_latency.summary(), "write": fs.write_latency.summary()},
         "read_qos": fs.data.qos.status(),
         "prefetch": fs.data.prefetch.status() if fs.data.prefetch is not None else None,
+        "drain": fs.drain.status(),
         "zone_map": zone_map,
         **zone_detail,
     }

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 
 from zonefs_py.format.constants import OpType
 from zonefs_py.format.ops import Op
+from zonefs_py.model.drain import DrainRecord
 from zonefs_py.model.extents import EMPTY_EXTENTS, ExtentMap, Freed
 
 
@@ -114,6 +115,8 @@ class State:
         #: inode it is about to change (copy-on-write, see Snapshot).
         self.snapshot: Snapshot | None = None
         self.snapshot_gen = 0
+        #: ino -> drain state of files that are not LOCAL (DRAIN ops, zonefs_py/drain).
+        self.drain: dict[int, DrainRecord] = {}
         self._dispatch = {
             OpType.INODE: self._apply_inode,
             OpType.INODE_FREE: self._apply_inode_free,
@@ -128,6 +131,7 @@ class State:
             OpType.COUNTERS: self._apply_counters,
             OpType.NEXT_INO: self._apply_next_ino,
             OpType.TENANT_BYTES: self._apply_tenant_bytes,
+            OpType.DRAIN: self._apply_drain,
         }
 
     # -- applying ops --------------------------------------------------------
@@ -184,6 +188,7 @@ class State:
         if inode.entries:
             raise StateError(f"INODE_FREE of non-empty directory {op[1]}")
         self.tenant_written.pop(op[1], None)
+        self.drain.pop(op[1], None)
         if inode.extents is not None:
             freed = inode.extents.clear(self.block_size)
             self._notify_blocks(op[1], -sum(n for _, n in freed))
@@ -264,6 +269,19 @@ class State:
     def _apply_tenant_bytes(self, op: Op) -> None:
         self.tenant_written[op[1]] = op[2]
 
+    def _apply_drain(self, op: Op) -> None:
+        inode = self.get(op[1])
+        if not inode.is_reg:
+            raise StateError(f"DRAIN on non-file inode {op[1]}")
+        try:
+            rec = DrainRecord.from_op(op)
+        except ValueError:
+            raise StateError(f"DRAIN of inode {op[1]} has unknown state {op[2]}") from None
+        if rec is None:
+            self.drain.pop(op[1], None)
+        else:
+            self.drain[op[1]] = rec
+
     def _notify_blocks(self, ino: int, delta: int) -> None:
         if delta and self.on_blocks_changed is not None:
             self.on_blocks_changed(ino, delta)
@@ -312,6 +330,9 @@ class State:
         if inode.xattrs:
             for name, value in inode.xattrs.items():
                 yield (OpType.XATTR_SET, inode.ino, name, value)
+        drain = self.drain.get(inode.ino)
+        if drain is not None:
+            yield drain.op(inode.ino)
         if inode.extents is not None:
             bs = self.block_size
             for e in inode.extents:
@@ -326,7 +347,7 @@ class State:
 #: child's `parent` is derived, not stored).
 _CHANGES_INODE = frozenset({
     OpType.INODE, OpType.INODE_FREE, OpType.DIRENT_ADD, OpType.DIRENT_DEL, OpType.EXTENT,
-    OpType.TRUNCATE, OpType.SYMLINK, OpType.XATTR_SET, OpType.XATTR_DEL,
+    OpType.TRUNCATE, OpType.SYMLINK, OpType.XATTR_SET, OpType.XATTR_DEL, OpType.DRAIN,
 })
 
 #: Ops that change which bytes a file's blocks hold (State.on_data_changed).

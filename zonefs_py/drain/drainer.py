@@ -1,0 +1,373 @@
+"""The drainer: a background task that uploads queued files to the object store.
+
+`Drainer(manager).run()` runs for the life of the mount (started by the
+daemon next to the engine's background work; `stop()` ends it). One file
+at a time, oldest queued first:
+
+1. Snapshot the file's extents and size (the version queued, complete on
+   the filesystem) and pin their zones (INV-8: none is reset under us, even
+   if the file is overwritten meanwhile).
+2. Read it once to compute its xxh3 (S3 metadata is set when an upload is
+   created, so the checksum must be known first).
+3. Small files: one PUT. Larger: a multipart upload (`drain_part_mb`
+   parts, `drain_parts` in flight in worker threads), UPLOADING with its
+   upload id journaled first. Every part carries Content-MD5 (the store
+   refuses a part damaged in transit).
+4. Verify: the returned ETag equals the MD5 (single PUT) or the multipart
+   ETag computed from the parts' MD5s, and a HEAD shows the size and xxh3.
+   Only then DRAINED (with the ETag) is journaled, and retention runs.
+
+Reads of file data go through the read-QoS gate as appends do (training
+reads first), wait for user writes to pause (WRITER_IDLE_S, at most
+WRITER_WAIT_S per part: the burst first), and the upload passes a token
+bucket (`drain_rate=`).
+A file modified, renamed or deleted while uploading (its generation moves)
+loses that upload: it is aborted and the file re-queues when it is complete
+again. Store errors: transient ones back off (1 s doubling to 60 s, for the
+whole store: a dead store sees one attempt per step); auth errors log one
+line, show in stat, and retry every 5 minutes (or on `drain resume`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+
+import trio
+import xxhash
+
+from zonefs_py import errors
+from zonefs_py.drain.manager import DrainManager, object_metadata, object_url, snapshot_inode
+from zonefs_py.drain.store import META_SIZE, META_XXH3, StoreError, multipart_etag
+from zonefs_py.model import drain as model
+from zonefs_py.model.drain import DrainState
+from zonefs_py.model.state import Inode
+
+log = logging.getLogger(__name__)
+
+BACKOFF_MIN_S = 1.0
+BACKOFF_MAX_S = 60.0
+AUTH_RETRY_S = 300.0
+#: The drainer reads the next part only once user writes paused this long...
+WRITER_IDLE_S = 0.2
+#: ...or it waited this long (a writer that never pauses does not stop the drain).
+WRITER_WAIT_S = 5.0
+
+
+class UploadAbandoned(Exception):
+    """The file changed (or went away) while it was being uploaded."""
+
+
+class Drainer:
+    def __init__(self, manager: DrainManager) -> None:
+        self.m = manager
+        self.fs = manager.fs
+        self.backoff_s = 0.0
+        self._cancel = trio.CancelScope()
+        self._next_free = 0.0
+        self._qos_next = 0.0
+
+    def stop(self) -> None:
+        self._cancel.cancel()
+
+    async def run(self) -> None:
+        """Upload queued files until `stop()`."""
+        if self.fs.options.read_only:
+            return
+        self.m._drainer = self  # so that the engine's close() can stop us
+        with self._cancel:
+            self.m.resume_after_mount()
+            await self._abort_stale()
+            while True:
+                ino, wait = self._next_ready()
+                if ino is None:
+                    self.m.wake = trio.Event()
+                    with trio.move_on_after(wait):
+                        await self.m.wake.wait()
+                    continue
+                await self.drain_one(ino)
+                if self.backoff_s:
+                    with trio.move_on_after(self.backoff_s):
+                        await self._resumed()
+
+    async def _resumed(self) -> None:
+        """Return when `drain resume` is asked for (cuts a backoff short)."""
+        while True:
+            self.m.wake = trio.Event()
+            await self.m.wake.wait()
+            if not self.m.paused and self.m.auth_error is None:
+                return
+
+    def _next_ready(self) -> tuple[int | None, float]:
+        """The next file whose upload may start, or (None, seconds to wait)."""
+        if self.m.paused or self.fs.failsafe is not None:
+            return None, 3600.0
+        now = trio.current_time()
+        soonest = 3600.0
+        for ino, at in self.m.queue.items():
+            if at <= now:
+                return ino, 0.0
+            soonest = min(soonest, at - now)
+        return None, soonest
+
+    async def _abort_stale(self) -> None:
+        while self.m.stale_uploads:
+            bucket, key, upload_id = self.m.stale_uploads.pop()
+            try:
+                await trio.to_thread.run_sync(self.m.store.abort_multipart, bucket, key,
+                                              upload_id)
+                log.info("drain: aborted the upload of s3://%s/%s a crash interrupted",
+                         bucket, key)
+            except StoreError as exc:
+                log.info("drain: could not abort an interrupted upload (%s); the store's "
+                         "lifecycle rules must clean it", exc)
+
+    # -- one file -------------------------------------------------------------------
+    async def drain_one(self, ino: int) -> None:
+        """Try to upload one queued file; on failure re-queue it with a backoff."""
+        m = self.m
+        m.queue.pop(ino, None)
+        rec = m.record(ino)
+        inode = self.fs.state.inodes.get(ino)
+        if rec is None or rec.state not in (DrainState.QUEUED, DrainState.UPLOADING) \
+                or inode is None:
+            m.queued_since.pop(ino, None)
+            return
+        target = m.policy_of(inode) if inode.nlink else None
+        if target is None:
+            # Deleted, unlinked or moved out of every drain directory: nothing to do.
+            m._txn([model.local_op(ino)])
+            m.queued_since.pop(ino, None)
+            return
+        m.uploading = ino
+        try:
+            etag = await self._upload(inode, *target)
+        except UploadAbandoned as exc:
+            log.info("drain: upload of %s abandoned: %s", self.fs.path_of(ino), exc)
+            self._requeue_if_needed(ino, max(1.0, m.delay_s))  # never a busy loop
+        except StoreError as exc:
+            self._store_failed(ino, exc)
+        except errors.ZoneFSError as exc:
+            # A local read failed (checksum, device): retrying will not help soon.
+            m.errors += 1
+            m.last_error = f"{self.fs.path_of(ino)}: {exc}"
+            log.error("drain: cannot read %s for upload: %s", self.fs.path_of(ino), exc)
+            self._requeue_if_needed(ino, BACKOFF_MAX_S)
+        else:
+            self.backoff_s = 0.0
+            m.auth_error = None
+            m.queued_since.pop(ino, None)
+            m.files_drained += 1
+            log.info("drain: %s -> s3://%s/%s (%d bytes, ETag %s)", self.fs.path_of(ino),
+                     target[0], target[1], inode.size, etag)
+            parent = self.fs.state.inodes.get(inode.parent)
+            if parent is not None:
+                m.retention(parent)
+        finally:
+            m.uploading = None
+
+    def _requeue_if_needed(self, ino: int, delay_s: float) -> None:
+        rec = self.m.record(ino)
+        if rec is not None and rec.state == DrainState.UPLOADING:
+            self.m._txn([model.upload_failed(rec).op(ino)])
+            rec = self.m.record(ino)
+        if rec is not None and rec.state == DrainState.QUEUED:
+            self.m._schedule(ino, delay_s)
+        else:
+            self.m.queued_since.pop(ino, None)
+
+    def _store_failed(self, ino: int, exc: StoreError) -> None:
+        m = self.m
+        m.errors += 1
+        m.last_error = str(exc)
+        if exc.kind == "auth":
+            if m.auth_error is None:
+                log.error("drain: the object store refused our credentials: %s. Uploads "
+                          "wait (retried every %d s or on 'zonefs-py drain resume'); fix "
+                          "the credentials (drain_credentials=, AWS_* variables, "
+                          "~/.aws)", exc, AUTH_RETRY_S)
+            m.auth_error = str(exc)
+            self.backoff_s = AUTH_RETRY_S
+        else:
+            self.backoff_s = min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, self.backoff_s * 2))
+            log.warning("drain: upload of %s failed (%s); retrying in %.0f s",
+                        self.fs.path_of(ino), exc, self.backoff_s)
+        self._requeue_if_needed(ino, 0.0)
+
+    async def _upload(self, inode: Inode, bucket: str, key: str) -> str:
+        m = self.m
+        ino = inode.ino
+        gen = m.gen.get(ino, 0)
+        if ino in self.fs.data.buffers or ino in self.fs.data.inflight:
+            raise UploadAbandoned("it is being written")
+        snap = snapshot_inode(inode)
+        zones = sorted({e.dev // self.fs.data.zone_size for e in snap.extents or ()})
+        for z in zones:
+            self.fs.alloc.pin_read(z)
+        try:
+            xxh = await self._hash(snap, gen)
+            url = object_url(bucket, key)
+            meta = object_metadata(snap.size, xxh)
+            if snap.size <= m.part_bytes:
+                self._set_uploading(ino, gen, url, snap.size, xxh, b"")
+                data = await self._read(snap, 0, snap.size, gen)
+                await self._rate(len(data))
+                digest = hashlib.md5(data).digest()  # small: at most one part
+                etag = await trio.to_thread.run_sync(m.store.put, bucket, key, data, meta,
+                                                     digest)
+                want = digest.hex()
+            else:
+                upload_id = await trio.to_thread.run_sync(m.store.create_multipart, bucket,
+                                                          key, meta)
+                self._set_uploading(ino, gen, url, snap.size, xxh, upload_id.encode())
+                # Durable now: a crash mid-upload then knows the upload id to abort.
+                await self.fs.journal.commit()
+                try:
+                    etag, want = await self._parts(snap, gen, bucket, key, upload_id)
+                except BaseException:
+                    with trio.CancelScope(shield=True):
+                        await self._try_abort(bucket, key, upload_id)
+                    raise
+            if etag != want:
+                raise StoreError("fatal", f"s3://{bucket}/{key}: ETag {etag} is not the "
+                                          f"MD5 of what was sent ({want})")
+            info = await trio.to_thread.run_sync(m.store.head, bucket, key)
+            if info.size != snap.size or info.metadata.get(META_XXH3) != meta[META_XXH3] \
+                    or info.metadata.get(META_SIZE) != meta[META_SIZE]:
+                raise StoreError("fatal", f"s3://{bucket}/{key}: the stored object "
+                                          f"({info.size} bytes, {info.metadata}) is not "
+                                          "what was uploaded")
+            self._check_gen(ino, gen)
+            rec = m.record(ino)
+            m._txn([model.upload_done(rec, etag.encode()).op(ino)])
+            m.bytes_drained += snap.size
+            return etag
+        finally:
+            for z in zones:
+                self.fs.alloc.unpin_read(z)
+
+    def _set_uploading(self, ino: int, gen: int, url: bytes, size: int, xxh: int,
+                       upload_id: bytes) -> None:
+        self._check_gen(ino, gen)
+        rec = self.m.record(ino)
+        self.m._txn([model.start_upload(rec, url, size, xxh, upload_id).op(ino)])
+
+    def _check_gen(self, ino: int, gen: int) -> None:
+        rec = self.m.record(ino)
+        if self.m.gen.get(ino, 0) != gen or rec is None or ino not in self.fs.state.inodes \
+                or rec.state not in (DrainState.QUEUED, DrainState.UPLOADING):
+            raise UploadAbandoned("it changed while it was uploading")
+
+    async def _try_abort(self, bucket: str, key: str, upload_id: str) -> None:
+        try:
+            await trio.to_thread.run_sync(self.m.store.abort_multipart, bucket, key, upload_id)
+        except StoreError as exc:
+            log.info("drain: abort of an upload of s3://%s/%s failed: %s", bucket, key, exc)
+
+    async def _yield_to_writers(self) -> None:
+        """Wait (at most WRITER_WAIT_S) until no user write came for WRITER_IDLE_S: a
+        checkpoint burst is absorbed at device speed first, drained in the gaps."""
+        deadline = trio.current_time() + WRITER_WAIT_S
+        while True:
+            now = trio.current_time()
+            quiet_at = self.m.last_write + WRITER_IDLE_S
+            if quiet_at <= now or now >= deadline:
+                return
+            await trio.sleep(min(quiet_at, deadline) - now)
+
+    async def _admit_read(self, nbytes: int) -> None:
+        """The read-QoS rule (fs/qos.py) with a bucket of the drainer's own: while
+        training reads are served, drain reads pass at `qos_write_mb` MB/s. Sharing
+        the appends' bucket halved a checkpoint writer's speed (measured)."""
+        qos = self.fs.data.qos
+        if qos.rate <= 0:
+            return
+        now = trio.current_time()
+        if not qos.reads_active(now):
+            self._qos_next = now
+            return
+        self._qos_next = max(self._qos_next, now - 0.05) + nbytes / qos.rate
+        wait = self._qos_next - now
+        if wait > 0:
+            await trio.sleep(wait)
+
+    async def _read(self, snap: Inode, offset: int, length: int, gen: int) -> bytes:
+        """Read the snapshot's bytes behind the read-QoS gate (training reads first),
+        after user writes pause."""
+        await self._yield_to_writers()
+        await self._admit_read(length)
+        self._check_gen(snap.ino, gen)
+        return await self.fs.data._read_stored(snap, offset, length)
+
+    async def _hash(self, snap: Inode, gen: int) -> int:
+        h = xxhash.xxh3_64()
+        step = self.m.part_bytes
+        for off in range(0, snap.size, step):
+            h.update(await self._read(snap, off, min(step, snap.size - off), gen))
+        return h.intdigest()
+
+    async def _rate(self, nbytes: int) -> None:
+        """Token bucket of `drain_rate` bytes/s (at most one part of burst)."""
+        rate = self.m.rate_bytes_s
+        if rate <= 0:
+            return
+        now = trio.current_time()
+        self._next_free = max(self._next_free, now) + nbytes / rate
+        wait = self._next_free - now - nbytes / rate
+        if wait > 0:
+            await trio.sleep(wait)
+
+    async def _parts(self, snap: Inode, gen: int, bucket: str, key: str,
+                     upload_id: str) -> tuple[str, str]:
+        """Upload every part, `drain_parts` in flight; return (ETag, expected ETag)."""
+        m = self.m
+        step = m.part_bytes
+        nparts = (snap.size + step - 1) // step
+        etags: list[str] = [""] * nparts
+        md5s: list[bytes] = [b""] * nparts
+        limiter = trio.CapacityLimiter(m.parts_in_flight)
+        failure: list[BaseException] = []
+
+        def md5_and_send(i: int, data: bytes) -> str:
+            # Worker thread: the MD5 of a part (~30 ms per 16 MiB) stays off the trio thread.
+            md5s[i] = hashlib.md5(data).digest()
+            return m.store.upload_part(bucket, key, upload_id, i + 1, data, md5s[i])
+
+        async def send(i: int, data: bytes) -> None:
+            try:
+                etags[i] = await trio.to_thread.run_sync(md5_and_send, i, data)
+            except StoreError as exc:
+                failure.append(exc)
+                nursery.cancel_scope.cancel()
+            finally:
+                limiter.release_on_behalf_of(i)
+
+        t0 = time.monotonic()
+        async with trio.open_nursery() as nursery:
+            for i in range(nparts):
+                await limiter.acquire_on_behalf_of(i)
+                off = i * step
+                try:
+                    data = await self._read(snap, off, min(step, snap.size - off), gen)
+                except (UploadAbandoned, errors.ZoneFSError) as exc:
+                    # Raised here it would reach the caller wrapped in an ExceptionGroup.
+                    limiter.release_on_behalf_of(i)
+                    failure.append(exc)
+                    nursery.cancel_scope.cancel()
+                    break
+                await self._rate(len(data))
+                nursery.start_soon(send, i, data)
+        if failure:
+            raise failure[0]
+        self._check_gen(snap.ino, gen)
+        for i, e in enumerate(etags):
+            if e != md5s[i].hex():
+                raise StoreError("fatal", f"part {i + 1} of s3://{bucket}/{key}: ETag {e} "
+                                          "is not its MD5")
+        etag = await trio.to_thread.run_sync(m.store.complete_multipart, bucket, key,
+                                             upload_id, etags)
+        log.debug("drain: %d parts of s3://%s/%s in %.2f s", nparts, bucket, key,
+                  time.monotonic() - t0)
+        return etag, multipart_etag(md5s)
+

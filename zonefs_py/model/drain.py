@@ -1,0 +1,144 @@
+"""The drain state of one file, and the only legal ways it changes. Pure: no I/O, no trio.
+
+A file below a directory with a drain policy (`user.zonefs.drain`) goes
+
+    LOCAL --queue--> QUEUED --start--> UPLOADING(upload id) --done--> DRAINED(ETag)
+                        ^                  |  fail/restart              |  evict
+                        +------------------+                            v
+                                                         DRAINED <--restore-- EVICTED(ETag)
+
+and any change of its content or size (`modify`) sends it back to LOCAL,
+except from EVICTED, which must be restored first (there is nothing local
+to modify). LOCAL is "no record": files without a policy never have one.
+
+Every state but LOCAL is a `DrainRecord`, journaled as one DRAIN op
+(docs/SPEC.md "Operations"); LOCAL is a DRAIN op with state 0, which drops
+the record. The record carries what a restart needs: the object's URL (where
+it was or is being uploaded), the size and xxh3 of the version uploaded, and
+a token (the multipart upload id while UPLOADING, the ETag once DRAINED or
+EVICTED).
+
+Crash argument (docs/DESIGN.md "Drain to an object store"): the journal is a
+prefix-ordered log, and the ops that change a file's content are always
+queued after the DRAIN op that made it LOCAL (`modify` runs before the write
+is accepted), so any recovered state that holds the new content also holds
+LOCAL; DRAINED is journaled only after the store confirmed the complete
+object; EVICTED shares one transaction with the TRUNCATE that frees the data.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+
+from zonefs_py.format.constants import OpType
+from zonefs_py.format.ops import Op
+
+
+class DrainState(enum.IntEnum):
+    LOCAL = 0
+    QUEUED = 1
+    UPLOADING = 2
+    DRAINED = 3
+    EVICTED = 4
+
+
+class DrainTransitionError(Exception):
+    """An event that the current state does not allow (a bug in the caller)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DrainRecord:
+    state: DrainState
+    #: s3://bucket/key of the object (empty while QUEUED: decided at upload start).
+    url: bytes = b""
+    #: Size and xxh3 of the version being uploaded / in the store.
+    size: int = 0
+    xxh3: int = 0
+    #: Upload id (UPLOADING, empty for a single PUT) or ETag (DRAINED, EVICTED).
+    token: bytes = b""
+
+    def op(self, ino: int) -> Op:
+        return (OpType.DRAIN, ino, int(self.state), self.size, self.xxh3, self.url, self.token)
+
+    @classmethod
+    def from_op(cls, op: Op) -> DrainRecord | None:
+        """The record an op sets (None for LOCAL). Raises ValueError for an unknown state."""
+        _, _ino, state, size, xxh, url, token = op
+        st = DrainState(state)
+        if st == DrainState.LOCAL:
+            return None
+        return cls(st, url, size, xxh, token)
+
+
+def local_op(ino: int) -> Op:
+    return (OpType.DRAIN, ino, int(DrainState.LOCAL), 0, 0, b"", b"")
+
+
+def _need(rec: DrainRecord | None, *states: DrainState) -> DrainRecord:
+    cur = rec.state if rec is not None else DrainState.LOCAL
+    if cur not in states:
+        raise DrainTransitionError(f"{cur.name} does not allow this "
+                                   f"(needs {'/'.join(s.name for s in states)})")
+    assert rec is not None or DrainState.LOCAL in states
+    return rec if rec is not None else DrainRecord(DrainState.LOCAL)
+
+
+def queue(rec: DrainRecord | None) -> DrainRecord:
+    """A complete version exists locally (closed after fsync, or renamed into place)."""
+    _need(rec, DrainState.LOCAL, DrainState.QUEUED)
+    return DrainRecord(DrainState.QUEUED)
+
+
+def start_upload(rec: DrainRecord | None, url: bytes, size: int, xxh3: int,
+                 upload_id: bytes) -> DrainRecord:
+    """The drainer begins (or restarts) uploading the queued version."""
+    _need(rec, DrainState.QUEUED, DrainState.UPLOADING)
+    return DrainRecord(DrainState.UPLOADING, url, size, xxh3, upload_id)
+
+
+def upload_done(rec: DrainRecord | None, etag: bytes) -> DrainRecord:
+    """The store confirmed the complete object (size, checksum, ETag)."""
+    r = _need(rec, DrainState.UPLOADING)
+    return replace(r, state=DrainState.DRAINED, token=etag)
+
+
+def upload_failed(rec: DrainRecord | None) -> DrainRecord:
+    """The upload will be retried from the start (its upload id is abandoned)."""
+    _need(rec, DrainState.UPLOADING, DrainState.QUEUED)
+    return DrainRecord(DrainState.QUEUED)
+
+
+def evict(rec: DrainRecord | None) -> DrainRecord:
+    """The local copy is dropped; the object is the only copy."""
+    r = _need(rec, DrainState.DRAINED)
+    return replace(r, state=DrainState.EVICTED)
+
+
+def restored(rec: DrainRecord | None) -> DrainRecord:
+    """The object was fetched back, verified, and is local again."""
+    r = _need(rec, DrainState.EVICTED)
+    return replace(r, state=DrainState.DRAINED)
+
+
+def modify(rec: DrainRecord | None) -> None:
+    """The file's content or size changes: the record goes (LOCAL). EVICTED is refused."""
+    _need(rec, DrainState.LOCAL, DrainState.QUEUED, DrainState.UPLOADING, DrainState.DRAINED)
+    return None
+
+
+def after_recovery(rec: DrainRecord) -> DrainRecord:
+    """The state to resume from after a mount: an upload in flight restarts (QUEUED);
+    its upload id is kept in the caller's hands to be aborted in the store."""
+    if rec.state == DrainState.UPLOADING:
+        return DrainRecord(DrainState.QUEUED)
+    return rec
+
+
+def state_name(rec: DrainRecord | None) -> str:
+    """The value of the `user.zonefs.state` xattr (uploading shows as queued)."""
+    if rec is None:
+        return "local"
+    if rec.state == DrainState.UPLOADING:
+        return "queued"
+    return rec.state.name.lower()
