@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import time
 
 import trio
@@ -278,16 +279,16 @@ class Drainer:
 
     async def _admit_read(self, nbytes: int) -> None:
         """The read-QoS rule (fs/qos.py) with a bucket of the drainer's own: while
-        training reads are served, drain reads pass at `qos_write_mb` MB/s. Sharing
-        the appends' bucket halved a checkpoint writer's speed (measured)."""
+        training reads are served and the read-latency controller limits writers,
+        drain reads pass at the controller's current write allowance. Sharing the
+        appends' bucket halved a checkpoint writer's speed (measured)."""
         qos = self.fs.data.qos
-        if qos.rate <= 0:
-            return
         now = trio.current_time()
-        if not qos.reads_active(now):
+        rate = qos.allowance
+        if not qos.enabled or rate == math.inf or not qos.reads_active(now):
             self._qos_next = now
             return
-        self._qos_next = max(self._qos_next, now - 0.05) + nbytes / qos.rate
+        self._qos_next = max(self._qos_next, now - 0.05) + nbytes / rate
         wait = self._qos_next - now
         if wait > 0:
             await trio.sleep(wait)
