@@ -458,6 +458,7 @@ class DrainManager:
             placed = await self._fetch_and_place(inode, rec)
             rec = self.state.drain.get(inode.ino)
             if rec is None or rec.state != DrainState.EVICTED:
+                self.fs.data.discard_placed(placed)  # garbage: give the zones back
                 raise errors.IOFailure("the file changed while it was restored")
             ops = self.fs.data._apply_placed(inode, placed)
             op = model.restored(rec).op(inode.ino)
@@ -536,8 +537,7 @@ class DrainManager:
             return placed
         finally:
             if not ok:
-                for _op, zone in placed:
-                    self.fs.alloc.append_done(zone, ok=True)
+                self.fs.data.discard_placed(placed)
 
     # -- status ---------------------------------------------------------------------------
     def status(self) -> dict[str, object]:

@@ -384,9 +384,7 @@ class DataPath:
             await self._place_pieces(inode, fblock, data, stream, owner, placed)
         except BaseException:
             # The pieces already written are garbage now; give their zones back.
-            for _op, zone in placed:
-                if zone != NO_ZONE:
-                    self.alloc.append_done(zone, ok=True)
+            self.discard_placed(placed)
             raise
         self.journal.data_dirty = True
         return placed
@@ -458,6 +456,12 @@ class DataPath:
                 out.append((dev_off, b0, nb))
             b0 += nb
         return out
+
+    def discard_placed(self, placed: list[tuple[Op, int]]) -> None:
+        """Give back the zones of placed pieces that will never be applied (garbage)."""
+        for _op, zone in placed:
+            if zone != NO_ZONE:
+                self.alloc.append_done(zone, ok=True)
 
     def _apply_placed(self, inode: Inode, placed: list[tuple[Op, int]]) -> list[Op]:
         """Apply placed EXTENT ops (never awaits) and release their zones' in-flight marks."""
