@@ -235,11 +235,12 @@ async def _serve_mounted(cfg: MountConfig, fs: Any, ops: Any, signals: Any,
             # a queue-depth-16 reader made it start and end a task per request or
             # so (Nursery.start_soon and the idle tasks' lock hand-offs in py-spy).
             await pyfuse3.main(min_tasks=cfg.min_tasks, max_tasks=cfg.max_tasks)
-        except OSError as exc:
+        except (OSError, BaseExceptionGroup) as exc:
             # An unmount racing requests still in flight (e.g. RELEASEDIR of many
             # descriptors closed just before fusermount3 -u) aborts the session with
-            # ECONNABORTED instead of ENODEV: it ended all the same.
-            if exc.errno != errno.ECONNABORTED:
+            # ECONNABORTED instead of ENODEV: it ended all the same. (pyfuse3's
+            # request tasks may report it wrapped in an exception group.)
+            if not _session_aborted(exc):
                 raise
             log.info("FUSE session aborted by the unmount (%s)", exc)
         finally:
@@ -259,6 +260,13 @@ async def _serve_mounted(cfg: MountConfig, fs: Any, ops: Any, signals: Any,
     if status == 0:
         log.info("clean shutdown of %s", cfg.device)
     return status
+
+
+def _session_aborted(exc: BaseException) -> bool:
+    """True if `exc` is ECONNABORTED from /dev/fuse, alone or only it in a group."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_session_aborted(e) for e in exc.exceptions)
+    return isinstance(exc, OSError) and exc.errno == errno.ECONNABORTED
 
 
 async def _run_background(fs: Any, ops: Any) -> None:
