@@ -275,9 +275,9 @@ async def checkpoint_during_changes(fs: ZoneFS, t: Tracker) -> None:
 
 
 async def fsync_during_checkpoint(fs: ZoneFS, t: Tracker) -> None:
-    """fsyncs that return while a checkpoint is still encoding (they go ahead of it
-    as JOURNAL records and into its tail): acknowledged at once, they must survive a
-    power cut at any write before, inside or after the checkpoint."""
+    """fsyncs issued while a checkpoint is encoding (they wait for its write lock):
+    acknowledged when they return, they must survive a power cut at any write
+    before, inside or after the checkpoint."""
     for i in range(60):
         t.expect(f"/e{i}", b"")
         await fs.mknod(ROOT_INO, b"e%d" % i, stat.S_IFREG | 0o644, 0, CTX)
@@ -295,7 +295,6 @@ async def fsync_during_checkpoint(fs: ZoneFS, t: Tracker) -> None:
             t.expect("/f", b"")
             t.expect("/f", pattern(121, 6000))
             await write_file(fs, "/f", pattern(121, 6000), fsync=True)
-            assert fs.journal.commits_during_checkpoint >= 1, "the fsync waited"
             t.ack("/f")
             t.expect("/e0", None)
             await fs.unlink(ROOT_INO, b"e0")

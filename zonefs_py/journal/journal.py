@@ -20,20 +20,7 @@ of CHECKPOINT_SLICE_INODES inodes with requests served in between (a
 copy-on-write `State.Snapshot` keeps it the state of the moment the batch was
 taken); device calls run in worker threads through `trio.to_thread.run_sync`
 with the engine's CapacityLimiter. Only one commit or checkpoint writes to
-the log at a time (`_write_lock`), and one checkpoint runs at a time
-(`_checkpoint_lock`).
-
-Commits during a checkpoint (fsync at a million files): the seconds a
-checkpoint spends encoding its snapshot do not hold `_write_lock`. A commit
-in that window writes its JOURNAL record as usual (durable at once) and
-also keeps the record's ops in the checkpoint's *tail*; the checkpoint then
-writes the snapshot's ops followed by the tail's, so it describes the State
-as of the last transaction in it. Recovery applies a checkpoint's ops in
-order and replays the journal after it; a JOURNAL record before a complete
-checkpoint is superseded by it, and with a torn checkpoint the JOURNAL
-records are what counts (DESIGN 3.3, "Commits during a checkpoint"). A
-commit waits for the checkpoint only when the meta zones left would not hold
-both (`_commit_may_overtake`).
+the log at a time (`_write_lock`): commits wait for a checkpoint to finish.
 """
 
 from __future__ import annotations
@@ -79,14 +66,6 @@ class Journal:
         self.durable_txn = 0
         self.data_dirty = False
         self._write_lock = trio.Lock()
-        self._checkpoint_lock = trio.Lock()
-        #: While a checkpoint encodes: the encoded transactions committed since its
-        #: snapshot (written after the snapshot's ops) and the last one's number.
-        self._tail: list[bytes] | None = None
-        self._tail_upto = 0
-        #: Commits that went ahead of a running checkpoint (a figure for stat/tests).
-        self.commits_during_checkpoint = 0
-        self._checkpoint_done = trio.Event()
         self.journal_bytes_since_checkpoint = 0
         self.last_checkpoint_bytes = 0
         self.checkpoints_written = 0
@@ -133,12 +112,7 @@ class Journal:
 
     # -- commit ------------------------------------------------------------------
     async def commit(self) -> None:
-        """Return once every transaction added before the call is durable.
-
-        Never waits for a checkpoint's encoding while the meta zones have room
-        for both; a journal grown past `journal_limit` is left to the next
-        background checkpoint (the caller's fsync does not pay for it).
-        """
+        """Return once every transaction added before the call is durable."""
         target = self.added_txn
         while self.durable_txn < target:
             self._check_broken()
@@ -147,48 +121,24 @@ class Journal:
             # a checkpoint before its superblock write, and a waiter that arrived in
             # between would sleep until someone else's commit. Queue for the lock
             # instead; a batch that made ours durable meanwhile ends the loop.)
-            if self._tail is not None and not self._commit_may_overtake():
-                await self._checkpoint_done.wait()
-                continue
-            if self._tail is None and self.meta_zones_short():
-                # Meta zones run short: a checkpoint makes the queued transactions
-                # durable and frees old zones (it must, before anything else).
-                await self.checkpoint(only_if_short=True)
-                continue
             async with self._write_lock:
                 if self.durable_txn >= target:
                     break
-                await self._commit_locked()
-
-    def _checkpoint_zones(self) -> int:
-        """Meta zones the next checkpoint may take (its size is about the last one's)."""
-        cap = max(self.dev.info.zone_size_bytes, 1)
-        return (self.last_checkpoint_bytes * 2) // cap + 2
-
-    def _commit_may_overtake(self) -> bool:
-        """True when a commit may go ahead of the running checkpoint: the meta zones
-        left still hold that checkpoint and the spare zone after the commit's record
-        (which may start a zone of its own)."""
-        return len(self.log.free_zones()) > self._checkpoint_zones()
+                if self.checkpoint_needed(self.journal_limit):
+                    # Meta zones run short (or the journal is long): a checkpoint
+                    # makes the queued transactions durable and frees old zones.
+                    await self._checkpoint_locked()
+                else:
+                    await self._commit_locked()
 
     async def _commit_locked(self) -> None:
         batch, upto = self._take_batch()
-        await self._write_batch_locked(batch, upto)
-
-    async def _write_batch_locked(self, batch: list[bytes], upto: int) -> None:
-        """Write transactions up to `upto` as JOURNAL records; they are durable then."""
         if not batch:
             if self.data_dirty:
                 self.data_dirty = False
                 await self._run(self.dev.flush)
             self._set_durable(upto)
             return
-        if self._tail is not None:
-            # A checkpoint is encoding a snapshot older than this batch: it will
-            # append these transactions after the snapshot's ops.
-            self._tail.extend(batch)
-            self._tail_upto = upto
-            self.commits_during_checkpoint += 1
         records = [(RecordType.JOURNAL, p) for p in _pack(batch)]
         flush_first = self.data_dirty
         self.data_dirty = False
@@ -228,78 +178,42 @@ class Journal:
         """True when the journal grew past the limit or meta zones run short."""
         if self.journal_bytes_since_checkpoint >= journal_limit:
             return True
-        return self.meta_zones_short()
+        cap = self.dev.info.zone_size_bytes
+        # +3: the next checkpoint, room for the journal meanwhile, and one zone kept
+        # spare so that a mount after a crash that tore this checkpoint can write its own.
+        needed = (self.last_checkpoint_bytes * 2) // max(cap, 1) + 3
+        return len(self.log.free_zones()) < needed and self.journal_bytes_since_checkpoint > 0
 
-    def meta_zones_short(self) -> bool:
-        """True when a checkpoint must come before more journal records."""
-        # +1 over the checkpoint's own zones: room for the journal meanwhile, and
-        # one zone kept spare so that a mount after a crash that tore this
-        # checkpoint can write its own.
-        return (self.journal_bytes_since_checkpoint > 0
-                and len(self.log.free_zones()) < self._checkpoint_zones() + 1)
-
-    async def checkpoint(self, *, only_if_short: bool = False) -> None:
-        """Write a checkpoint of the State and point the superblock at it.
-
-        Commits may run while it encodes (see the module docstring); a second
-        caller waits for the running checkpoint, then writes its own (with
-        `only_if_short`, only if the meta zones are still short then).
-        """
+    async def checkpoint(self) -> None:
+        """Write a checkpoint of the State and point the superblock at it."""
         self._check_broken()
-        async with self._checkpoint_lock:
-            if only_if_short and not self.meta_zones_short():
-                return
-            self._checkpoint_done = trio.Event()
-            try:
-                await self._checkpoint_unlocked()
-            finally:
-                self._tail = None
-                self._checkpoint_done.set()
-
-    async def _checkpoint_unlocked(self) -> None:
-        """Write a checkpoint; the caller holds `_checkpoint_lock` only."""
         async with self._write_lock:
-            # Atomic (no await): the pending transactions are folded into the
-            # snapshot, which from here on is the State as of `upto` (copy-on-write),
-            # however requests change it while it is encoded between their turns.
-            batch, upto = self._take_batch()
-            snap = Snapshot(self.state, encode_op)
-            try:
-                # The folded transactions become durable now, as JOURNAL records
-                # (superseded by the checkpoint once it is complete): commits that
-                # go ahead of the checkpoint build on them.
-                await self._write_batch_locked(batch, upto)
-            except BaseException:
-                snap.close()
-                raise
-            self._tail = []
-            self._tail_upto = upto
+            await self._checkpoint_locked()
+
+    async def _checkpoint_locked(self) -> None:
+        """Write a checkpoint; the caller holds `_write_lock`."""
+        # Atomic (no await): the pending transactions are folded into the snapshot,
+        # which from here on is the State as of `upto` (copy-on-write), however
+        # requests change it while it is encoded between their turns.
+        _batch, upto = self._take_batch()
+        flush_first = self.data_dirty
+        self.data_dirty = False
+        snap = Snapshot(self.state, encode_op)
         try:
-            # Shielded: the snapshot must not stop half-way (the device writes
-            # below are not cancellable either).
+            # Shielded: the batch taken above exists only in the snapshot now, so
+            # the checkpoint must not stop half-way (nor could it before: the
+            # device writes below are not cancellable either).
             with trio.CancelScope(shield=True):
                 while not snap.step(CHECKPOINT_SLICE_INODES):
                     await trio.lowlevel.checkpoint()
         finally:
             snap.close()
-        async with self._write_lock:
-            await self._write_checkpoint_locked(snap.encoded_ops())
-
-    async def _write_checkpoint_locked(self, encoded: list[bytes]) -> None:
-        """Write the encoded snapshot plus the tail as a checkpoint (holding
-        `_write_lock`), point the superblock at it, reset obsolete meta zones."""
-        assert self._tail is not None
-        tail, upto = self._tail, self._tail_upto
-        self._tail = None
-        flush_first = self.data_dirty
-        self.data_dirty = False
         obsolete: list[int] = []
-        records: list[tuple[RecordType, bytes]] = []
         try:
             # Packing ~1 MiB payloads out of the encoded ops takes ~50 ms per 100k
             # files; the worker thread does it (the trio thread gets the GIL back
             # every switch interval meanwhile).
-            written = await self._run(self._pack_and_write, encoded + tail, upto,
+            written = await self._run(self._pack_and_write, snap.encoded_ops(), upto,
                                       flush_first)
             assert isinstance(written, tuple)
             records, positions = written
