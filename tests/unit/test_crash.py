@@ -236,6 +236,20 @@ async def _one_error() -> AsyncIterator[None]:
         raise exc from None
 
 
+@asynccontextmanager
+async def _checkpoint_in_slices(fs: ZoneFS) -> AsyncIterator[None]:
+    """Run a checkpoint in the background, one inode per slice, while the body runs."""
+    saved = journal_mod.CHECKPOINT_SLICE_INODES
+    journal_mod.CHECKPOINT_SLICE_INODES = 1
+    try:
+        async with _one_error(), trio.open_nursery() as nursery:
+            nursery.start_soon(fs.journal.checkpoint)
+            await trio.lowlevel.checkpoint()
+            yield
+    finally:
+        journal_mod.CHECKPOINT_SLICE_INODES = saved
+
+
 async def checkpoint_during_changes(fs: ZoneFS, t: Tracker) -> None:
     """A checkpoint encoded one inode per slice while, between its slices, files
     are unlinked, renamed, overwritten and created (the copy-on-write snapshot)."""
@@ -245,27 +259,20 @@ async def checkpoint_during_changes(fs: ZoneFS, t: Tracker) -> None:
         await write_file(fs, f"/p{i}", pattern(100 + i, 3000), fsync=False)
     await fs.sync()
     t.ack_all()
-    saved = journal_mod.CHECKPOINT_SLICE_INODES
-    journal_mod.CHECKPOINT_SLICE_INODES = 1
-    try:
-        async with _one_error(), trio.open_nursery() as nursery:
-            nursery.start_soon(fs.journal.checkpoint)
-            await trio.lowlevel.checkpoint()
-            t.expect("/p0", None)
-            await fs.unlink(ROOT_INO, b"p0")
-            await trio.lowlevel.checkpoint()
-            t.expect("/p9", t.versions["/p1"][-1])
-            t.expect("/p1", None)
-            await fs.rename(ROOT_INO, b"p1", ROOT_INO, b"p9", RenameFlags.NONE)
-            await trio.lowlevel.checkpoint()
-            t.expect("/p2", b"")
-            t.expect("/p2", pattern(110, 9000))
-            await write_file(fs, "/p2", pattern(110, 9000), fsync=False)
-            t.expect("/new", b"")
-            t.expect("/new", pattern(111, 5000))
-            await write_file(fs, "/new", pattern(111, 5000), fsync=False)
-    finally:
-        journal_mod.CHECKPOINT_SLICE_INODES = saved
+    async with _checkpoint_in_slices(fs):
+        t.expect("/p0", None)
+        await fs.unlink(ROOT_INO, b"p0")
+        await trio.lowlevel.checkpoint()
+        t.expect("/p9", t.versions["/p1"][-1])
+        t.expect("/p1", None)
+        await fs.rename(ROOT_INO, b"p1", ROOT_INO, b"p9", RenameFlags.NONE)
+        await trio.lowlevel.checkpoint()
+        t.expect("/p2", b"")
+        t.expect("/p2", pattern(110, 9000))
+        await write_file(fs, "/p2", pattern(110, 9000), fsync=False)
+        t.expect("/new", b"")
+        t.expect("/new", pattern(111, 5000))
+        await write_file(fs, "/new", pattern(111, 5000), fsync=False)
     await fs.sync()
     t.ack_all()
     t.expect("/p3", None)
@@ -286,25 +293,18 @@ async def fsync_during_checkpoint(fs: ZoneFS, t: Tracker) -> None:
     await write_file(fs, "/q", pattern(120, 3000), fsync=False)
     await fs.sync()
     t.ack_all()
-    saved = journal_mod.CHECKPOINT_SLICE_INODES
-    journal_mod.CHECKPOINT_SLICE_INODES = 1
-    try:
-        async with _one_error(), trio.open_nursery() as nursery:
-            nursery.start_soon(fs.journal.checkpoint)
-            await trio.lowlevel.checkpoint()
-            t.expect("/f", b"")
-            t.expect("/f", pattern(121, 6000))
-            await write_file(fs, "/f", pattern(121, 6000), fsync=True)
-            t.ack("/f")
-            t.expect("/e0", None)
-            await fs.unlink(ROOT_INO, b"e0")
-            t.expect("/q", None)
-            t.expect("/r", t.versions["/q"][-2])
-            await fs.rename(ROOT_INO, b"q", ROOT_INO, b"r", RenameFlags.NONE)
-            await fs.sync()
-            t.ack("/e0", "/q", "/r")
-    finally:
-        journal_mod.CHECKPOINT_SLICE_INODES = saved
+    async with _checkpoint_in_slices(fs):
+        t.expect("/f", b"")
+        t.expect("/f", pattern(121, 6000))
+        await write_file(fs, "/f", pattern(121, 6000), fsync=True)
+        t.ack("/f")
+        t.expect("/e0", None)
+        await fs.unlink(ROOT_INO, b"e0")
+        t.expect("/q", None)
+        t.expect("/r", t.versions["/q"][-2])
+        await fs.rename(ROOT_INO, b"q", ROOT_INO, b"r", RenameFlags.NONE)
+        await fs.sync()
+        t.ack("/e0", "/q", "/r")
     t.expect("/e1", None)
     await fs.unlink(ROOT_INO, b"e1")
     await fs.sync()
