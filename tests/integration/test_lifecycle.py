@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import EXIT_DEADLINE_S, Mount, fsync_dir, make_image, zonefs
+from .conftest import EXIT_DEADLINE_S, Mount, fsync_dir, fusermount_u, make_image, zonefs
 
 pytestmark = pytest.mark.integration
 
@@ -153,7 +153,7 @@ def test_daemon_mode_returns_once_mounted(image: Path, mount_factory: Mount) -> 
         (mount_factory.path / "f").write_bytes(b"daemon")
         assert (mount_factory.path / "f").read_bytes() == b"daemon"
     finally:
-        subprocess.run(["fusermount3", "-u", str(mount_factory.path)], timeout=60)
+        fusermount_u(mount_factory.path)
         wait_gone(pid)
     assert "clean shutdown" in mount_factory.log.read_text()
 

@@ -53,6 +53,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from integration.conftest import fusermount_u  # noqa: E402 - retries while EBUSY
+
 REPO = Path(__file__).resolve().parents[2]
 ZONEFS = [sys.executable, "-m", "zonefs_py.cli.main"]
 MOUNT_DEADLINE_S = 60.0
@@ -360,11 +363,26 @@ class Daemon:
         while not os.path.ismount(mnt):
             if self.proc.poll() is not None:
                 err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                self.close()
                 raise TortureFailure(f"mount failed ({self.proc.returncode}): {err.strip()}")
             if time.monotonic() > deadline:
-                self.proc.kill()
+                self.kill()
                 raise TortureFailure(f"not mounted after {MOUNT_DEADLINE_S}s (hang)")
             time.sleep(0.01)
+
+    def close(self) -> None:
+        """Close our end of the daemon's stderr pipe (a leaked pipe is a ResourceWarning
+        that fails whichever later test the garbage collector runs in)."""
+        if self.proc.stderr:
+            self.proc.stderr.close()
+
+    def kill(self) -> None:
+        """SIGKILL the daemon (if still running), reap it, close the pipe."""
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=30)
+        self.close()
 
     def end(self, mode: str) -> None:
         """End the daemon: SIGKILL, or a power cut through the TEST HOOK (then it kills itself).
@@ -380,8 +398,7 @@ class Daemon:
             self.proc.wait(timeout=30)
             raise TortureFailure(f"daemon did not die after {mode} (hang)") from None
         finally:
-            if self.proc.stderr:
-                self.proc.stderr.close()
+            self.close()
 
     def lazy_unmount(self) -> None:
         # Unconditional: a dead connection makes stat() fail, so ismount() says False.
@@ -389,11 +406,11 @@ class Daemon:
                        capture_output=True, check=False)
 
     def unmount(self) -> int:
-        subprocess.run(["fusermount3", "-u", str(self.mnt)], timeout=60, check=True)
-        rc = self.proc.wait(timeout=120)
-        if self.proc.stderr:
-            self.proc.stderr.close()
-        return rc
+        fusermount_u(self.mnt, check=True)
+        try:
+            return self.proc.wait(timeout=120)
+        finally:
+            self.close()
 
 
 def fsck_image(image: Path) -> list[str]:
@@ -525,9 +542,7 @@ def run_torture(workdir: Path, *, seed: int, cycles: int, size: str = "1G",
             raise TortureFailure(f"seed {seed}: final fsck:\n{proc.stdout}{proc.stderr}")
     finally:
         if daemon is not None:
-            with contextlib.suppress(Exception):
-                daemon.proc.kill()
-                daemon.proc.wait(timeout=30)
+            daemon.kill()
             daemon.lazy_unmount()
         if os.path.ismount(mnt):
             subprocess.run(["fusermount3", "-u", "-z", str(mnt)], timeout=60, check=False)
