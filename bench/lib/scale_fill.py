@@ -1,13 +1,14 @@
 """Fill a zonefs-py image through the engine API (no FUSE), for bench/scale.
 
 `python -m lib.scale_fill IMAGE --ckpt-files N --ckpt-gib G --dataset-files M
---dataset-kib K` (run from bench/) loads the filesystem in-process, writes N
-checkpoint-sized files of G GiB of zeros (64 MiB writes, fsync each) under
-/ckpt, then M dataset files of K KiB of zeros in directories of 1000 under
-/data (fsync per directory), closes it cleanly and prints one JSON line of
-figures. Zeros because the emulator's data-discarding mode reads every
-discarded block back as zeros: the checksums computed here still verify on
-read (docs/SPEC.md, "Data-discarding mode").
+--dataset-kib K [--zone-append auto|on|off]` (run from bench/) loads the
+filesystem in-process, writes N checkpoint-sized files of G GiB of zeros
+(64 MiB writes, fsync each) under /ckpt, then M dataset files of K KiB of
+zeros in directories of 1000 under /data (fsync per directory), closes it
+cleanly and prints one JSON line of figures. Zeros because the emulator's
+data-discarding mode reads every discarded block back as zeros: the
+checksums computed here still verify on read (docs/SPEC.md, "Data-discarding
+mode").
 
 Caveat: this bypasses FUSE, so its write rate is the engine's, not a mount's.
 """
@@ -39,13 +40,13 @@ async def _new_file(fs: ZoneFS, parent: int, name: bytes) -> int:
 
 
 async def fill(image: str, ckpt_files: int, ckpt_gib: float, dataset_files: int,
-               dataset_kib: int) -> dict[str, float]:
+               dataset_kib: int, zone_append: str = "auto") -> dict[str, float]:
     """Write the files; return figures (seconds, bytes)."""
-    dev = open_device(image)
+    dev = open_device(image, zone_append=zone_append)
     zeros = bytes(WRITE_BYTES)
     figures: dict[str, float] = {}
     try:
-        fs = await ZoneFS.load(dev, FsOptions())
+        fs = await ZoneFS.load(dev, FsOptions(zone_append=zone_append))
         try:
             start = time.perf_counter()
             ckpt = (await fs.mkdir(ROOT_INO, b"ckpt", 0o755, CTX)).ino
@@ -89,9 +90,10 @@ def main() -> int:
     parser.add_argument("--ckpt-gib", type=float, default=2.0)
     parser.add_argument("--dataset-files", type=int, default=0)
     parser.add_argument("--dataset-kib", type=int, default=128)
+    parser.add_argument("--zone-append", choices=("auto", "on", "off"), default="auto")
     args = parser.parse_args()
     figures = trio.run(fill, args.image, args.ckpt_files, args.ckpt_gib, args.dataset_files,
-                       args.dataset_kib)
+                       args.dataset_kib, args.zone_append)
     print(json.dumps(figures))
     return 0
 
