@@ -140,3 +140,21 @@ async def test_filesystem_on_a_discarding_image(tmp_path: Path) -> None:
     await fs.close()
     dev.close()
     assert_fsck_clean(img)
+
+
+def test_cli_create_mkfs_info(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from zonefs_py.cli.main import main
+
+    img = str(tmp_path / "c.img")
+    assert main(["emu", "create", img, "--size", "64M", "--zone-size", "2M",
+                 "--discard-data"]) == 0
+    assert "data zones discarded after mkfs" in capsys.readouterr().out
+    assert main(["emu", "info", img]) == 0
+    assert "discard data:    no zone yet" in capsys.readouterr().out
+    assert main(["mkfs", img]) == 0
+    capsys.readouterr()
+    assert main(["emu", "info", img]) == 0
+    dev = EmulatedZonedDevice.open(img, read_only=True)
+    first = dev.discard.first_zone
+    dev.close()
+    assert f"discard data:    zones >= {first}" in capsys.readouterr().out
