@@ -2,7 +2,7 @@
 
     zonefs-py emu create IMAGE --size 4G --zone-size 64M [--zone-capacity 48M]
                          [--conventional N] [--max-open 14] [--max-active 14]
-                         [--block-size 4096] [--force]
+                         [--block-size 4096] [--discard-data] [--force]
     zonefs-py emu info IMAGE
     zonefs-py emu report IMAGE [--json]
 
@@ -62,6 +62,10 @@ def register(subparsers: Any) -> None:
     create.add_argument("--max-open", type=int, default=0, help="0 = no limit (default)")
     create.add_argument("--max-active", type=int, default=0, help="0 = no limit (default)")
     create.add_argument("--block-size", type=parse_size, default=4096)
+    create.add_argument("--discard-data", action="store_true",
+                        help="keep zone states and metadata zones but not the bytes of data "
+                             "zones (they read back as zeros); for benchmarks at sizes the "
+                             "backing disk cannot hold")
     create.add_argument("--force", action="store_true", help="overwrite an existing file")
     create.set_defaults(func=cmd_create)
 
@@ -92,7 +96,7 @@ def cmd_create(args: argparse.Namespace) -> int:
             args.image, size_bytes=args.size, zone_size_bytes=args.zone_size,
             zone_capacity_bytes=args.zone_capacity, nr_conventional=args.conventional,
             max_open=args.max_open, max_active=args.max_active, block_size=args.block_size,
-            overwrite=args.force,
+            overwrite=args.force, discard_data=args.discard_data,
         )
     except FileExistsError:
         return _fail(f"{args.image} exists (use --force to overwrite it)")
@@ -107,7 +111,8 @@ def cmd_create(args: argparse.Namespace) -> int:
         print(f"created {args.image}: {info.nr_zones} zones of {_fmt_size(info.zone_size_bytes)}"
               f" ({_fmt_size(dev.geometry.zone_capacity_bytes)} capacity), "
               f"{dev.geometry.nr_conventional} conventional, "
-              f"{'O_DIRECT' if dev.direct_io else 'buffered'} I/O")
+              f"{'O_DIRECT' if dev.direct_io else 'buffered'} I/O"
+              + (", data zones discarded after mkfs" if args.discard_data else ""))
     return 0
 
 
@@ -126,7 +131,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     if isinstance(dev, str):
         return _fail(dev)
     with dev:
-        geo, zones = dev.geometry, dev.report_zones()
+        geo, zones, discard = dev.geometry, dev.report_zones(), dev.discard
     counts = collections.Counter(z.cond for z in zones)
     written = sum(z.written_bytes for z in zones if z.is_sequential)
     print(f"image:           {args.image}")
@@ -138,6 +143,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"max open:        {geo.max_open or 'no limit'}")
     print(f"max active:      {geo.max_active or 'no limit'}")
     print(f"written (seq):   {_fmt_size(written)}")
+    if discard.enabled:
+        where = ("no zone yet (mkfs declares the data zones)"
+                 if discard.first_zone >= geo.nr_zones else f"zones >= {discard.first_zone}")
+        print(f"discard data:    {where}")
     for cond in ZoneCond:
         if counts[cond]:
             print(f"  {cond.name:<14} {counts[cond]}")

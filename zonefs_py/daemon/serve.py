@@ -47,6 +47,7 @@ import trio
 
 from zonefs_py import control, errors
 from zonefs_py.daemon.daemonize import Reporter
+from zonefs_py.daemon.memtrim import MemoryTrimmer
 from zonefs_py.daemon.options import MountConfig, MountError
 from zonefs_py.daemon.runstate import DeviceLock, LockHeld, RunState
 from zonefs_py.daemon.tuning import tune_after_init, wait_serving
@@ -77,8 +78,9 @@ def keep_buffers_warm() -> bool:
     MALLOC_TRIM_THRESHOLD of freed memory reuses warm pages. It also keeps
     the heap from fragmenting: after a 2 GiB sequential write through the
     mount the daemon's RSS was 150-204 MB with these settings, 344 MB (peak
-    445 MB) with glibc's defaults. Best effort: False where the C library
-    has no mallopt (not glibc).
+    445 MB) with glibc's defaults. What a burst leaves free is given back
+    once it is over (`memtrim.MemoryTrimmer`, issue 19). Best effort: False
+    where the C library has no mallopt (not glibc).
     """
     import ctypes
 
@@ -226,6 +228,7 @@ async def _serve_mounted(cfg: MountConfig, fs: Any, ops: Any, signals: Any,
             nursery.start_soon(Drainer(fs.drain).run)
         nursery.start_soon(_watch_signals, signals)
         nursery.start_soon(_become_ready, cfg, report, state, failed)
+        nursery.start_soon(MemoryTrimmer(lambda: _write_activity(fs)).run)
         await start_exporters(
             nursery, cfg.device, cfg.metrics_addr, cfg.metrics_textfile_dir,
             cfg.metrics_interval_s, lambda: control.status_document(fs, ops.failsafe_reason))
@@ -260,6 +263,14 @@ async def _serve_mounted(cfg: MountConfig, fs: Any, ops: Any, signals: Any,
     if status == 0:
         log.info("clean shutdown of %s", cfg.device)
     return status
+
+
+def _write_activity(fs: Any) -> int:
+    """Bytes written by users, appended as data and copied by the cleaner (a moving sum)."""
+    from zonefs_py.fs.datapath import C_CLEANER_BYTES, C_DATA_BYTES, C_USER_BYTES
+
+    counters = fs.state.counters
+    return sum(counters.get(c, 0) for c in (C_USER_BYTES, C_DATA_BYTES, C_CLEANER_BYTES))
 
 
 def _session_aborted(exc: BaseException) -> bool:

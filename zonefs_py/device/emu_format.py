@@ -2,7 +2,7 @@
 
 Byte layout: docs/SPEC.md, "Emulator image". Everything is little-endian.
 
-    block 0 (HEADER_BYTES)      header, xxh64-checked
+    block 0 (HEADER_BYTES)      header, xxh64-checked (version 1 or 2)
     table copy 0, table copy 1  zone table, alternating, newest valid wins
     zone data                   from `data_offset`, `nr_zones * zone_size` bytes
 
@@ -23,7 +23,13 @@ import xxhash
 from zonefs_py.device.base import ZoneCond
 
 #: Version of the emulator image layout (separate from the filesystem's DISK_VERSION).
-EMU_IMAGE_VERSION = 1
+#: Version 2 added the data-discarding mode (flags bit 0, `discard_first_zone`);
+#: version 1 images (flags 0) are still opened, and written back unchanged.
+EMU_IMAGE_VERSION = 2
+#: Header flags bit 0: blocks written to zones >= `discard_first_zone` are not stored.
+FLAG_DISCARD_DATA = 1
+#: `discard_first_zone` before anyone declared where the data zones start: discard nothing.
+NO_DISCARD_ZONE = 0xFFFFFFFF
 HEADER_MAGIC = b"ZNSEMU1\x00"
 TABLE_MAGIC = b"ZNSTBL1\x00"
 #: Bytes reserved for the header, and the alignment of every metadata region.
@@ -32,7 +38,9 @@ META_ALIGN = 4096
 #: Zone data starts on a 1 MiB boundary, so zone starts stay aligned for O_DIRECT.
 DATA_ALIGN = 1 << 20
 
-_HEADER = struct.Struct("<8sIIIIQQIIIIQQQ")  # fields before the checksum, 80 bytes
+_HEADER = struct.Struct("<8sIIIIQQIIIIQQQ")  # version-1 fields, 80 bytes
+_HEADER_V2 = struct.Struct("<I")  # discard_first_zone at offset 80 (version 2)
+HEADER_V2_SIZE = _HEADER.size + _HEADER_V2.size
 HEADER_CHECKSUM_AT = 120
 _TABLE_HEAD = struct.Struct("<8sQII")  # magic, seq, nr_zones, entry_size (24 bytes)
 TABLE_CHECKSUM_AT = 24
@@ -112,13 +120,33 @@ class Geometry:
         return self.data_offset + self.nr_zones * self.zone_size_bytes
 
 
-def encode_header(geo: Geometry) -> bytes:
-    """Return the HEADER_BYTES-long header block for `geo`."""
+@dataclass(frozen=True, slots=True)
+class DataDiscard:
+    """The data-discarding mode of a version-2 header (docs/SPEC.md, "Emulator image").
+
+    `enabled`: the image was created with `--discard-data`. `first_zone`:
+    blocks written to zones at or past it are accepted (the write pointer
+    moves) but not stored, so they read back as zeros; NO_DISCARD_ZONE until
+    mkfs declares where its data zones start (`declare_data_zones`).
+    """
+
+    enabled: bool = False
+    first_zone: int = NO_DISCARD_ZONE
+
+    def discards(self, zone_idx: int) -> bool:
+        """Return True when blocks written to `zone_idx` are dropped."""
+        return self.enabled and zone_idx >= self.first_zone
+
+
+def encode_header(geo: Geometry, discard: DataDiscard | None = None) -> bytes:
+    """Return the HEADER_BYTES-long (version 2) header block for `geo`."""
+    discard = discard or DataDiscard()
+    flags = FLAG_DISCARD_DATA if discard.enabled else 0
     head = _HEADER.pack(
-        HEADER_MAGIC, EMU_IMAGE_VERSION, _HEADER.size, geo.block_size, geo.nr_conventional,
+        HEADER_MAGIC, EMU_IMAGE_VERSION, HEADER_V2_SIZE, geo.block_size, geo.nr_conventional,
         geo.zone_size_bytes, geo.zone_capacity_bytes, geo.nr_zones, geo.max_open,
-        geo.max_active, 0, geo.table_offset, geo.table_copy_bytes, geo.data_offset,
-    )
+        geo.max_active, flags, geo.table_offset, geo.table_copy_bytes, geo.data_offset,
+    ) + _HEADER_V2.pack(discard.first_zone)
     block = bytearray(HEADER_BYTES)
     block[: len(head)] = head
     block[HEADER_CHECKSUM_AT : HEADER_CHECKSUM_AT + 8] = xxhash.xxh64_intdigest(
@@ -128,24 +156,40 @@ def encode_header(geo: Geometry) -> bytes:
 
 
 def decode_header(block: bytes) -> Geometry:
-    """Parse and check a header block.
+    """Parse and check a header block; return its geometry.
 
     Raises ImageFormatError for a wrong magic, version, checksum or geometry.
+    """
+    return decode_header_full(block)[0]
+
+
+def decode_header_full(block: bytes) -> tuple[Geometry, DataDiscard]:
+    """Parse and check a header block (version 1 or 2); return geometry and discard mode.
+
+    Raises ImageFormatError for a wrong magic, version, checksum or geometry,
+    or flags this version does not define.
     """
     if len(block) < HEADER_CHECKSUM_AT + 8 or block[:8] != HEADER_MAGIC:
         raise ImageFormatError("no emulator image magic")
     want = int.from_bytes(block[HEADER_CHECKSUM_AT : HEADER_CHECKSUM_AT + 8], "little")
     if xxhash.xxh64_intdigest(bytes(block[:HEADER_CHECKSUM_AT])) != want:
         raise ImageFormatError("header checksum mismatch")
-    (_magic, version, _hsize, bs, nconv, zsize, zcap, nzones, mopen, mactive, _flags,
+    (_magic, version, _hsize, bs, nconv, zsize, zcap, nzones, mopen, mactive, flags,
      toff, tbytes, doff) = _HEADER.unpack_from(block, 0)
-    if version != EMU_IMAGE_VERSION:
+    if version not in (1, EMU_IMAGE_VERSION):
         raise ImageFormatError(f"unsupported image version {version}")
     geo = Geometry(bs, zsize, zcap, nzones, nconv, mopen, mactive)
     geo.validate()
     if (toff, tbytes, doff) != (geo.table_offset, geo.table_copy_bytes, geo.data_offset):
         raise ImageFormatError("header layout offsets disagree with its geometry")
-    return geo
+    if version == 1:  # flags were reserved and never read in version 1
+        return geo, DataDiscard()
+    if flags & ~FLAG_DISCARD_DATA:
+        raise ImageFormatError(f"unknown header flags {flags:#x}")
+    (first_zone,) = _HEADER_V2.unpack_from(block, _HEADER.size)
+    if first_zone != NO_DISCARD_ZONE and not nconv <= first_zone < nzones:
+        raise ImageFormatError(f"discard_first_zone {first_zone} out of range")
+    return geo, DataDiscard(bool(flags & FLAG_DISCARD_DATA), first_zone)
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,13 @@ hold whatever the image held there (EMU-1 holds for acknowledged appends
 only), as on a drive. Without it, an append is a write at the write pointer
 under the zone lock (one in flight per zone), as null_blk behaves.
 
+Data-discarding mode (`create(..., discard_data=True)`, `emu create
+--discard-data`): after mkfs declared where its data zones start
+(`declare_data_zones`, recorded in the header), blocks written to those zones
+are not stored and read back as zeros (the image file stays sparse), while zone
+states, write pointers and the superblock/metadata zones behave as always. It
+lets a benchmark fill a multi-terabyte device with zeros on a small disk.
+
 Test hooks (not for user paths): `volatile_cache=True` with
 `simulate_power_cut()`, `faults` (`emu_faults.FaultInjector`) including
 `cut_after_writes`. After a power cut the object is dead: every call raises
@@ -67,10 +74,11 @@ from zonefs_py.device.emu_format import (
     HEADER_BYTES,
     HEADER_MAGIC,
     TABLE_ENTRIES_AT,
+    DataDiscard,
     Geometry,
     ImageFormatError,
     TableEntry,
-    decode_header,
+    decode_header_full,
     encode_header,
     encode_table,
     pick_newest_table,
@@ -104,9 +112,10 @@ class EmulatedZonedDevice:
 
     def __init__(self, path: str, io: ImageIO, geo: Geometry, seq: int,
                  entries: list[TableEntry], *, read_only: bool, volatile_cache: bool,
-                 zone_append: bool = False) -> None:
+                 zone_append: bool = False, discard: DataDiscard | None = None) -> None:
         """Wrap an opened, locked and validated image; use `open` or `create` instead."""
         self._path = path
+        self._discard = discard or DataDiscard()
         self._io = io
         self._geo = geo
         self._read_only = read_only
@@ -141,8 +150,13 @@ class EmulatedZonedDevice:
                zone_capacity_bytes: int | None = None, nr_conventional: int = 0,
                max_open: int = 0, max_active: int = 0, block_size: int = 4096,
                overwrite: bool = False, volatile_cache: bool = False,
-               io_mode: IOMode = "auto", zone_append: bool = False) -> EmulatedZonedDevice:
+               io_mode: IOMode = "auto", zone_append: bool = False,
+               discard_data: bool = False) -> EmulatedZonedDevice:
         """Create a sparse image for the given geometry and open it for writing.
+
+        `discard_data`: the data-discarding mode (`declare_data_zones`): data
+        zones keep their state but not their bytes, for benchmarks at sizes
+        the backing disk cannot hold.
 
         Raises ValueError for an impossible geometry (message is one line),
         FileExistsError if `path` exists and not `overwrite`, Busy if another
@@ -170,7 +184,7 @@ class EmulatedZonedDevice:
                 raise Busy(f"{path}: image is open for writing by another process") from None
             os.ftruncate(fd, 0)
             os.ftruncate(fd, geo.image_bytes)
-            os.pwrite(fd, encode_header(geo), 0)
+            os.pwrite(fd, encode_header(geo, DataDiscard(enabled=discard_data)), 0)
             os.pwrite(fd, encode_table(geo, 1, ZoneStates.fresh_entries(geo)), geo.table_offset)
             os.fsync(fd)
         finally:
@@ -205,23 +219,23 @@ class EmulatedZonedDevice:
                     fcntl.flock(io.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     raise Busy(f"{path}: image is open for writing by another process") from None
-            geo, seq, entries = cls._load(path, io)
+            geo, discard, seq, entries = cls._load(path, io)
         except BaseException:
             io.close()
             raise
         dev = cls(path, io, geo, seq, entries, read_only=read_only,
-                  volatile_cache=volatile_cache, zone_append=zone_append)
+                  volatile_cache=volatile_cache, zone_append=zone_append, discard=discard)
         if cut_after_writes is not None:
             dev.faults.cut_after_writes(cut_after_writes)
         return dev
 
     @staticmethod
-    def _load(path: str, io: ImageIO) -> tuple[Geometry, int, list[TableEntry]]:
+    def _load(path: str, io: ImageIO) -> tuple[Geometry, DataDiscard, int, list[TableEntry]]:
         size = io.file_size()
         if size < HEADER_BYTES:
             raise DeviceRefused(f"{path}: too small to be an emulator image ({size} bytes)")
         try:
-            geo = decode_header(io.pread(0, HEADER_BYTES))
+            geo, discard = decode_header_full(io.pread(0, HEADER_BYTES))
             if size < geo.image_bytes:
                 raise DeviceRefused(
                     f"{path}: truncated image ({size} bytes, geometry needs {geo.image_bytes})"
@@ -231,7 +245,7 @@ class EmulatedZonedDevice:
             _slot, seq, entries = pick_newest_table(geo, copies)
         except ImageFormatError as exc:
             raise DeviceRefused(f"{path}: not a valid emulator image: {exc}") from None
-        return geo, seq, entries
+        return geo, discard, seq, entries
 
     def close(self) -> None:
         """Flush (unless dead or read-only) and release the image; idempotent.
@@ -293,6 +307,34 @@ class EmulatedZonedDevice:
         end = nr if count is None else min(nr, first_zone + count)
         with self._state_lock:
             return [self._zones.zone(i) for i in range(first_zone, end)]
+
+    @property
+    def discard(self) -> DataDiscard:
+        """The data-discarding mode recorded in the header (`declare_data_zones`)."""
+        return self._discard
+
+    def declare_data_zones(self, first_zone: int) -> None:
+        """Record that zones from `first_zone` on hold file data (mkfs calls it).
+
+        Only an image created with `discard_data` acts on it: from then on the
+        blocks written to those zones are not stored (the write pointer and
+        zone state move as usual; the blocks read back as zeros, as on
+        null_blk without `memory_backed`), while the zones before it -- the
+        superblock and metadata log -- keep their bytes. Persisted in the
+        header (fdatasync) before it returns; a no-op otherwise.
+
+        Raises OSError: EINVAL for a zone out of range, EBADF when read-only.
+        """
+        if not self._discard.enabled:
+            return
+        self._check_writable()
+        if not self._geo.nr_conventional <= first_zone < self._geo.nr_zones:
+            raise OSError(errno.EINVAL, f"zone {first_zone} out of range")
+        discard = DataDiscard(enabled=True, first_zone=first_zone)
+        with self._table_lock:
+            self._io.pwrite(0, encode_header(self._geo, discard))
+            self._io.fdatasync()
+            self._discard = discard
 
     def reset_count(self, zone_idx: int) -> int:
         """Return how often the zone was reset since the image was created."""
@@ -428,7 +470,8 @@ class EmulatedZonedDevice:
         ok = False
         try:
             self._check_alive()
-            self._io.pwrite(self._data_offset + start + rel, data)
+            if not self._discard.discards(zone_idx):
+                self._io.pwrite(self._data_offset + start + rel, data)
             ok = True
         finally:
             with self._state_lock:
@@ -471,7 +514,8 @@ class EmulatedZonedDevice:
                 if self.faults.io_armed:
                     self.faults.check_write(offset, length)
                 self._check_alive()
-                self._io.pwrite(self._data_offset + offset, data)
+                if not self._discard.discards(zone_idx):
+                    self._io.pwrite(self._data_offset + offset, data)
             except BaseException:
                 with self._state_lock:
                     self._zones.abort_write(zone_idx)

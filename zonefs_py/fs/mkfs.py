@@ -78,6 +78,9 @@ def make_filesystem(dev: ZonedDevice, label: bytes = b"", *, meta_zones: int | N
             progress(i + 1, len(written))
     base = seq[0].index
     data_zones = seq[2 + m:]
+    declare = getattr(dev, "declare_data_zones", None)
+    if declare is not None:  # the emulator's data-discarding mode (device/base.py)
+        declare(base + 2 + m)
     capacity = sum(z.capacity_bytes for z in data_zones)
     reserve = int(capacity * reserve_percent / 100) // info.block_size * info.block_size
     sb = Superblock(
