@@ -221,13 +221,13 @@ async def test_mmap_style_page_writes_over_inline_file(tmp_path: Path) -> None:
 
 
 async def test_inline_op_round_trip_and_refusals() -> None:
-    op = (OpType.INLINE, 42, b"hello")
+    op = (OpType.INLINE, 42, 5, 7, 8, b"hello")
     assert decode_ops(encode_op(op)) == [op]
     with pytest.raises(ValueError, match="INLINE op"):
-        encode_op((OpType.INLINE, 1, bytes(INLINE_MAX_BYTES + 1)))
+        encode_op((OpType.INLINE, 1, 0, 0, 0, bytes(INLINE_MAX_BYTES + 1)))
     # A body whose length field disagrees with the frame is refused, never misread.
     raw = bytearray(encode_op(op))
-    raw[5 + 8] += 1
+    raw[5 + 32] += 1
     with pytest.raises(OpDecodeError, match="INLINE"):
         decode_ops(bytes(raw))
 
@@ -246,7 +246,7 @@ async def test_fsck_refuses_inline_data_longer_than_the_file(tmp_path: Path) -> 
         ino = await resolve(fs, "/f")
         # A well-checksummed record with an impossible INLINE op (a bug, or
         # damage that kept its checksum valid): longer than the file.
-        bad = (OpType.INLINE, ino, pattern(2, 500))
+        bad = (OpType.INLINE, ino, 100, 0, 0, pattern(2, 500))
         fs.state.apply(bad)
         fs.journal.add([bad])
         await fs.sync()
@@ -291,3 +291,34 @@ async def test_drained_inline_file_is_not_evicted(tmp_path: Path) -> None:
         assert fs.drain.evictable(inode) is not None
         assert ROOT_INO in fs.state.inodes
         assert 4 * KiB > THRESHOLD
+
+
+async def test_times_only_inode_ops_superseded_in_the_same_commit(tmp_path: Path) -> None:
+    """A directory's INODE op at every create in it, and the kernel's SETATTR of
+    mtime before close, are superseded in the queue by later ops of the same
+    inode: fewer journal bytes, and the journal replays to the same attributes."""
+    image = tmp_path / "fs.img"
+    new_image(image)
+    dev = EmulatedZonedDevice.open(image)
+    try:
+        fs = await ZoneFS.load(dev, TEST_OPTIONS)
+        d = (await fs.mkdir(ROOT_INO, b"d", 0o755, CTX)).ino
+        for i in range(5):
+            fh, attr = await fs.create(d, f"f{i}".encode(), 0o644, os.O_RDWR, CTX)
+            fs.forget([(attr.ino, 1)])
+            await fs.write(fh, 0, pattern(i, 256))
+            await fs.setattr(attr.ino, SetAttrRequest(mtime_ns=123 + i), CTX)  # mtime only
+            await fs.flush(fh)
+            await fs.release(fh)
+        await fs.setattr(d, SetAttrRequest(mode=0o700), CTX)  # not times only: kept
+        assert fs.journal.superseded_bytes >= 4 * 73 + 5 * 73
+        await fs.sync()
+        want = {ino: (i.mode, i.nlink, i.size, i.atime, i.mtime, i.ctime, i.inline)
+                for ino, i in fs.state.inodes.items()}
+        # No close: the next mount replays the journal (no unmount checkpoint).
+    finally:
+        dev.close()
+    async with mounted(image) as fs:
+        got = {ino: (i.mode, i.nlink, i.size, i.atime, i.mtime, i.ctime, i.inline)
+               for ino, i in fs.state.inodes.items()}
+        assert got == want

@@ -15,7 +15,7 @@ size read as zeros (a sparse tail).
 
 * **Into inline** (`flush`): only a file with no extents, nothing in flight,
   and its whole content in the write buffer from offset 0. One transaction
-  {INODE (size, times), INLINE}; no device I/O. Called before the data path's
+  one INLINE op (it carries the size and times too); no device I/O. Called before the data path's
   own flush, never awaiting (a file whose data lock is held takes the block
   path instead).
 * **Out of inline** (`convert`, before any write to an inline file): the
@@ -38,11 +38,11 @@ from __future__ import annotations
 
 import time
 
-from zonefs_py.format.constants import INLINE_MAX_BYTES, OpType
+from zonefs_py.format.constants import INLINE_MAX_BYTES
 from zonefs_py.format.ops import Op
 from zonefs_py.fs.datapath import C_USER_BYTES, DataPath
 from zonefs_py.journal.journal import Journal
-from zonefs_py.model.state import Inode, State
+from zonefs_py.model.state import Inode, State, inline_op
 
 
 def inline_threshold(block_size: int) -> int:
@@ -93,11 +93,10 @@ class InlineData:
         buf = self.data.buffers.pop(inode.ino)
         mtime = buf.mtime or time.time_ns()
         body = bytes(buf.data).rstrip(b"\0")  # trailing zeros read back as the hole
-        ops: list[Op] = [inode.op(size=max(inode.size, buf.end), mtime=mtime, ctime=mtime),
-                         (OpType.INLINE, inode.ino, body)]
-        for op in ops:
-            self.state.apply(op)
-        self.journal.add(ops)
+        # One op: the INLINE op carries the size and times (no INODE op, 73 bytes less).
+        op = inline_op(inode, body, size=max(inode.size, buf.end), mtime=mtime, ctime=mtime)
+        self.state.apply(op)
+        self.journal.add([op])
         self.files_inlined += 1
         drop_idle_lock(self.data, inode.ino)
         return True
@@ -129,7 +128,7 @@ class InlineData:
         """Cut the inline bytes to `new_size` (apply and return the op; no await)."""
         if len(inode.inline) <= new_size:
             return []
-        op = (OpType.INLINE, inode.ino, inode.inline[:new_size].rstrip(b"\0"))
+        op = inline_op(inode, inode.inline[:new_size].rstrip(b"\0"))
         self.state.apply(op)
         return [op]
 

@@ -84,6 +84,15 @@ class Inode:
                 g("ctime", self.ctime), g("flags", self.flags))
 
 
+def inline_op(inode: Inode, data: bytes, size: int | None = None, mtime: int | None = None,
+              ctime: int | None = None) -> Op:
+    """Return an INLINE op setting `inode`'s inline bytes (and size and times, by
+    default the inode's own)."""
+    return (OpType.INLINE, inode.ino, inode.size if size is None else size,
+            inode.mtime if mtime is None else mtime, inode.ctime if ctime is None else ctime,
+            data)
+
+
 class StateError(Exception):
     """An op does not fit the state it is applied to (corrupt log or a bug)."""
 
@@ -294,9 +303,9 @@ class State:
         inode = self.get(op[1])
         if inode.extents is None:
             raise StateError(f"INLINE on non-file inode {op[1]}")
-        if op[2] and len(inode.extents):
+        if op[5] and len(inode.extents):
             raise StateError(f"INLINE data for inode {op[1]}, which has extents")
-        inode.inline = op[2]
+        inode.size, inode.mtime, inode.ctime, inode.inline = op[2], op[3], op[4], op[5]
 
     def _notify_blocks(self, ino: int, delta: int) -> None:
         if delta and self.on_blocks_changed is not None:
@@ -350,7 +359,7 @@ class State:
         if drain is not None:
             yield drain.op(inode.ino)
         if inode.inline:
-            yield (OpType.INLINE, inode.ino, inode.inline)
+            yield inline_op(inode, inode.inline)
         if inode.extents is not None:
             bs = self.block_size
             for e in inode.extents:
