@@ -91,7 +91,7 @@ async def build(path: Path, rng: random.Random) -> set[bytes]:
             written.add(data)
             await _write(fs, sub if i % 2 else ROOT_INO, f"f{i}".encode(), data)
         for i in range(6):  # small files: their bytes are INLINE ops (fs/inline.py)
-            data = rng.randbytes(rng.randrange(1, 2 * KiB))
+            data = rng.randbytes(rng.randrange(1, 512))
             written.add(data)
             await _write(fs, sub if i % 2 else ROOT_INO, f"s{i}".encode(), data)
         await fs.journal.checkpoint()
@@ -100,7 +100,7 @@ async def build(path: Path, rng: random.Random) -> set[bytes]:
             written.add(data)
             await _write(fs, ROOT_INO if i % 2 == 0 else sub, f"f{i}".encode(), data)
         for i in range(0, 6, 2):  # new inline bytes in the journal after the checkpoint
-            data = rng.randbytes(rng.randrange(1, 2 * KiB))
+            data = rng.randbytes(rng.randrange(1, 512))
             written.add(data)
             await _write(fs, ROOT_INO, f"s{i}".encode(), data)
         await fs.rename(ROOT_INO, b"f0", sub, b"moved", 0)

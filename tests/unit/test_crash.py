@@ -336,13 +336,13 @@ async def inline_small_files(fs: ZoneFS, t: Tracker) -> None:
     grow past the threshold, shrink, extend sparse, truncate to 0 and refill,
     a checkpoint (their bytes in CHECKPOINT_DATA), rename over and unlink."""
     for i in range(5):
-        data = pattern(90 + i, 200 + 300 * i)
+        data = pattern(90 + i, 100 + 100 * i)
         t.expect(f"/s{i}", b"")
         t.expect(f"/s{i}", data)
         await write_file(fs, f"/s{i}", data, fsync=i % 2 == 0)
     await fs.sync()
     t.ack_all()
-    contents = {f"/s{i}": pattern(90 + i, 200 + 300 * i) for i in range(5)}
+    contents = {f"/s{i}": pattern(90 + i, 100 + 100 * i) for i in range(5)}
 
     async def change(path: str, size: int | None, off: int, data: bytes) -> None:
         ino = await resolve(fs, path)
@@ -369,7 +369,7 @@ async def inline_small_files(fs: ZoneFS, t: Tracker) -> None:
     await change("/s1", 700, 0, b"")                   # shrinks into it (keeps a block)
     await change("/s2", 9000, 0, b"")                  # sparse tail, still inline
     await change("/s3", 10, 0, b"")                    # cut inline bytes
-    await change("/s4", 0, 0, pattern(98, 900))        # empty, then inline again
+    await change("/s4", 0, 0, pattern(98, 400))        # empty, then inline again
     await fs.checkpoint()
     t.expect("/s2", contents["/s3"])
     t.expect("/s3", None)

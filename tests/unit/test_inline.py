@@ -36,7 +36,7 @@ from zonefs_py.fs.api import ROOT_INO, SetAttrRequest
 from zonefs_py.fs.filesystem import ZoneFS
 from zonefs_py.fs.inline import inline_threshold
 
-THRESHOLD = inline_threshold(4096)
+THRESHOLD = inline_threshold(4096, TEST_OPTIONS.inline_max_bytes)
 
 
 async def check_model(fs: ZoneFS, model: Model) -> None:
@@ -91,7 +91,7 @@ async def test_threshold_boundary(tmp_path: Path) -> None:
 
 async def test_grow_across_threshold_and_shrink_into_it(tmp_path: Path) -> None:
     image = tmp_path / "fs.img"
-    model = Model(files={"/g": pattern(5, 700)})
+    model = Model(files={"/g": pattern(5, 400)})
     async with mounted(image, create=True) as fs:
         await write_file(fs, "/g", model.files["/g"])
         ino = await resolve(fs, "/g")
@@ -99,8 +99,8 @@ async def test_grow_across_threshold_and_shrink_into_it(tmp_path: Path) -> None:
         fh = await fs.open(ino, os.O_RDWR)
         # Grow past the threshold with an unaligned write: converts, keeps the head.
         extra = pattern(6, 3000)
-        await fs.write(fh, 500, extra)
-        model.write("/g", 500, extra)
+        await fs.write(fh, 300, extra)
+        model.write("/g", 300, extra)
         assert await fs.read(fh, 0, 10000) == model.files["/g"]  # before the flush too
         await fs.fsync(fh, False)
         assert not fs.state.inodes[ino].inline
@@ -153,10 +153,10 @@ async def test_sparse_inline_file_and_truncate(tmp_path: Path) -> None:
 
 async def test_trailing_zeros_are_not_stored(tmp_path: Path) -> None:
     async with mounted(tmp_path / "fs.img", create=True) as fs:
-        await write_file(fs, "/z", b"ab" + bytes(600))
+        await write_file(fs, "/z", b"ab" + bytes(300))
         ino = await resolve(fs, "/z")
         assert fs.state.inodes[ino].inline == b"ab"
-        assert await read_file(fs, "/z") == b"ab" + bytes(600)
+        assert await read_file(fs, "/z") == b"ab" + bytes(300)
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])

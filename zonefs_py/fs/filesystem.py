@@ -54,7 +54,7 @@ from zonefs_py.fs.api import (
     StatFs,
 )
 from zonefs_py.fs.datapath import C_META_BYTES, DataPath
-from zonefs_py.fs.inline import InlineData, drop_idle_lock
+from zonefs_py.fs.inline import InlineData, drop_idle_lock, inline_threshold
 from zonefs_py.fs.latency import Histogram
 from zonefs_py.fs.namespace import NamespaceOps
 from zonefs_py.fs.options import FsOptions
@@ -102,7 +102,8 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         self.data = DataPath(dev, self.state, self.journal, self.alloc, self.limiter,
                              self.path_of, read_limiter=self.read_limiter)
         self.data.qos = ReadLatencyController(options.read_latency_ms / 1e3)
-        self.inline = InlineData(self.state, self.data, self.journal)
+        self.inline = InlineData(self.state, self.data, self.journal,
+                                 inline_threshold(self.bs, options.inline_max_bytes))
         if options.prefetch_mb:
             self.data.enable_prefetch(options.prefetch_mb << 20)
         if options.io_uring:
