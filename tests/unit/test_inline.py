@@ -7,6 +7,7 @@ then come from the checkpoint's INLINE ops), and ends with an fsck.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 from pathlib import Path
@@ -35,6 +36,7 @@ from zonefs_py.format.superblock import Superblock, SuperblockError
 from zonefs_py.fs.api import ROOT_INO, SetAttrRequest
 from zonefs_py.fs.filesystem import ZoneFS
 from zonefs_py.fs.inline import inline_threshold
+from zonefs_py.fs.options import FsOptions
 
 THRESHOLD = inline_threshold(4096, TEST_OPTIONS.inline_max_bytes)
 
@@ -322,3 +324,17 @@ async def test_times_only_inode_ops_superseded_in_the_same_commit(tmp_path: Path
         got = {ino: (i.mode, i.nlink, i.size, i.atime, i.mtime, i.ctime, i.inline)
                for ino, i in fs.state.inodes.items()}
         assert got == want
+
+
+async def test_inline_max_mount_option(tmp_path: Path) -> None:
+    opts, rest = FsOptions.from_mount_options({"inline_max": "0", "ro": None})
+    assert opts.inline_max_bytes == 0
+    assert "inline_max" not in rest
+    with pytest.raises(ValueError, match="inline_max"):
+        FsOptions.from_mount_options({"inline_max": "4096"})
+    off = dataclasses.replace(TEST_OPTIONS, inline_max_bytes=0)
+    async with mounted(tmp_path / "fs.img", create=True, options=off) as fs:
+        await write_file(fs, "/b", pattern(1, 100))
+        ino = await resolve(fs, "/b")
+        assert not fs.state.inodes[ino].inline
+        assert data_blocks(fs, ino) == 1
