@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from zonefs_py import errors
 from zonefs_py.device.base import Zone, ZoneCond, ZonedDevice
 from zonefs_py.format.checksum import first_bad_block
-from zonefs_py.format.constants import Stream
+from zonefs_py.format.constants import INLINE_MAX_BYTES, Stream
 from zonefs_py.format.superblock import Superblock
 from zonefs_py.fs.api import ROOT_INO
 from zonefs_py.journal.recovery import Recovered, read_superblock, recover
@@ -84,6 +84,7 @@ def check_filesystem(dev: ZonedDevice, *, check_data: bool = True,
     check_inv11_namespace(state, report)
     check_inv13_file_types(state, report)
     check_inv21_drain_records(state, report)
+    check_inv22_inline_data(state, report)
     if check_data:
         check_inv12_data_checksums(dev, rec, report, progress)
     return report
@@ -285,6 +286,24 @@ def check_inv21_drain_records(state: State, report: Report) -> None:
             if inode.size != rec.size:
                 report.add("INV-21", f"evicted inode {ino} has size {inode.size}, its object "
                                      f"{rec.size}")
+
+
+def check_inv22_inline_data(state: State, report: Report) -> None:
+    """INV-22: inline bytes belong to a regular file without extents, are at most
+    INLINE_MAX_BYTES, and never longer than the file."""
+    for inode in state.inodes.values():
+        if not inode.inline:
+            continue
+        if not inode.is_reg:
+            report.add("INV-22", f"inode {inode.ino} has inline data but is not a regular file")
+        elif inode.extents is not None and len(inode.extents):
+            report.add("INV-22", f"inode {inode.ino} has inline data and extents")
+        if len(inode.inline) > INLINE_MAX_BYTES:
+            report.add("INV-22", f"inode {inode.ino} has {len(inode.inline)} inline bytes "
+                                 f"(at most {INLINE_MAX_BYTES})")
+        if len(inode.inline) > inode.size:
+            report.add("INV-22", f"inode {inode.ino}: {len(inode.inline)} inline bytes, longer "
+                                 f"than the file ({inode.size} bytes)")
 
 
 def check_inv12_data_checksums(dev: ZonedDevice, rec: Recovered, report: Report,

@@ -331,7 +331,57 @@ async def cleaning_pass(fs: ZoneFS, t: Tracker) -> None:
     assert fs.alloc.zones[victim.zone_idx].reserved == 0, "the cleaned zone must have been reset"
 
 
+async def inline_small_files(fs: ZoneFS, t: Tracker) -> None:
+    """Small files kept inline (issue 15): create, rewrite in place (out of inline),
+    grow past the threshold, shrink, extend sparse, truncate to 0 and refill,
+    a checkpoint (their bytes in CHECKPOINT_DATA), rename over and unlink."""
+    for i in range(5):
+        data = pattern(90 + i, 100 + 100 * i)
+        t.expect(f"/s{i}", b"")
+        t.expect(f"/s{i}", data)
+        await write_file(fs, f"/s{i}", data, fsync=i % 2 == 0)
+    await fs.sync()
+    t.ack_all()
+    contents = {f"/s{i}": pattern(90 + i, 100 + 100 * i) for i in range(5)}
+
+    async def change(path: str, size: int | None, off: int, data: bytes) -> None:
+        ino = await resolve(fs, path)
+        fh = await fs.open(ino, os.O_RDWR)
+        try:
+            new = contents[path]
+            if size is not None:
+                new = new[:size] + bytes(max(0, size - len(new)))
+                t.expect(path, new)
+                await fs.setattr(ino, SetAttrRequest(size=size), CTX)
+            if data:
+                new = new + bytes(max(0, off - len(new)))
+                new = new[:off] + data + new[off + len(data):]
+                t.expect(path, new)
+                await fs.write(fh, off, data)
+            await fs.fsync(fh, False)
+            contents[path] = new
+            t.ack(path)
+        finally:
+            await fs.release(fh)
+
+    await change("/s0", None, 50, b"in place")         # inline -> block 0
+    await change("/s1", None, 300, pattern(97, 5000))  # grows past the threshold
+    await change("/s1", 700, 0, b"")                   # shrinks into it (keeps a block)
+    await change("/s2", 9000, 0, b"")                  # sparse tail, still inline
+    await change("/s3", 10, 0, b"")                    # cut inline bytes
+    await change("/s4", 0, 0, pattern(98, 400))        # empty, then inline again
+    await fs.checkpoint()
+    t.expect("/s2", contents["/s3"])
+    t.expect("/s3", None)
+    await fs.rename(ROOT_INO, b"s3", ROOT_INO, b"s2", RenameFlags.NONE)
+    t.expect("/s4", None)
+    await fs.unlink(ROOT_INO, b"s4")
+    await fs.sync()
+    t.ack_all()
+
+
 SCENARIOS: dict[str, tuple[Scenario, Geometry]] = {
+    "inline_small_files": (inline_small_files, SMALL),
     "cleaning_pass": (cleaning_pass, SMALL),
     "save_via_rename": (save_via_rename, SMALL),
     "overwrite_in_place": (overwrite_in_place, SMALL),
@@ -514,7 +564,8 @@ async def test_unlink_open_file_then_crash_frees_orphan(tmp_path: Path) -> None:
     try:
         fs = await ZoneFS.load(dev, TEST_OPTIONS)
         assert attr.ino not in fs.state.inodes
-        assert sum(fs.state.zone_live_blocks.values()) == 1  # just /keep's block
+        assert sum(fs.state.zone_live_blocks.values()) == 0  # /keep is inline, no block
+        assert fs.state.inodes[await resolve(fs, "/keep")].inline == b"k" * 100
         await fs.close()
     finally:
         dev.close()

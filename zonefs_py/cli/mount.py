@@ -50,6 +50,8 @@ OPTIONS_HELP = textwrap.dedent("""\
                 engine's p90 read latency is above MS, 0 off, default 2),
               prefetch_mb=N (device reads kept in flight ahead of a file read
                 sequentially, MiB, 0 off, default 8),
+              inline_max=N (files of at most N bytes keep them in the metadata, no
+                data block; 0 off, at most 2048, default 512),
               zone_append=auto|on|off (NVMe Zone Append through /dev/ngXnY when the
                 device has it, default auto; off: writes at the write pointer).
       daemon: {daemon}

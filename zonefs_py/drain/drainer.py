@@ -299,6 +299,8 @@ class Drainer:
         await self._yield_to_writers()
         await self._admit_read(length)
         self._check_gen(snap.ino, gen)
+        if snap.inline:
+            return self.fs.inline.read(snap, snap.size, offset, length)
         return await self.fs.data._read_stored(snap, offset, length)
 
     async def _hash(self, snap: Inode, gen: int) -> int:

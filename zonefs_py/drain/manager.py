@@ -100,6 +100,7 @@ def snapshot_inode(inode: Inode) -> Inode:
     from zonefs_py.model.extents import Extent, ExtentMap
 
     snap = Inode(inode.ino, inode.mode, size=inode.size, flags=inode.flags)
+    snap.inline = inode.inline
     if inode.extents is not None and len(inode.extents):
         m = ExtentMap()
         m.exts = [Extent(e.fblock, e.nblocks, e.dev, e.csums) for e in inode.extents]
@@ -375,6 +376,8 @@ class DrainManager:
             return f"it is {model.state_name(rec)}, not drained"
         if inode.opens or inode.ino in self.fs.data.buffers or inode.ino in self.fs.data.inflight:
             return "it is open"
+        if inode.inline:
+            return "its bytes are inline in the metadata (no block to free)"
         if inode.ino in self.written or self.lock(inode.ino).locked():
             return "it is being written or restored"
         return None

@@ -8,7 +8,13 @@ from __future__ import annotations
 import enum
 
 #: Version of the on-disk format (independent of the package version).
-DISK_VERSION = 1
+#: 2: INLINE ops (small files' bytes in the metadata, issue 15). Version 1
+#: images are refused at mount and by fsck (no conversion; docs/SPEC.md).
+DISK_VERSION = 2
+
+#: Largest inline body an INLINE op may carry (format limit; the engine inlines
+#: files of at most min(this, block_size // 2) bytes, fs/inline.py).
+INLINE_MAX_BYTES = 2048
 
 #: b"ZFRC" read as a little-endian u32: starts every metadata record.
 RECORD_MAGIC = 0x4352465A
@@ -46,7 +52,8 @@ class OpType(enum.IntEnum):
     COUNTERS = 11
     NEXT_INO = 12
     TENANT_BYTES = 13
-    # 14-19 left to other features of the same release; see docs/SPEC.md.
+    # 14, 16-19 left to other features of the same release; see docs/SPEC.md.
+    INLINE = 15
     DRAIN = 20
 
 

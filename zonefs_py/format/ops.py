@@ -19,6 +19,8 @@ u32 body length, body (docs/SPEC.md "Operations").
     COUNTERS    (dict[int, int])   counter id -> value
     NEXT_INO    (next_ino,)
     TENANT_BYTES (dir_ino, bytes_written)   user bytes written below a top-level directory
+    INLINE      (ino, size, mtime_ns, ctime_ns, data)   a small file's bytes in the metadata
+                (fs/inline.py), with the size and times they give it
     DRAIN       (ino, state, size, xxh3, url, token)   drain state of a file (zonefs_py/drain)
 """
 
@@ -27,7 +29,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from zonefs_py.format.constants import OpType
+from zonefs_py.format.constants import INLINE_MAX_BYTES, OpType
 
 Op = tuple[Any, ...]
 
@@ -43,6 +45,7 @@ _XATTR_DEL = struct.Struct("<QH")
 _ZONE_STATE = struct.Struct("<IBBHI")
 _COUNTER = struct.Struct("<HQ")
 _DRAIN = struct.Struct("<QBQQHH")
+_INLINE = struct.Struct("<QQqqH")
 
 
 class OpDecodeError(Exception):
@@ -76,6 +79,10 @@ def encode_op(op: Op) -> bytes:
     elif kind == OpType.COUNTERS:
         items = sorted(op[1].items())
         body = struct.pack("<H", len(items)) + b"".join(_COUNTER.pack(k, v) for k, v in items)
+    elif kind == OpType.INLINE:
+        if len(op[5]) > INLINE_MAX_BYTES:
+            raise ValueError(f"INLINE op of {len(op[5])} bytes (at most {INLINE_MAX_BYTES})")
+        body = _INLINE.pack(op[1], op[2], op[3], op[4], len(op[5])) + op[5]
     elif kind == OpType.DRAIN:
         body = _DRAIN.pack(op[1], op[2], op[3], op[4], len(op[5]), len(op[6])) + op[5] + op[6]
     else:
@@ -175,6 +182,12 @@ def _decode_body(kind: int, payload: bytes, mv: memoryview, pos: int, bend: int)
             k, v = _COUNTER.unpack_from(payload, pos + 2 + i * _COUNTER.size)
             values[k] = v
         return (OpType.COUNTERS, values)
+    if kind == OpType.INLINE:
+        ino, size, mtime, ctime, dlen = _INLINE.unpack_from(payload, pos)
+        start = pos + _INLINE.size
+        _check(start + dlen == bend, "INLINE data length")
+        _check(dlen <= INLINE_MAX_BYTES, f"INLINE data length {dlen} (at most {INLINE_MAX_BYTES})")
+        return (OpType.INLINE, ino, size, mtime, ctime, bytes(mv[start:bend]))
     if kind == OpType.DRAIN:
         ino, dstate, size, xxh, ulen, tlen = _DRAIN.unpack_from(payload, pos)
         start = pos + _DRAIN.size

@@ -72,7 +72,16 @@ class Superblock:
         (version, fs_uuid, bs, zsize, nzones, sba, sbb, mfirst, mcount, dfirst, reserve,
          label, dcount, cpoff, cpseq, created, cpzone) = _SB.unpack_from(payload)
         if version != DISK_VERSION:
-            raise SuperblockError(
-                f"on-disk format version {version} is not supported (this is {DISK_VERSION})")
+            raise SuperblockError(_version_refusal(version))
         return cls(fs_uuid, bs, zsize, nzones, sba, sbb, mfirst, mcount, dfirst, dcount,
                    reserve, label.rstrip(b"\0"), cpzone, cpoff, cpseq, created, version)
+
+
+def _version_refusal(version: int) -> str:
+    """The one-line refusal of a superblock of another on-disk format version."""
+    if version == 1:
+        # docs/SPEC.md "Versions": 2 added INLINE ops; no in-place conversion.
+        return ("on-disk format version 1 predates inline small-file data (this build "
+                f"reads version {DISK_VERSION} only, no conversion): mount it with a build "
+                "of format 1, copy the files out, and mkfs again")
+    return f"on-disk format version {version} is not supported (this is {DISK_VERSION})"

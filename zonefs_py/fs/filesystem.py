@@ -54,6 +54,7 @@ from zonefs_py.fs.api import (
     StatFs,
 )
 from zonefs_py.fs.datapath import C_META_BYTES, DataPath
+from zonefs_py.fs.inline import InlineData, drop_idle_lock, inline_threshold
 from zonefs_py.fs.latency import Histogram
 from zonefs_py.fs.namespace import NamespaceOps
 from zonefs_py.fs.options import FsOptions
@@ -101,6 +102,8 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         self.data = DataPath(dev, self.state, self.journal, self.alloc, self.limiter,
                              self.path_of, read_limiter=self.read_limiter)
         self.data.qos = ReadLatencyController(options.read_latency_ms / 1e3)
+        self.inline = InlineData(self.state, self.data, self.journal,
+                                 inline_threshold(self.bs, options.inline_max_bytes))
         if options.prefetch_mb:
             self.data.enable_prefetch(options.prefetch_mb << 20)
         if options.io_uring:
@@ -201,9 +204,17 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
             if self.data.reader is not None:
                 await self.data.reader.aclose()
 
+    async def _flush_all(self) -> None:
+        """Flush every file's buffer: small whole files inline, the rest as blocks."""
+        for ino in list(self.data.buffers):
+            inode = self.state.inodes.get(ino)
+            if inode is not None:
+                self.inline.flush(inode)
+        await self.data.flush_all()
+
     async def _write_back_on_close(self) -> None:
         try:
-            await self.data.flush_all()
+            await self._flush_all()
             # Nobody holds an inode after unmount: free the unlinked ones the
             # kernel still had looked up or open (else they stay as orphans).
             for inode in [i for i in self.state.inodes.values()
@@ -265,6 +276,8 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
     def attr(self, inode: Inode) -> Attr:
         size = self.data.visible_size(inode) if inode.extents is not None else inode.size
         blocks = inode.extents.mapped_blocks * (self.bs // 512) if inode.extents else 0
+        if inode.inline:
+            blocks = -(-len(inode.inline) // 512)  # stored, though in no data block
         return Attr(inode.ino, inode.mode, inode.nlink, inode.uid, inode.gid, inode.rdev, size,
                     blocks, inode.atime, inode.mtime, inode.ctime, self.bs)
 
@@ -356,6 +369,7 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
                 self._check_quota(inode, req.size - self.data.visible_size(inode))
             await self.drain.before_truncate(inode, req.size)
             ops += await self.data.truncate(inode, req.size, now)
+            ops += self.inline.truncate_ops(inode, req.size)
         changes: dict[str, int] = {}
         if req.mode is not None:
             changes["mode"] = statmod.S_IFMT(inode.mode) | (req.mode & 0o7777)
@@ -428,6 +442,7 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         if flags & os.O_TRUNC and inode.is_reg and self.data.visible_size(inode) > 0:
             try:
                 ops = await self.data.truncate(inode, 0, time.time_ns())
+                ops += self.inline.truncate_ops(inode, 0)
                 self.journal.add(ops)
             except BaseException:
                 await self.release(fh)
@@ -447,6 +462,8 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         if offset < 0:
             raise errors.InvalidArgument("negative offset")
         t0 = time.perf_counter_ns()
+        if inode.inline:
+            return self.inline.read(inode, self.data.visible_size(inode), offset, length)
         data = await self.data.read(inode, offset, length)
         self.read_latency.record(time.perf_counter_ns() - t0)
         return data
@@ -467,6 +484,8 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
             if over > 0 and not await self.drain.relieve_space(over):
                 raise errors.NoSpace("the live data would not fit on the device")
         self.drain.on_write(inode)
+        if inode.inline:
+            await self.inline.convert(inode)
         t0 = time.perf_counter_ns()
         n = await self.data.write(inode, offset, data)
         self.write_latency.record(time.perf_counter_ns() - t0)
@@ -477,7 +496,8 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
 
     async def flush(self, fh: int) -> None:
         inode = self._fh_inode(fh)
-        if self.failsafe is None and not self.options.read_only:
+        if self.failsafe is None and not self.options.read_only \
+                and not self.inline.flush(inode):
             await self.data.flush(inode)
 
     async def release(self, fh: int) -> None:
@@ -490,7 +510,9 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         inode.opens -= 1
         if inode.opens == 0:
             if self.failsafe is None and not self.options.read_only:
-                await self.data.flush(inode)
+                if not self.inline.flush(inode):
+                    await self.data.flush(inode)
+                drop_idle_lock(self.data, ino)
                 to_finish: list[int] = []
                 self.alloc.release_owner(ino, to_finish)
                 if to_finish:
@@ -503,7 +525,8 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         if self.options.read_only:
             return
         self._writable()
-        await self.data.flush(inode)
+        if not self.inline.flush(inode):
+            await self.data.flush(inode)
         self.drain.on_fsync(inode)
         await self.journal.commit()
 
@@ -577,7 +600,7 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
 
     async def checkpoint(self) -> None:
         self._writable()
-        await self.data.flush_all()
+        await self._flush_all()
         self._record_counters()
         await self.journal.checkpoint()
         await self.reclaim.reset_dead_zones()
@@ -586,7 +609,7 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         if self.options.read_only:
             return
         self._writable()
-        await self.data.flush_all()
+        await self._flush_all()
         await self.journal.commit()
 
     def status(self) -> dict[str, object]:

@@ -110,4 +110,6 @@ def _has_superblock(dev: ZonedDevice) -> bool:
         a, b = superblock_zones(dev)
     except errors.NotAFilesystem:
         return False
-    return SuperblockStore(dev, a, b).read_latest() is not None
+    store = SuperblockStore(dev, a, b)
+    # A superblock of another format version is a filesystem too (--force to replace it).
+    return store.read_latest() is not None or store.refusal is not None

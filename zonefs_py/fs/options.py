@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
+from zonefs_py.format.constants import INLINE_MAX_BYTES
+
 
 def _flag(value: str) -> bool:
     if value in ("1", "on", "yes", "true"):
@@ -47,6 +49,9 @@ class FsOptions:
     #: Sequential read-ahead in the engine: MiB of device reads kept in flight ahead
     #: of a file read sequentially (fs/prefetch.py); 0 disables it.
     prefetch_mb: int = 8
+    #: Files of at most this many bytes keep their bytes in the metadata (fs/inline.py;
+    #: at most 2048 and half a block; 0 disables it).
+    inline_max_bytes: int = 512
     #: Appends as true zone appends (NVMe Zone Append; device/zappend.py): "auto"
     #: when the device has it, "on" to require it, "off" for writes at the write pointer.
     zone_append: str = "auto"
@@ -74,6 +79,7 @@ class FsOptions:
         "sqpoll_ms": ("sqpoll_ms", int),
         "read_latency_ms": ("read_latency_ms", float),
         "prefetch_mb": ("prefetch_mb", int),
+        "inline_max": ("inline_max_bytes", int),
         "zone_append": ("zone_append", lambda v: {"1": "on", "0": "off"}.get(v, v)),
         "drain_endpoint": ("drain_endpoint", str),
         "drain_region": ("drain_region", str),
@@ -121,6 +127,8 @@ class FsOptions:
             raise ValueError("cleaner_policy must be cost-benefit or greedy")
         if result.zone_append not in ("auto", "on", "off"):
             raise ValueError("zone_append must be auto, on or off")
+        if not 0 <= result.inline_max_bytes <= INLINE_MAX_BYTES:
+            raise ValueError(f"inline_max must be 0 (off) .. {INLINE_MAX_BYTES} bytes")
         if result.prefetch_mb < 0:
             raise ValueError("prefetch_mb must be 0 (off) or a number of MiB")
         if not result.read_latency_ms >= 0:

@@ -8,6 +8,11 @@ commit). A commit is: take the pending batch, flush the device if file data
 was appended since the last flush (so extents never point at data that is
 not durable, INV-7), append the JOURNAL records, flush.
 
+A queued INODE op that changed only mtime/ctime is left out when a later
+queued op of the same inode sets them again (`_drop_superseded` has the
+crash argument): a directory's times at every create in it, the kernel's
+SETATTR of times before a close.
+
 `checkpoint()` folds the pending batch into a snapshot of the whole State,
 taken without awaiting, writes it as CHECKPOINT_* records starting in a fresh
 meta zone, flushes, points the superblock at it, and resets the meta zones it
@@ -33,7 +38,7 @@ from collections.abc import Callable
 import trio
 
 from zonefs_py.device.base import ZonedDevice
-from zonefs_py.format.constants import RecordType
+from zonefs_py.format.constants import OpType, RecordType
 from zonefs_py.format.ops import Op, encode_op
 from zonefs_py.format.superblock import Superblock
 from zonefs_py.journal.log import LogFull, LogPosition, MetaLog
@@ -60,8 +65,15 @@ class Journal:
         self.sb = sb
         self.state = state
         self.limiter = limiter
-        self._pending: list[bytes] = []
+        self._pending: list[list[bytes]] = []  # per transaction, its encoded ops
         self._pending_bytes = 0
+        #: Per inode with an INODE op queued: its attributes but mtime / ctime as of
+        #: the last INODE op kept, and where a later INODE op that changed only
+        #: mtime / ctime sits (txn, op index).
+        self._kept_attrs: dict[int, tuple[int, ...]] = {}
+        self._times_only: dict[int, tuple[int, int]] = {}
+        #: Bytes of INODE ops left out because a later one superseded them.
+        self.superseded_bytes = 0
         self.added_txn = 0
         self.durable_txn = 0
         self.data_dirty = False
@@ -82,20 +94,69 @@ class Journal:
         """Queue one transaction (already applied to the State). Never awaits."""
         if not ops:
             return self.added_txn
-        data = b"".join(encode_op(op) for op in ops)
-        self._pending.append(data)
-        self._pending_bytes += len(data)
+        encoded = [encode_op(op) for op in ops]
+        txn = len(self._pending)
+        self._pending.append(encoded)
+        self._pending_bytes += sum(map(len, encoded))
+        kept, times_only = self._kept_attrs, self._times_only
+        for k, op in enumerate(ops):
+            kind = op[0]
+            if kind == OpType.INODE:
+                ino = op[1]
+                where = times_only.pop(ino, None)
+                if where is not None:
+                    self._drop_superseded(*where)
+                attrs = op[2:9] + op[11:]  # mode, uid, gid, nlink, rdev, size, atime, flags
+                if kept.get(ino) == attrs:
+                    times_only[ino] = (txn, k)  # only mtime / ctime changed
+                else:
+                    kept[ino] = attrs
+            elif kind == OpType.INLINE and op[1] in kept:
+                # An INLINE op sets size, mtime and ctime: it supersedes an INODE op
+                # that changed only mtime / ctime, and it is what replay then holds.
+                where = times_only.pop(op[1], None)
+                if where is not None:
+                    self._drop_superseded(*where)
+                attrs = kept[op[1]]
+                kept[op[1]] = attrs[:5] + (op[2],) + attrs[6:]
+            elif kind == OpType.INODE_FREE:
+                kept.pop(op[1], None)
+                times_only.pop(op[1], None)
         self.added_txn += 1
         return self.added_txn
+
+    def _drop_superseded(self, txn: int, k: int) -> None:
+        """Leave out queued op `k` of queued transaction `txn`: an INODE op that
+        changed only mtime and ctime, now that a later queued INODE or INLINE op
+        of the same inode sets them again (a directory's times at every create
+        in it, the kernel's SETATTR of times before a close).
+
+        Safe: INODE ops are physical, and both go out in the same commit, whose
+        records land as a prefix. If the commit completes, the replayed state is
+        the same. If it is torn, nothing in it was acknowledged; where the newer
+        op was lost, replay misses only that inode's time changes, because the
+        dropped op's other attributes equal those of the last kept INODE op of
+        the inode in this batch (INLINE ops, which set the size, are followed),
+        which is what replay holds before it. The first INODE op of an inode in
+        a batch is always kept (it may create the inode).
+        """
+        op_bytes = self._pending[txn]
+        dropped = len(op_bytes[k])
+        op_bytes[k] = b""
+        self._pending_bytes -= dropped
+        self.superseded_bytes += dropped
 
     @property
     def pending_bytes(self) -> int:
         return self._pending_bytes
 
     def _take_batch(self) -> tuple[list[bytes], int]:
-        batch, upto = self._pending, self.added_txn
+        batch = [txn for txn in map(b"".join, self._pending) if txn]
+        upto = self.added_txn
         self._pending = []
         self._pending_bytes = 0
+        self._kept_attrs = {}
+        self._times_only = {}
         return batch, upto
 
     def _set_durable(self, upto: int) -> None:

@@ -61,6 +61,8 @@ def read_superblock(dev: ZonedDevice) -> tuple[Superblock, SuperblockStore]:
     a, b = superblock_zones(dev)
     store = SuperblockStore(dev, a, b)
     sb = store.read_latest()
+    if sb is None and store.refusal is not None:
+        raise errors.CorruptionError(f"{dev.info.path}: {store.refusal}")
     if sb is None:
         raise errors.NotAFilesystem(
             f"{dev.info.path}: no zonefs-py superblock found (run 'zonefs-py mkfs' first)")

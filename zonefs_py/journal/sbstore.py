@@ -25,6 +25,8 @@ class SuperblockStore:
     """Write and find superblocks in zones `sb_zone_a` and `sb_zone_b`."""
 
     def __init__(self, dev: ZonedDevice, zone_a: int, zone_b: int) -> None:
+        #: Why read_latest() refused a well-formed superblock record (None: it did not).
+        self.refusal: str | None = None
         self.dev = dev
         self.zones = (zone_a, zone_b)
         self.seq = 0
@@ -33,7 +35,10 @@ class SuperblockStore:
         self._lock = threading.Lock()
 
     def read_latest(self) -> Superblock | None:
-        """Return the newest valid superblock, or None if there is none."""
+        """Return the newest valid superblock, or None if there is none (then
+        `refusal` says why a well-formed record was refused, e.g. another format
+        version, if one was met)."""
+        self.refusal = None
         best: tuple[int, int, Superblock] | None = None
         bs = self.dev.info.block_size
         for zone in self.dev.report_zones(self.zones[0], 1) + self.dev.report_zones(
@@ -55,8 +60,9 @@ class SuperblockStore:
                     if rec.type == RecordType.SUPERBLOCK:
                         try:
                             sb = Superblock.decode(rec.payload)
-                        except SuperblockError:
+                        except SuperblockError as exc:
                             sb = None
+                            self.refusal = str(exc)
                         if sb is not None and (best is None or rec.seq > best[0]):
                             best = (rec.seq, zone.index, sb)
                     off += rec.size_bytes

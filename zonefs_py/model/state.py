@@ -25,8 +25,9 @@ from zonefs_py.model.extents import EMPTY_EXTENTS, ExtentMap, Freed
 
 class Inode:
     __slots__ = (
-        "atime", "ckpt_gen", "ctime", "entries", "extents", "flags", "gid", "ino", "lookups",
-        "mode", "mtime", "nlink", "opens", "parent", "rdev", "size", "target", "uid", "xattrs",
+        "atime", "ckpt_gen", "ctime", "entries", "extents", "flags", "gid", "ino", "inline",
+        "lookups", "mode", "mtime", "nlink", "opens", "parent", "rdev", "size", "target", "uid",
+        "xattrs",
     )
 
     def __init__(self, ino: int, mode: int = 0, uid: int = 0, gid: int = 0, nlink: int = 0,
@@ -48,6 +49,9 @@ class Inode:
         #: Regular files only (the shared EMPTY_EXTENTS until their first extent).
         self.extents: ExtentMap | None = EMPTY_EXTENTS if fmt == statmod.S_IFREG else None
         self.target: bytes | None = None
+        #: Regular files: the file's bytes kept in the metadata (INLINE op), empty when
+        #: its data is in blocks (or it has none). Bytes past it up to size are zeros.
+        self.inline = b""
         self.xattrs: dict[bytes, bytes] | None = None
         self.parent = 0
         self.lookups = 0
@@ -78,6 +82,15 @@ class Inode:
                 g("gid", self.gid), g("nlink", self.nlink), g("rdev", self.rdev),
                 g("size", self.size), g("atime", self.atime), g("mtime", self.mtime),
                 g("ctime", self.ctime), g("flags", self.flags))
+
+
+def inline_op(inode: Inode, data: bytes, size: int | None = None, mtime: int | None = None,
+              ctime: int | None = None) -> Op:
+    """Return an INLINE op setting `inode`'s inline bytes (and size and times, by
+    default the inode's own)."""
+    return (OpType.INLINE, inode.ino, inode.size if size is None else size,
+            inode.mtime if mtime is None else mtime, inode.ctime if ctime is None else ctime,
+            data)
 
 
 class StateError(Exception):
@@ -132,6 +145,7 @@ class State:
             OpType.NEXT_INO: self._apply_next_ino,
             OpType.TENANT_BYTES: self._apply_tenant_bytes,
             OpType.DRAIN: self._apply_drain,
+            OpType.INLINE: self._apply_inline,
         }
 
     # -- applying ops --------------------------------------------------------
@@ -221,6 +235,9 @@ class State:
             raise StateError(f"EXTENT of inode {ino} spans zones at {dev}")
         if inode.extents is EMPTY_EXTENTS:
             inode.extents = ExtentMap()
+        # A file's bytes are inline or in blocks, never both: the writer that
+        # gives an inline file its first block put the inline bytes in it.
+        inode.inline = b""
         freed = inode.extents.insert(fblock, nblocks, dev, csums, self.block_size,
                                      self.zone_size)
         self.zone_live_blocks[zone] = self.zone_live_blocks.get(zone, 0) + nblocks
@@ -282,6 +299,14 @@ class State:
         else:
             self.drain[op[1]] = rec
 
+    def _apply_inline(self, op: Op) -> None:
+        inode = self.get(op[1])
+        if inode.extents is None:
+            raise StateError(f"INLINE on non-file inode {op[1]}")
+        if op[5] and len(inode.extents):
+            raise StateError(f"INLINE data for inode {op[1]}, which has extents")
+        inode.size, inode.mtime, inode.ctime, inode.inline = op[2], op[3], op[4], op[5]
+
     def _notify_blocks(self, ino: int, delta: int) -> None:
         if delta and self.on_blocks_changed is not None:
             self.on_blocks_changed(ino, delta)
@@ -321,7 +346,7 @@ class State:
 
     def inode_body_ops(self, inode: Inode, max_csum_blocks: int = 65536) -> Iterator[Op]:
         """The snapshot's ops of one inode after its INODE op: names (of a
-        directory), symlink target, xattrs, extents."""
+        directory), symlink target, xattrs, drain state, inline data, extents."""
         if inode.entries:
             for name, child in inode.entries.items():
                 yield (OpType.DIRENT_ADD, inode.ino, child, name)
@@ -333,6 +358,8 @@ class State:
         drain = self.drain.get(inode.ino)
         if drain is not None:
             yield drain.op(inode.ino)
+        if inode.inline:
+            yield inline_op(inode, inode.inline)
         if inode.extents is not None:
             bs = self.block_size
             for e in inode.extents:
@@ -348,10 +375,11 @@ class State:
 _CHANGES_INODE = frozenset({
     OpType.INODE, OpType.INODE_FREE, OpType.DIRENT_ADD, OpType.DIRENT_DEL, OpType.EXTENT,
     OpType.TRUNCATE, OpType.SYMLINK, OpType.XATTR_SET, OpType.XATTR_DEL, OpType.DRAIN,
+    OpType.INLINE,
 })
 
 #: Ops that change which bytes a file's blocks hold (State.on_data_changed).
-_DATA_OPS = frozenset({OpType.EXTENT, OpType.TRUNCATE, OpType.INODE_FREE})
+_DATA_OPS = frozenset({OpType.EXTENT, OpType.TRUNCATE, OpType.INODE_FREE, OpType.INLINE})
 
 
 class Snapshot:
