@@ -220,6 +220,35 @@ def test_utimens(mounted: Mount) -> None:
     assert after.st_mtime_ns == 3_000_000_007
 
 
+@pytest.mark.parametrize("cache", ["on", "off"])
+def test_times_set_before_close_survive_remount(image: Path, mount_factory: Mount,
+                                                cache: str) -> None:
+    """cp -p and tar set a file's times on the open file before close: the data
+    written back at close must not stamp its own write time over them, neither
+    with the writeback cache (the WRITEs arrive after the SETATTR) nor without
+    (the engine still buffers them). Plain writes still move mtime."""
+    mount_factory.start(f"writeback_cache={cache}")
+    sizes = {"inline": 100, "block": 100_000, "chunks": 3 << 20}
+    for name, size in sizes.items():
+        fd = os.open(mount_factory.path / name, os.O_CREAT | os.O_WRONLY, 0o644)
+        try:
+            os.write(fd, pattern(size))
+            os.utime(fd, ns=(1_000_000_007, 2_000_000_009))
+        finally:
+            os.close(fd)
+    before = time.time_ns()
+    (mount_factory.path / "plain").write_bytes(pattern(100_000))
+    subprocess.run(["cp", "-p", str(mount_factory.path / "block"),
+                    str(mount_factory.path / "copied")], check=True)
+    assert mount_factory.unmount() == 0
+    mount_factory.start(f"writeback_cache={cache}")
+    for name in [*sizes, "copied"]:
+        st = (mount_factory.path / name).stat()
+        assert st.st_mtime_ns == 2_000_000_009, name
+        assert (mount_factory.path / name).read_bytes() == pattern(sizes.get(name, 100_000))
+    assert (mount_factory.path / "plain").stat().st_mtime_ns >= before - 1_000_000_000
+
+
 def test_ctime_changes_on_chmod(mounted: Mount) -> None:
     path = mounted.path / "f"
     path.write_bytes(b"x")

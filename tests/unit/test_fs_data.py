@@ -250,3 +250,23 @@ async def test_whole_chunk_writes_mixed_with_small_ones_read_back_exactly(fs: Zo
     attr = await fs.getattr(_ino)
     assert attr.size == len(model)
     await fs.release(fh)
+
+
+@pytest.mark.parametrize("stamp", [True, False])
+async def test_times_set_on_an_open_file_outlive_its_buffered_data(fs: ZoneFS,
+                                                                   stamp: bool) -> None:
+    """A SETATTR of mtime wins over data written before it that lands later
+    (`DataPath.times_set`); with `stamp_times` off (the FUSE writeback cache owns
+    the times) a write never changes them."""
+    fs.data.stamp_times = stamp
+    fh, ino = await open_new(fs, b"f")
+    await fs.write(fh, 0, b"a" * 6000)           # buffered
+    await fs.write(fh, 6000, b"b" * (2 << 20))   # chunks in flight
+    await fs.setattr(ino, SetAttrRequest(mtime_ns=5_000_000_000), CTX)
+    await fs.flush(fh)
+    assert (await fs.getattr(ino)).mtime_ns == 5_000_000_000
+    await fs.write(fh, 0, b"c")
+    await fs.flush(fh)
+    mtime = (await fs.getattr(ino)).mtime_ns
+    assert (mtime > 5_000_000_000) if stamp else (mtime == 5_000_000_000)
+    await fs.release(fh)

@@ -148,6 +148,10 @@ class MountConfig:
                 raise MountError(f"unknown mount option {name!r}"
                                  + ("" if value is None else f" (={value})"))
         cfg.min_tasks = min(cfg.min_tasks, cfg.max_tasks)
+        # With the writeback cache the kernel owns mtime/ctime of written files: a
+        # WRITE arrives at writeback, after a utime the program did before close
+        # (cp -p, tar, rsync), and must not stamp the time of its arrival.
+        cfg.fs_options.kernel_write_times = cfg.writeback_cache
         if cfg.metrics_textfile_dir is not None:
             cfg.metrics_textfile_dir = os.path.abspath(cfg.metrics_textfile_dir)
             if not os.path.isdir(cfg.metrics_textfile_dir):

@@ -132,6 +132,10 @@ class DataPath:
         self.path_of = path_of
         self.inflight: dict[int, list[Chunk]] = {}
         self.write_errors: dict[int, errors.ZoneFSError] = {}
+        #: Writes set the file's mtime/ctime to their arrival time. False when the
+        #: caller owns the times (FUSE writeback cache: FsOptions.kernel_write_times);
+        #: a buffer or chunk then carries time 0, "leave the times as they are".
+        self.stamp_times = True
         #: Foreground cleaning, set by the engine: returns False when nothing was freed.
         self.on_need_space: Callable[[], Awaitable[bool]] | None = None
         self.counters = state.counters
@@ -219,7 +223,7 @@ class DataPath:
                 self._count(C_USER_BYTES, len(data))
                 await self._queue_chunk(inode, offset // self.bs,
                                         data if isinstance(data, bytes) else bytes(data),
-                                        offset + len(data), time.time_ns(), final=False)
+                                        offset + len(data), self.write_time(), final=False)
                 return len(data)
             if buf is None:
                 start = offset // self.bs * self.bs
@@ -236,11 +240,26 @@ class DataPath:
                 buf.data += data
             else:
                 buf.data[rel:rel + len(data)] = data
-            buf.mtime = time.time_ns()
+            buf.mtime = self.write_time()
             self._count(C_USER_BYTES, len(data))
             if len(buf.data) >= CHUNK_BYTES:
                 await self._flush_locked(inode, final=False)
         return len(data)
+
+    def write_time(self) -> int:
+        """The mtime/ctime a write gives its file: now, or 0 (unchanged) when the
+        caller owns the times."""
+        return time.time_ns() if self.stamp_times else 0
+
+    def times_set(self, ino: int) -> None:
+        """A SETATTR set the file's mtime: data written before it (buffered or in
+        flight) must not stamp its own older write time over it when it lands
+        (`cp -p` and tar set the times on the open file before close)."""
+        buf = self.buffers.get(ino)
+        if buf is not None:
+            buf.mtime = 0
+        for chunk in self.inflight.get(ino, ()):
+            chunk.mtime = 0
 
     async def flush(self, inode: Inode) -> None:
         """Write the file's buffer and in-flight chunks to the device (not yet durable:
@@ -298,7 +317,7 @@ class DataPath:
         if not data:
             return
         await self._queue_chunk(inode, buf.start // bs, bytes(data), logical_end,
-                                buf.mtime or time.time_ns(), final)
+                                buf.mtime, final)
 
     async def _queue_chunk(self, inode: Inode, fblock: int, data: bytes, logical_end: int,
                            mtime: int, final: bool) -> None:
@@ -347,8 +366,9 @@ class DataPath:
             # when the file was deleted meanwhile: then they are garbage, not leaks.
             ops = self._apply_placed(inode, placed)
             if error is None and inode.ino in self.state.inodes:
-                op = inode.op(size=max(inode.size, chunk.logical_end), mtime=chunk.mtime,
-                              ctime=chunk.mtime, flags=inode.flags)
+                times = {"mtime": chunk.mtime, "ctime": chunk.mtime} if chunk.mtime else {}
+                op = inode.op(size=max(inode.size, chunk.logical_end), flags=inode.flags,
+                              **times)
                 self.state.apply(op)
                 ops.append(op)
             elif error is not None:

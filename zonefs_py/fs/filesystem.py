@@ -104,6 +104,7 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         self.data.qos = ReadLatencyController(options.read_latency_ms / 1e3)
         self.inline = InlineData(self.state, self.data, self.journal,
                                  inline_threshold(self.bs, options.inline_max_bytes))
+        self.data.stamp_times = not options.kernel_write_times
         if options.prefetch_mb:
             self.data.enable_prefetch(options.prefetch_mb << 20)
         if options.io_uring:
@@ -385,6 +386,7 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
             changes["atime"] = req.atime_ns
         if req.mtime_ns is not None:
             changes["mtime"] = req.mtime_ns
+            self.data.times_set(ino)
         if changes or req.size is not None:
             changes["ctime"] = req.ctime_ns if req.ctime_ns is not None else now
             op = inode.op(**changes)

@@ -38,8 +38,6 @@ with inline data is never evicted (there is no block to free).
 
 from __future__ import annotations
 
-import time
-
 from zonefs_py.format.constants import INLINE_MAX_BYTES
 from zonefs_py.format.ops import Op
 from zonefs_py.fs.datapath import C_USER_BYTES, DataPath
@@ -94,10 +92,11 @@ class InlineData:
         if lk is not None and lk.locked():
             return False
         buf = self.data.buffers.pop(inode.ino)
-        mtime = buf.mtime or time.time_ns()
+        mtime = buf.mtime  # 0: no write since a SETATTR set the times (DataPath.times_set)
         body = bytes(buf.data).rstrip(b"\0")  # trailing zeros read back as the hole
         # One op: the INLINE op carries the size and times (no INODE op, 73 bytes less).
-        op = inline_op(inode, body, size=max(inode.size, buf.end), mtime=mtime, ctime=mtime)
+        op = inline_op(inode, body, size=max(inode.size, buf.end), mtime=mtime or inode.mtime,
+                       ctime=mtime or inode.ctime)
         self.state.apply(op)
         self.journal.add([op])
         self.files_inlined += 1

@@ -52,6 +52,10 @@ class FsOptions:
     #: Files of at most this many bytes keep their bytes in the metadata (fs/inline.py;
     #: at most 2048 and half a block; 0 disables it).
     inline_max_bytes: int = 512
+    #: The caller keeps written files' mtime/ctime and sets them itself (SETATTR after
+    #: the data, as the FUSE writeback cache does): writes then leave the times alone.
+    #: Not a mount option: the daemon sets it with the writeback cache.
+    kernel_write_times: bool = False
     #: Appends as true zone appends (NVMe Zone Append; device/zappend.py): "auto"
     #: when the device has it, "on" to require it, "off" for writes at the write pointer.
     zone_append: str = "auto"
