@@ -485,7 +485,8 @@ def run_torture(workdir: Path, *, seed: int, cycles: int, size: str = "1G",
                 break
             mode = rng.choice(MODES)
             options = [rng.choice(["commit=5", "commit=0.2"]),
-                       rng.choice(["checkpoint_mb=64", "checkpoint_mb=1"])]
+                       rng.choice(["checkpoint_mb=64", "checkpoint_mb=1"]),
+                       rng.choice(["zone_append=on", "zone_append=off"])]
             hook = {"kill": None,
                     "cut": f"cut_after_writes={rng.randrange(1, 300)},arm=sigusr2"}.get(
                 mode, f"powercut={mode},seed={rng.randrange(1 << 30)}")

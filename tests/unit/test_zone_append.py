@@ -235,7 +235,7 @@ def test_open_device_zone_append_modes(tmp_path: Path) -> None:
     from zonefs_py.device import open_device
 
     _dev(tmp_path, zone_append=False).close()
-    for mode, expected in (("auto", True), ("on", True), ("off", False)):
+    for mode, expected in (("auto", False), ("on", True), ("off", False)):
         dev = open_device(str(tmp_path / "za.img"), zone_append=mode)
         try:
             assert dev.info.zone_append is expected

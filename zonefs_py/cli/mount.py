@@ -53,7 +53,8 @@ OPTIONS_HELP = textwrap.dedent("""\
               inline_max=N (files of at most N bytes keep them in the metadata, no
                 data block; 0 off, at most 2048, default 512),
               zone_append=auto|on|off (NVMe Zone Append through /dev/ngXnY when the
-                device has it, default auto; off: writes at the write pointer).
+                device has it, default auto; off: writes at the write pointer; on an
+                emulator image only "on" turns on its out-of-order append model).
       daemon: {daemon}
       ignored (fstab): rw, defaults, auto, noauto, _netdev, user, users, nofail, x-*, comment=*.
       mount(8) helper only: log_file=PATH.

@@ -24,8 +24,8 @@ guards zone states and is never held across I/O; one lock per zone serialises
 writes and management commands of that zone; `_table_lock` serialises table
 writes. Reads take no zone lock and run concurrently with everything.
 
-Zone append (`zone_append=True`, what `open_device` gives unless
-`zone_append=off`): an append is placed as a ZNS drive places a Zone Append
+Zone append (`zone_append=True`, what `open_device` gives with
+`zone_append=on`): an append is placed as a ZNS drive places a Zone Append
 -- under the zone lock only long enough to move the write pointer past it --
 and its data is written after the lock is released, so several appends to
 one zone are in flight at once and complete in any order, each returning

@@ -57,7 +57,8 @@ class FsOptions:
     #: Not a mount option: the daemon sets it with the writeback cache.
     kernel_write_times: bool = False
     #: Appends as true zone appends (NVMe Zone Append; device/zappend.py): "auto"
-    #: when the device has it, "on" to require it, "off" for writes at the write pointer.
+    #: when the device has it (not the emulator's test model: only "on" there), "on"
+    #: to require it, "off" for writes at the write pointer.
     zone_append: str = "auto"
     #: Drain to an object store (zonefs_py/drain): S3 endpoint URL, region, profile and
     #: shared-credentials file; empty fields are left to boto3's standard resolution.
