@@ -12,7 +12,7 @@ import trio
 from engine_helpers import CTX, Geometry, mounted
 
 from zonefs_py import errors
-from zonefs_py.device.aread import AsyncReader
+from zonefs_py.device.aread import SQPOLL_MIN_INFLIGHT, AsyncReader
 from zonefs_py.device.emulated import EmulatedZonedDevice
 from zonefs_py.fs.api import ROOT_INO
 from zonefs_py.fs.options import FsOptions
@@ -98,15 +98,30 @@ async def test_a_read_lends_its_buffer_until_the_view_is_dropped(
         assert not reader._free.get(MiB)  # the same buffer was reused
 
 
-async def test_small_reads_use_the_polled_ring_large_ones_the_plain_ring(
+async def test_queued_small_reads_use_the_polled_ring_others_the_plain_ring(
         dev: EmulatedZonedDevice) -> None:
     async with ring_reader(dev, sqpoll_ms=2) as (reader, at, blob):
         assert reader._polled is not None
+        assert reader._ring is not None
+        # One read at a time (a paced reader): the plain ring, the polling
+        # thread is never woken to spin.
         assert await reader.read(at, 4096) == blob[:4096]
-        assert reader._polled.reaper_started
-        assert not reader._ring.reaper_started
-        assert await reader.read(at, MiB) == blob
         assert reader._ring.reaper_started
+        assert not reader._polled.reaper_started
+        # A queue of small reads: those behind SQPOLL_MIN_INFLIGHT go to the polled ring.
+        got: dict[int, bytes] = {}
+
+        async def one(i: int) -> None:
+            got[i] = bytes(await reader.read(at + i * 4096, 4096))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(2 * SQPOLL_MIN_INFLIGHT):
+                nursery.start_soon(one, i)
+        assert reader._polled.reaper_started
+        assert all(got[i] == blob[i * 4096:(i + 1) * 4096] for i in got)
+        assert len(got) == 2 * SQPOLL_MIN_INFLIGHT
+        # Large reads never go to the polled ring.
+        assert await reader.read(at, MiB) == blob
     assert not reader.uses_ring
 
 
