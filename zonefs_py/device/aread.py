@@ -158,26 +158,69 @@ class AsyncReader:
     async def read(self, offset_bytes: int, length_bytes: int) -> bytes | memoryview:
         """The bytes at `offset_bytes`: from a ring a read-only view of a pooled
         buffer (returned to the pool when the view is dropped), else bytes."""
-        ring = self._ring
-        target = None
-        if ring is not None and 0 < length_bytes <= MAX_RING_READ:
-            target = self.dev.direct_read_target(offset_bytes, length_bytes)
-        if target is None:
+        ring, target = self._route(offset_bytes, length_bytes)
+        if ring is None or target is None:
             self.thread_reads += 1
             data: bytes = await trio.to_thread.run_sync(self.dev.read, offset_bytes,
                                                         length_bytes, limiter=self.limiter)
             return data
-        assert ring is not None
-        polled = self._polled
-        if (polled is not None and length_bytes <= SQPOLL_MAX_READ
-                and len(polled.slots) + len(ring.slots) >= SQPOLL_MIN_INFLIGHT):
-            ring = polled
         self.ring_reads += 1
         fd, pos = target
         return await self._ring_read(ring, fd, pos, offset_bytes, length_bytes)
 
+    async def read_many(self, spans: list[tuple[int, int]]) -> list[bytes | memoryview]:
+        """`read` of every (offset, length) in `spans`, the ring reads all in flight
+        at once (a file range that zone appends scattered over several places of a
+        zone is one request's worth of reads, not one device round trip after
+        another); results in the order of `spans`. Raises the first failure, in
+        that order (reads still in flight then finish unseen)."""
+        slots: list[_Slot | None] = []
+        waited = 0
+        try:
+            for offset_bytes, length_bytes in spans:
+                ring, target = self._route(offset_bytes, length_bytes)
+                if ring is None or target is None:
+                    slots.append(None)
+                    continue
+                self.ring_reads += 1
+                slots.append(await self._submit(ring, target[0], target[1], offset_bytes,
+                                                length_bytes))
+            out: list[bytes | memoryview] = []
+            for slot, (offset_bytes, length_bytes) in zip(slots, spans, strict=True):
+                if slot is None:
+                    out.append(await self.read(offset_bytes, length_bytes))
+                else:
+                    out.append(await self._complete(slot, offset_bytes, length_bytes))
+                waited += 1
+            return out
+        finally:
+            for slot in slots[waited:]:
+                if slot is not None and not slot.event.is_set():
+                    slot.orphan = True  # the reaper drops its buffer once the kernel is done
+
+    def _route(self, offset_bytes: int, length_bytes: int
+               ) -> tuple[_Ring | None, tuple[int, int] | None]:
+        """The ring for this read and its (fd, position), or (None, None): a thread."""
+        ring = self._ring
+        if ring is None or not 0 < length_bytes <= MAX_RING_READ:
+            return None, None
+        target = self.dev.direct_read_target(offset_bytes, length_bytes)
+        if target is None:
+            return None, None
+        polled = self._polled
+        if (polled is not None and length_bytes <= SQPOLL_MAX_READ
+                and len(polled.slots) + len(ring.slots) >= SQPOLL_MIN_INFLIGHT):
+            return polled, target
+        return ring, target
+
     async def _ring_read(self, ring: _Ring, fd: int, pos: int, offset_bytes: int,
                          length_bytes: int) -> bytes | memoryview:
+        slot = await self._submit(ring, fd, pos, offset_bytes, length_bytes)
+        return await self._complete(slot, offset_bytes, length_bytes)
+
+    async def _submit(self, ring: _Ring, fd: int, pos: int, offset_bytes: int,
+                      length_bytes: int) -> _Slot:
+        """Queue one read on `ring`; the slot's event is set when it completes."""
         buf = self._get_buf(length_bytes)
         tag = self._next_tag
         self._next_tag += 1
@@ -195,6 +238,11 @@ class AsyncReader:
         slot = _Slot(buf)
         ring.slots[tag] = slot
         self._ensure_reaper(ring)
+        return slot
+
+    async def _complete(self, slot: _Slot, offset_bytes: int,
+                        length_bytes: int) -> bytes | memoryview:
+        """Wait for a submitted read; its bytes (a lent view), or OSError."""
         try:
             await slot.event.wait()
         except BaseException:
@@ -202,6 +250,7 @@ class AsyncReader:
             slot.orphan = True
             raise
         res = slot.result
+        buf = slot.buf
         if res == length_bytes:
             return self._lend(buf, length_bytes)
         self._put_buf(length_bytes, buf)
