@@ -18,7 +18,8 @@ file and offset) with the buffer. Reads of written data go through the
 engine's io_uring reader (`device/aread.py`, no worker thread; the checksums,
 in C, are then verified on the trio thread), others through the read thread
 budget. The device reads of a range that maps to several pieces (zone
-appends scatter a chunk) are all in flight at once. A read pins the zones it reads so that none is reset under it.
+appends scatter a chunk) are all in flight at once. A read pins the zones it
+reads so that none is reset under it.
 Appends run in worker threads, checksumming (in C, GIL released) and
 appending in one call, behind the read-latency controller (`fs/qos.py`); the
 appends of a file being flushed, fsynced or truncated pass it at once.
