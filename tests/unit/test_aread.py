@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
 import trio
-from engine_helpers import CTX, Geometry, mounted
+from engine_helpers import CTX, TEST_OPTIONS, Geometry, assert_fsck_clean, mounted, new_image
 
 from zonefs_py import errors
-from zonefs_py.device.aread import AsyncReader
+from zonefs_py.device.aread import SQPOLL_MIN_INFLIGHT, AsyncReader
 from zonefs_py.device.emulated import EmulatedZonedDevice
 from zonefs_py.fs.api import ROOT_INO
+from zonefs_py.fs.filesystem import ZoneFS
 from zonefs_py.fs.options import FsOptions
 
 MiB = 1 << 20
@@ -98,15 +100,30 @@ async def test_a_read_lends_its_buffer_until_the_view_is_dropped(
         assert not reader._free.get(MiB)  # the same buffer was reused
 
 
-async def test_small_reads_use_the_polled_ring_large_ones_the_plain_ring(
+async def test_queued_small_reads_use_the_polled_ring_others_the_plain_ring(
         dev: EmulatedZonedDevice) -> None:
     async with ring_reader(dev, sqpoll_ms=2) as (reader, at, blob):
         assert reader._polled is not None
+        assert reader._ring is not None
+        # One read at a time (a paced reader): the plain ring, the polling
+        # thread is never woken to spin.
         assert await reader.read(at, 4096) == blob[:4096]
-        assert reader._polled.reaper_started
-        assert not reader._ring.reaper_started
-        assert await reader.read(at, MiB) == blob
         assert reader._ring.reaper_started
+        assert not reader._polled.reaper_started
+        # A queue of small reads: those behind SQPOLL_MIN_INFLIGHT go to the polled ring.
+        got: dict[int, bytes] = {}
+
+        async def one(i: int) -> None:
+            got[i] = bytes(await reader.read(at + i * 4096, 4096))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(2 * SQPOLL_MIN_INFLIGHT):
+                nursery.start_soon(one, i)
+        assert reader._polled.reaper_started
+        assert all(got[i] == blob[i * 4096:(i + 1) * 4096] for i in got)
+        assert len(got) == 2 * SQPOLL_MIN_INFLIGHT
+        # Large reads never go to the polled ring.
+        assert await reader.read(at, MiB) == blob
     assert not reader.uses_ring
 
 
@@ -183,3 +200,62 @@ async def test_engine_reads_through_threads_with_io_uring_off(tmp_path: Path) ->
         await fs.fsync(fh, False)
         assert await fs.read(fh, 0, len(blob)) == blob
         await fs.release(fh)
+
+
+async def test_read_many_keeps_every_read_in_flight_and_the_order(
+        dev: EmulatedZonedDevice) -> None:
+    # Scattered slices of one file range (as zone appends land), plus one span the
+    # emulator must serve (past the write pointer of zone 3): results in span order.
+    tail_at = dev.append(3, b"\x02" * 4096)
+    async with ring_reader(dev) as (reader, at, blob):
+        order = [5, 0, 7, 2, 6, 1, 4, 3]
+        spans = [(at + k * 128 * 1024, 128 * 1024) for k in order] + [(tail_at, 8192)]
+        got = await reader.read_many(spans)
+        assert [bytes(g) for g in got[:-1]] == [
+            blob[k * 128 * 1024:(k + 1) * 128 * 1024] for k in order]
+        assert got[-1] == b"\x02" * 4096 + bytes(4096)
+        assert reader.ring_reads == len(order)
+        assert reader.thread_reads == 1
+
+
+async def test_read_many_reports_the_failure_and_stays_usable(
+        dev: EmulatedZonedDevice) -> None:
+    async with ring_reader(dev) as (reader, at, blob):
+        # The second span is not block aligned: the kernel refuses it (EINVAL).
+        with pytest.raises(OSError):
+            await reader.read_many([(at, 4096), (at + 1, 4096), (at + 8192, 4096)])
+        assert bytes(await reader.read(at, 4096)) == blob[:4096]
+
+
+async def test_a_file_scattered_by_zone_appends_reads_back_exactly(tmp_path: Path) -> None:
+    """Through the engine on a zone-append device (slices land shuffled): reads of
+    every size and alignment over many scattered pieces give the written bytes,
+    and a read of several pieces has them all in flight (DataPath._read_pieces)."""
+    path = tmp_path / "za.img"
+    new_image(path, Geometry(size_bytes=96 * MiB, zone_size_bytes=8 * MiB))
+    dev = EmulatedZonedDevice.open(path, zone_append=True)
+    try:
+        fs = await ZoneFS.load(dev, TEST_OPTIONS)
+        if fs.data.reader is None or not fs.data.reader.uses_ring:
+            await fs.close()
+            pytest.skip("io_uring is not available on this kernel")
+        data = os.urandom(6 * MiB + 12345)
+        fh, attr = await fs.create(ROOT_INO, b"ckpt", 0o644, os.O_RDWR, CTX)
+        for off in range(0, len(data), MiB):
+            await fs.write(fh, off, data[off:off + MiB])
+        await fs.fsync(fh, False)
+        inode = fs.state.inodes[attr.ino]
+        assert inode.extents is not None
+        assert len(inode.extents) > 6  # scattered: more pieces than chunks
+        rng = random.Random(12)
+        for _ in range(200):
+            off = rng.randrange(len(data))
+            n = rng.choice([1, 4096, 100_000, MiB, 3 * MiB])
+            assert bytes(await fs.read(fh, off, n)) == data[off:off + n]
+        assert bytes(await fs.read(fh, 0, len(data))) == data
+        await fs.release(fh)
+        fs.forget([(attr.ino, 1)])
+        await fs.close()
+    finally:
+        dev.close()
+    assert_fsck_clean(path)

@@ -83,19 +83,39 @@ async def test_fast_reads_leave_writers_free(autojump_clock: trio.testing.MockCl
 
 
 async def test_slow_reads_limit_writers(autojump_clock: trio.testing.MockClock) -> None:
-    # Reads slowed by 10 ms by any write at all: the allowance falls to its floor.
+    # Reads slowed by 10 ms by any write at all: the allowance falls near its floor.
     gate = ReadLatencyController(0.002, min_rate_bytes_s=4 * MB)
     t0 = trio.current_time()
     written: list[tuple[float, int]] = []
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(reader, gate, t0 + 3, slowed_by(written, 0.0, any_write_ms=10.0))
-        nursery.start_soon(writer, gate, t0 + 3, written)
-        await trio.sleep(2.5)
+        nursery.start_soon(reader, gate, t0 + 5, slowed_by(written, 0.0, any_write_ms=10.0))
+        nursery.start_soon(writer, gate, t0 + 5, written)
+        await trio.sleep(4.5)
         status = gate.status()
-    assert status["write_allowance_mb_s"] <= 10  # at or near its 4 MB/s floor
+    # From ~1 GB/s to a few chunks per second (a chunk in an interval slows its
+    # reads; an interval without one lets the allowance grow again).
+    assert status["write_allowance_mb_s"] <= 25
     assert gate.decreases >= 5
-    assert 2 * MB < rate(written, t0 + 1, t0 + 3) < 12 * MB  # slowed, never stopped
+    assert 2 * MB < rate(written, t0 + 3, t0 + 5) < 30 * MB  # slowed, never stopped
     assert gate.throttled_s > 1
+
+
+async def test_single_slow_intervals_do_not_cut_the_allowance(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # A loaded machine: one 50 ms interval in three has slow reads (20 ms), whatever
+    # the writer does. Never two in a row over the target: the writer is never cut.
+    gate = ReadLatencyController(0.002)
+    t0 = trio.current_time()
+    written: list[tuple[float, int]] = []
+
+    def noisy() -> float:
+        return 0.020 if int((trio.current_time() - t0) / 0.05) % 3 == 0 else 0.0005
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(reader, gate, t0 + 3, noisy)
+        nursery.start_soon(writer, gate, t0 + 3, written)
+    assert gate.decreases == 0
+    assert rate(written, t0, t0 + 3) > 0.9 * MiB / APPEND_S
 
 
 async def test_writers_get_what_the_target_leaves(
@@ -139,10 +159,10 @@ async def test_writers_run_free_once_reads_stop(autojump_clock: trio.testing.Moc
     t0 = trio.current_time()
     written: list[tuple[float, int]] = []
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(reader, gate, t0 + 1, slowed_by(written, 0.0, any_write_ms=10.0))
-        nursery.start_soon(writer, gate, t0 + 3, written)
-    assert rate(written, t0 + 0.5, t0 + 1) < 10 * MB
-    assert rate(written, t0 + 1.5, t0 + 3) > 0.9 * MiB / APPEND_S
+        nursery.start_soon(reader, gate, t0 + 3, slowed_by(written, 0.0, any_write_ms=10.0))
+        nursery.start_soon(writer, gate, t0 + 5, written)
+    assert rate(written, t0 + 2.5, t0 + 3) < 30 * MB
+    assert rate(written, t0 + 3.5, t0 + 5) > 0.9 * MiB / APPEND_S
     assert gate.allowance == math.inf
 
 

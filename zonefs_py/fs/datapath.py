@@ -17,7 +17,9 @@ xxh3 checksum, a mismatch is `errors.IOFailure` and a log line naming the
 file and offset) with the buffer. Reads of written data go through the
 engine's io_uring reader (`device/aread.py`, no worker thread; the checksums,
 in C, are then verified on the trio thread), others through the read thread
-budget. A read pins the zones it reads so that none is reset under it.
+budget. The device reads of a range that maps to several pieces (zone
+appends scatter a chunk) are all in flight at once. A read pins the zones it
+reads so that none is reset under it.
 Appends run in worker threads, checksumming (in C, GIL released) and
 appending in one call, behind the read-latency controller (`fs/qos.py`); the
 appends of a file being flushed, fsynced or truncated pass it at once.
@@ -65,6 +67,7 @@ from zonefs_py.format.ops import Op
 from zonefs_py.fs.prefetch import Prefetcher
 from zonefs_py.fs.qos import ReadLatencyController
 from zonefs_py.journal.journal import Journal
+from zonefs_py.model.extents import Piece
 from zonefs_py.model.state import Inode, State
 
 log = logging.getLogger(__name__)
@@ -585,12 +588,17 @@ class DataPath:
             self.alloc.pin_read(z)
         parts: list[bytes | memoryview] = []
         try:
-            for p in pieces:
-                if p.dev is None:
-                    parts.append(bytes(p.nblocks * bs))
-                else:
-                    parts.append(await self._read_extent(inode.ino, p.fblock, p.dev,
-                                                         p.nblocks * bs, p.csums))
+            stored = [p for p in pieces if p.dev is not None]
+            if len(stored) > 1 and self.reader is not None and self.reader.uses_ring:
+                # Scattered pieces (zone append): all device reads in flight at once.
+                parts = await self._read_pieces(inode.ino, pieces)
+            else:
+                for p in pieces:
+                    if p.dev is None:
+                        parts.append(bytes(p.nblocks * bs))
+                    else:
+                        parts.append(await self._read_extent(inode.ino, p.fblock, p.dev,
+                                                             p.nblocks * bs, p.csums))
         finally:
             for z in pinned:
                 self.alloc.unpin_read(z)
@@ -600,6 +608,27 @@ class DataPath:
         if len(out) < length:
             return bytes(out) + bytes(length - len(out))
         return out
+
+    async def _read_pieces(self, ino: int, pieces: list[Piece]) -> list[bytes | memoryview]:
+        """Every piece's bytes (holes as zeros), the device reads in flight at once
+        through the ring reader, each verified against its own checksums."""
+        assert self.reader is not None
+        bs = self.bs
+        stored = [p for p in pieces if p.dev is not None]
+        try:
+            datas = iter(await self.reader.read_many(
+                [(p.dev, p.nblocks * bs) for p in stored if p.dev is not None]))
+        except OSError as exc:
+            self._read_failed(ino, stored[0].fblock, exc)
+        parts: list[bytes | memoryview] = []
+        for p in pieces:
+            if p.dev is None:
+                parts.append(bytes(p.nblocks * bs))
+                continue
+            data = next(datas)
+            self._verify(ino, p.fblock, p.dev, data, p.csums)
+            parts.append(data)
+        return parts
 
     async def _read_extent(self, ino: int, fblock: int, dev_off: int, nbytes: int,
                            csums: bytes) -> bytes | memoryview:
