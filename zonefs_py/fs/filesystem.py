@@ -205,13 +205,16 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
             if self.data.reader is not None:
                 await self.data.reader.aclose()
 
+    async def _flush_file(self, inode: Inode) -> None:
+        """Flush a file's buffer: a small whole file inline, else as blocks."""
+        if not self.inline.flush(inode):
+            await self.data.flush(inode)
+
     async def _flush_all(self) -> None:
-        """Flush every file's buffer: small whole files inline, the rest as blocks."""
         for ino in list(self.data.buffers):
             inode = self.state.inodes.get(ino)
             if inode is not None:
-                self.inline.flush(inode)
-        await self.data.flush_all()
+                await self._flush_file(inode)
 
     async def _write_back_on_close(self) -> None:
         try:
@@ -498,9 +501,8 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
 
     async def flush(self, fh: int) -> None:
         inode = self._fh_inode(fh)
-        if self.failsafe is None and not self.options.read_only \
-                and not self.inline.flush(inode):
-            await self.data.flush(inode)
+        if self.failsafe is None and not self.options.read_only:
+            await self._flush_file(inode)
 
     async def release(self, fh: int) -> None:
         ino = self.files.pop(fh, None)
@@ -512,8 +514,7 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         inode.opens -= 1
         if inode.opens == 0:
             if self.failsafe is None and not self.options.read_only:
-                if not self.inline.flush(inode):
-                    await self.data.flush(inode)
+                await self._flush_file(inode)
                 drop_idle_lock(self.data, ino)
                 to_finish: list[int] = []
                 self.alloc.release_owner(ino, to_finish)
@@ -527,8 +528,7 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         if self.options.read_only:
             return
         self._writable()
-        if not self.inline.flush(inode):
-            await self.data.flush(inode)
+        await self._flush_file(inode)
         self.drain.on_fsync(inode)
         await self.journal.commit()
 
