@@ -580,17 +580,19 @@ class DataPath:
                   for z in range(p.dev // zsize, (p.dev + p.nblocks * bs - 1) // zsize + 1)]
         for z in pinned:
             self.alloc.pin_read(z)
+        parts: list[bytes | memoryview] = []
         try:
-            if self.reader is not None and self.reader.uses_ring:
-                # Read without a worker thread, every piece's device read in flight
-                # at once (zone appends scatter a chunk); verify here (C, ~0.1 ms/MiB).
+            stored = [p for p in pieces if p.dev is not None]
+            if len(stored) > 1 and self.reader is not None and self.reader.uses_ring:
+                # Scattered pieces (zone append): all device reads in flight at once.
                 parts = await self._read_pieces(inode.ino, pieces)
             else:
-                parts = [bytes(p.nblocks * bs) if p.dev is None else
-                         await trio.to_thread.run_sync(
-                             self._read_verify, inode.ino, p.fblock, p.dev, p.nblocks * bs,
-                             p.csums, limiter=self.read_limiter)
-                         for p in pieces]
+                for p in pieces:
+                    if p.dev is None:
+                        parts.append(bytes(p.nblocks * bs))
+                    else:
+                        parts.append(await self._read_extent(inode.ino, p.fblock, p.dev,
+                                                             p.nblocks * bs, p.csums))
         finally:
             for z in pinned:
                 self.alloc.unpin_read(z)
@@ -606,11 +608,12 @@ class DataPath:
         through the ring reader, each verified against its own checksums."""
         assert self.reader is not None
         bs = self.bs
-        stored = [(p.fblock, p.dev, p.nblocks * bs) for p in pieces if p.dev is not None]
+        stored = [p for p in pieces if p.dev is not None]
         try:
-            datas = iter(await self.reader.read_many([(dev, n) for _, dev, n in stored]))
+            datas = iter(await self.reader.read_many(
+                [(p.dev, p.nblocks * bs) for p in stored if p.dev is not None]))
         except OSError as exc:
-            self._read_failed(ino, stored[0][0], exc)
+            self._read_failed(ino, stored[0].fblock, exc)
         parts: list[bytes | memoryview] = []
         for p in pieces:
             if p.dev is None:
@@ -620,6 +623,20 @@ class DataPath:
             self._verify(ino, p.fblock, p.dev, data, p.csums)
             parts.append(data)
         return parts
+
+    async def _read_extent(self, ino: int, fblock: int, dev_off: int, nbytes: int,
+                           csums: bytes) -> bytes | memoryview:
+        if self.reader is not None and self.reader.uses_ring:
+            # Read without a worker thread; verify here (C, ~0.1 ms per MiB).
+            try:
+                data = await self.reader.read(dev_off, nbytes)
+            except OSError as exc:
+                self._read_failed(ino, fblock, exc)
+            self._verify(ino, fblock, dev_off, data, csums)
+            return data
+        data = await trio.to_thread.run_sync(self._read_verify, ino, fblock, dev_off, nbytes,
+                                             csums, limiter=self.read_limiter)
+        return data
 
     def _read_verify(self, ino: int, fblock: int, dev_off: int, nbytes: int,
                      csums: bytes) -> bytes:
