@@ -25,7 +25,7 @@ setup(
         "xxhash>=3.2",  # the first with Python 3.11 wheels
     ],
     extras_require={
-        "test": ["pytest>=7", "pytest-trio>=0.8", "hypothesis>=6"],
+        "test": ["pytest>=7", "pytest-trio>=0.8", "hypothesis>=6", "pytest-timeout>=2.1"],
         "bench": ["matplotlib>=3.6"],
         # `zonefs-py stat --zone-map FILE.png`
         "plot": ["matplotlib>=3.6"],

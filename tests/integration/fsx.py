@@ -49,6 +49,22 @@ class Mismatch(AssertionError):
     pass
 
 
+def _direct_read(path: Path, off: int, length: int) -> bytes:
+    """[off, off+length) of `path` read with O_DIRECT (the aligned blocks around it)."""
+    lo = off - off % BLOCK
+    hi = -(-(off + length) // BLOCK) * BLOCK
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        buf = mmap.mmap(-1, hi - lo)
+        try:
+            n = os.preadv(fd, [buf], lo)
+            return bytes(buf[off - lo:min(n, off - lo + length)])
+        finally:
+            buf.close()
+    finally:
+        os.close(fd)
+
+
 def data_for(seed: int, length: int) -> bytes:
     return random.Random(seed).randbytes(length)
 
@@ -123,11 +139,26 @@ class Runner:
             good = Path(f"{base}.{st.path.name}.good")
             bad = Path(f"{base}.{st.path.name}.bad")
             good.write_bytes(bytes(st.model))
+            # What the failing read itself returned (the file may read right later),
+            # and the same range read again at once: through the page cache, and
+            # with O_DIRECT from the daemon (which of the two still differs tells
+            # a stale page in the kernel's cache from a stale reply of the daemon).
+            Path(f"{base}.{st.path.name}.got@{off:#x}").write_bytes(got)
+            again = []
+            with contextlib.suppress(OSError):
+                again.append(("buffered", os.pread(st.fd, requested, off)))
+            with contextlib.suppress(OSError):
+                again.append(("direct", _direct_read(st.path, off, requested)))
+            for how, data in again:
+                Path(f"{base}.{st.path.name}.{how}@{off:#x}").write_bytes(data)
+            reread = ", ".join(f"{how} re-read {'matches' if d[:len(want)] == want else 'differs'}"
+                               for how, d in again)
             with contextlib.suppress(OSError):
                 bad.write_bytes(st.path.read_bytes())
             raise Mismatch(f"proc {self.proc} op #{self.count} {what} of {st.path.name} at "
                            f"{off:#x}+{requested:#x}: got {len(got):#x} bytes, expected "
-                           f"{len(want):#x}, first difference at {off + first:#x}; log "
+                           f"{len(want):#x}, first difference at {off + first:#x} "
+                           f"({reread}); log "
                            f"{self.log_path}, expected {good}, actual {bad}")
 
     # -- operations ----------------------------------------------------------------

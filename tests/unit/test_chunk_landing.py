@@ -125,8 +125,11 @@ async def replay(fs: ZoneFS, ops: list[tuple[str, int, int, str]], seed: int) ->
                 raise AssertionError(f"seed {seed}: read {a:#x}+{b:#x} differs from the model "
                                      f"at +{first:#x} (got {len(got)} bytes)\n"  # type: ignore
                                      f"ops:\n{log}")
-    await gate.land_all()
+    # Unhook first, then land what is held: a chunk whose append finishes while
+    # land_all waits would otherwise reach the gate after it opened and wait on
+    # the next event forever (release then waited for it: a CI run hung here).
     fs.data.chunk_landing_hook = None
+    await gate.land_all()
     await fs.release(fh)
     return oplog
 

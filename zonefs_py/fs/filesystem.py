@@ -467,6 +467,9 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         if offset < 0:
             raise errors.InvalidArgument("negative offset")
         t0 = time.perf_counter_ns()
+        if self.data.writes_arriving(inode.ino):
+            # Served after the writes that reached us first (DataPath.write_arriving).
+            await self.data.after_earlier_writes(inode.ino)
         if inode.inline:
             return self.inline.read(inode, self.data.visible_size(inode), offset, length)
         data = await self.data.read(inode, offset, length)
@@ -476,6 +479,10 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
     async def write(self, fh: int, offset: int, data: bytes) -> int:
         self._writable()
         inode = self._fh_inode(fh)
+        with self.data.write_arriving(inode.ino):
+            return await self._write(inode, offset, data)
+
+    async def _write(self, inode: Inode, offset: int, data: bytes) -> int:
         if offset < 0:
             raise errors.InvalidArgument("negative offset")
         if offset + len(data) > FILE_SIZE_MAX:
