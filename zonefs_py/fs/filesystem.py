@@ -146,6 +146,7 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         rec = await trio.to_thread.run_sync(functools.partial(recover, dev, progress=progress))
         refuse_non_tree(rec.state, dev.info.path)
         fs = cls(dev, rec, options)
+        fs.journal.checkpoint_sample = (rec.checkpoint_bytes, len(rec.state.inodes))
         log.info("recovered %s: %d records, %d ops in %.2f s (torn tail: %s)", dev.info.path,
                  rec.records, rec.ops, rec.seconds, rec.scan.torn_tail)
         if not options.read_only:
@@ -456,6 +457,7 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
 
     async def create(self, parent_ino: int, name: bytes, mode: int, flags: int,
                      ctx: Ctx) -> tuple[int, Attr]:
+        await self._check_meta_room()
         d = self._prepare_create(parent_ino, name)
         op = self._new_inode_op(statmod.S_IFREG | (mode & 0o7777), ctx, d, 1,
                                 flags=self._stream_flags(d, name))
@@ -604,8 +606,11 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         free = max(0, self.alloc.user_capacity_bytes() - self.alloc.live_total_bytes()
                    - self.data.pending_bytes()) // bs
         free = min(free, total)
-        files_max = 1 << 32
-        return StatFs(bs, total, free, free, files_max, files_max - len(self.state.inodes))
+        # Inodes: as many more as the meta area's checkpoint budget allows (the
+        # estimate of NamespaceOps._check_meta_room), so that df -i shows the limit.
+        used = len(self.state.inodes)
+        room = self.journal.inodes_room(used)
+        return StatFs(bs, total, free, free, used + room, room)
 
     async def checkpoint(self) -> None:
         self._writable()

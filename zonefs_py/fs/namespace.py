@@ -9,6 +9,7 @@ crash keeps all of its ops or none (rename included).
 
 from __future__ import annotations
 
+import logging
 import stat as statmod
 import time
 
@@ -29,7 +30,10 @@ from zonefs_py.fs.api import (
 )
 from zonefs_py.fs.datapath import FLAG_STREAM_SET
 from zonefs_py.fs.quota import QUOTA_XATTR, QuotaTracker
+from zonefs_py.journal.journal import Journal
 from zonefs_py.model.state import Inode, State
+
+log = logging.getLogger(__name__)
 
 LINK_MAX = 65000
 _XATTR_PREFIXES = (b"user.", b"trusted.", b"security.")
@@ -42,6 +46,9 @@ class NamespaceOps:
     state: State
     quota: QuotaTracker
     drain: DrainManager
+    journal: Journal
+    #: Whether the "meta area full" warning was logged (once per mount).
+    _meta_full_logged = False
 
     def _txn(self, ops: list[Op]) -> None:
         raise NotImplementedError
@@ -86,6 +93,39 @@ class NamespaceOps:
         return d.op(mtime=now, ctime=now, nlink=d.nlink + nlink_delta)
 
     # -- namespace changes ---------------------------------------------------------------
+    async def _check_meta_room(self) -> None:
+        """Refuse a new name with NoSpace (ENOSPC) when the namespace's checkpoint
+        would outgrow what the meta area can rotate (Journal.checkpoint_budget_bytes):
+        past it the log would run out of empty zones and the mount turn read-only.
+
+        The estimate scales from the newest checkpoint; past half the budget, a
+        namespace that grew by more than 5% since that one is measured by a new
+        checkpoint first (a few extra checkpoints as the limit nears).
+        Called before the request validates anything else (the checkpoint
+        awaits; validation then sees the state after it).
+        """
+        self._writable()
+        j = self.journal
+        n = len(self.state.inodes) + 1
+        budget = j.checkpoint_budget_bytes()
+        if j.estimated_checkpoint_bytes(n) <= budget // 2:
+            return
+        if j.checkpoint_sample[1] < n * 0.95:
+            # Past half the budget, measure again at every 5% of growth: an estimate
+            # off by half still leaves the measuring checkpoint room to be written.
+            await j.checkpoint()
+            n = len(self.state.inodes) + 1
+        if j.estimated_checkpoint_bytes(n) <= budget:
+            return
+        if not self._meta_full_logged:
+            self._meta_full_logged = True
+            log.warning("the metadata area is full: %d files and directories, checkpoint "
+                        "~%d bytes of the %d its %d meta zones can rotate; new names get "
+                        "ENOSPC (mkfs --meta-zones makes a larger area)", n - 1,
+                        j.estimated_checkpoint_bytes(n - 1), budget, len(j.log.zones))
+        raise errors.NoSpace("no room for more files in the metadata area "
+                             "(mkfs --meta-zones sizes it)")
+
     def _prepare_create(self, parent_ino: int, name: bytes) -> Inode:
         self._writable()
         self._check_name(name)
@@ -108,6 +148,7 @@ class NamespaceOps:
         return inode
 
     async def mknod(self, parent_ino: int, name: bytes, mode: int, rdev: int, ctx: Ctx) -> Attr:
+        await self._check_meta_room()
         d = self._prepare_create(parent_ino, name)
         fmt = statmod.S_IFMT(mode) or statmod.S_IFREG
         if fmt not in (statmod.S_IFREG, statmod.S_IFIFO, statmod.S_IFSOCK, statmod.S_IFCHR,
@@ -118,6 +159,7 @@ class NamespaceOps:
         return self.attr(self._create_node(d, name, op))
 
     async def mkdir(self, parent_ino: int, name: bytes, mode: int, ctx: Ctx) -> Attr:
+        await self._check_meta_room()
         d = self._prepare_create(parent_ino, name)
         op = self._new_inode_op(statmod.S_IFDIR | (mode & 0o7777), ctx, d, 2)
         if d.nlink >= LINK_MAX:
@@ -125,6 +167,7 @@ class NamespaceOps:
         return self.attr(self._create_node(d, name, op, is_dir=True))
 
     async def symlink(self, parent_ino: int, name: bytes, target: bytes, ctx: Ctx) -> Attr:
+        await self._check_meta_room()
         d = self._prepare_create(parent_ino, name)
         if not target or len(target) > 4095:
             raise errors.NameTooLong("symlink target must be 1 to 4095 bytes")
@@ -132,6 +175,7 @@ class NamespaceOps:
         return self.attr(self._create_node(d, name, op, [(OpType.SYMLINK, op[1], target)]))
 
     async def link(self, ino: int, new_parent_ino: int, new_name: bytes) -> Attr:
+        await self._check_meta_room()
         d = self._prepare_create(new_parent_ino, new_name)
         inode = self.inode(ino)
         if inode.is_dir:

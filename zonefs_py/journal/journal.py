@@ -51,6 +51,12 @@ log = logging.getLogger(__name__)
 #: transaction gets a record of its own).
 RECORD_PAYLOAD_TARGET = 1 << 20
 CHECKPOINT_END = struct.Struct("<QQ")
+#: Checkpoint bytes per inode assumed before any checkpoint was measured (an empty
+#: file in a directory of 1000: ~130 bytes; with 256 bytes inline: ~380).
+NOMINAL_CHECKPOINT_BYTES_PER_INODE = 256
+#: Inodes a checkpoint must hold for its bytes per inode to be used instead
+#: (mkfs's holds only the root: 93 bytes, below what a file costs).
+SAMPLE_MIN_INODES = 64
 #: Inodes a checkpoint encodes between two trio checkpoints (~3 us each, so a
 #: request waits a few ms at most for the encoder, not seconds).
 CHECKPOINT_SLICE_INODES = 1000
@@ -80,6 +86,9 @@ class Journal:
         self._write_lock = trio.Lock()
         self.journal_bytes_since_checkpoint = 0
         self.last_checkpoint_bytes = 0
+        #: (bytes, inodes) of the newest checkpoint written (or loaded at mount, set
+        #: by the engine): what `estimated_checkpoint_bytes` scales from.
+        self.checkpoint_sample: tuple[int, int] = (0, 0)
         self.checkpoints_written = 0
         self.commits = 0
         self.last_commit_ns = 0
@@ -245,6 +254,41 @@ class Journal:
         needed = (self.last_checkpoint_bytes * 2) // max(cap, 1) + 3
         return len(self.log.free_zones()) < needed and self.journal_bytes_since_checkpoint > 0
 
+    # -- how many files the meta area holds -----------------------------------------
+    def checkpoint_budget_bytes(self) -> int:
+        """The largest checkpoint the meta area can keep rotating.
+
+        A checkpoint starts in a fresh meta zone and the previous one stays until
+        it is complete; one more zone holds the journal meanwhile, and one is
+        kept for a mount after a crash that tore a checkpoint (`checkpoint_needed`).
+        So two checkpoints and two zones must fit: ceil(C / zone) <= (M - 2) / 2.
+        Past that, checkpoints run back to back and then the log runs out of
+        empty zones (LogFull: the mount turns read-only). Admission stops
+        namespace growth at 80% of it (the estimate is not exact) (`NamespaceOps._check_meta_room`).
+        """
+        cap = self.dev.info.zone_size_bytes
+        return max(1, (len(self.log.zones) - 2) // 2) * cap * 4 // 5
+
+    def estimated_checkpoint_bytes(self, inodes: int) -> int:
+        """The size of a checkpoint of a namespace of `inodes` inodes: the newest
+        checkpoint's size plus its bytes per inode for each inode since
+        (NOMINAL_CHECKPOINT_BYTES_PER_INODE while it held fewer than
+        SAMPLE_MIN_INODES). An estimate: extents and
+        inline bytes grow without new inodes (too low lets growth run into the
+        old read-only failure), and the first checkpoint holds little more than
+        the root (too high: the caller checkpoints to measure before refusing).
+        """
+        c, n = self.checkpoint_sample
+        per = c // n if n >= SAMPLE_MIN_INODES else NOMINAL_CHECKPOINT_BYTES_PER_INODE
+        return c + max(0, inodes - n) * max(1, per)
+
+    def inodes_room(self, inodes: int) -> int:
+        """How many more inodes the estimate lets a namespace of `inodes` add."""
+        c, n = self.checkpoint_sample
+        per = c // n if n >= SAMPLE_MIN_INODES else NOMINAL_CHECKPOINT_BYTES_PER_INODE
+        spare = self.checkpoint_budget_bytes() - self.estimated_checkpoint_bytes(inodes)
+        return max(0, spare // max(1, per))
+
     async def checkpoint(self) -> None:
         """Write a checkpoint of the State and point the superblock at it."""
         self._check_broken()
@@ -260,6 +304,7 @@ class Journal:
         flush_first = self.data_dirty
         self.data_dirty = False
         snap = Snapshot(self.state, encode_op)
+        snap_inodes = len(self.state.inodes)
         try:
             # Shielded: the batch taken above exists only in the snapshot now, so
             # the checkpoint must not stop half-way (nor could it before: the
@@ -294,6 +339,7 @@ class Journal:
             self._check_broken()
         total = sum(len(p) for _, p in records)
         self.last_checkpoint_bytes = total
+        self.checkpoint_sample = (total, snap_inodes)
         self.journal_bytes_since_checkpoint = 0
         self.checkpoints_written += 1
         log.info("checkpoint written: %d bytes in %d records, %d meta zones reset",

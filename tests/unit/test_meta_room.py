@@ -1,0 +1,74 @@
+"""The meta area bounds the namespace: creates get ENOSPC, the mount stays writable.
+
+A namespace whose checkpoint outgrows what the meta zones can rotate used to
+make the engine checkpoint back to back and then turn read-only (LogFull).
+`NamespaceOps._check_meta_room` refuses new names first
+(`Journal.checkpoint_budget_bytes`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from engine_helpers import CTX, Geometry, KiB, MiB, mounted
+
+from zonefs_py import errors
+from zonefs_py.fs.api import ROOT_INO
+from zonefs_py.fs.filesystem import ZoneFS
+
+#: 4 meta zones of 128 KiB: checkpoints of at most ~115 KiB, a few hundred files.
+GEO = Geometry(size_bytes=16 * MiB, zone_size_bytes=128 * KiB, meta_zones=4)
+
+
+async def fill(fs: ZoneFS, parent: int, prefix: bytes, inline: bytes) -> int:
+    """Create files (with `inline` bytes each) until ENOSPC; return how many."""
+    n = 0
+    while True:
+        try:
+            fh, attr = await fs.create(parent, prefix + b"%06d" % n, 0o644, os.O_RDWR, CTX)
+        except errors.NoSpace:
+            return n
+        if inline:
+            await fs.write(fh, 0, inline)
+        await fs.release(fh)
+        fs.forget([(attr.ino, 1)])
+        n += 1
+        assert n < 100_000, "never refused"
+
+
+@pytest.mark.parametrize("inline", [b"", b"y" * 200])
+async def test_creates_get_enospc_and_the_mount_stays_writable(tmp_path: Path,
+                                                               inline: bytes) -> None:
+    image = tmp_path / "fs.img"
+    async with mounted(image, geo=GEO, create=True) as fs:
+        d = await fs.mkdir(ROOT_INO, b"d", 0o755, CTX)
+        n = await fill(fs, d.ino, b"file-", inline)
+        assert n > 100
+        with pytest.raises(errors.NoSpace):
+            await fs.mkdir(ROOT_INO, b"e", 0o755, CTX)
+        with pytest.raises(errors.NoSpace):
+            await fs.symlink(ROOT_INO, b"s", b"target", CTX)
+        # Still writable: commits and checkpoints go on, deletes make room again.
+        assert fs.failsafe is None
+        await fs.journal.commit()
+        await fs.journal.checkpoint()
+        for i in range(n // 2):
+            await fs.unlink(d.ino, b"file-%06d" % i)
+        await fs.journal.checkpoint()
+        again = await fill(fs, d.ino, b"more-", inline)
+        assert again >= n // 4
+        assert fs.failsafe is None
+    # A remount (the estimate starts from the checkpoint it loads) refuses too.
+    async with mounted(image, geo=GEO) as fs:
+        d_ino = fs.state.inodes[ROOT_INO].entries[b"d"]  # type: ignore[index]
+        late = 0
+        while late < 1000:
+            try:
+                await fs.mknod(d_ino, b"late-%04d" % late, 0o100644, 0, CTX)
+            except errors.NoSpace:
+                break
+            late += 1
+        assert late < 1000
+        assert fs.failsafe is None
