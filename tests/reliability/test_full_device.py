@@ -110,3 +110,37 @@ def test_fill_delete_refill_20_rounds(workdir: Path, mount_factory: Mount) -> No
     # Dead space is reclaimed in time (this was 45-85 MiB before 6fe7619 fixed leaked
     # in-flight marks that kept dead zones from being reset or cleaned).
     assert worst >= capacity * 0.7, per_round
+
+
+def test_full_meta_area_gives_enospc_and_stays_writable(workdir: Path,
+                                                        mount_factory: Mount) -> None:
+    """Names fill the meta area (4 zones of 1 MiB: ~8,000 empty files): creates get
+    ENOSPC and `df -i` shows no free inodes, while writes, unlinks and new names
+    after them work (the mount used to turn read-only: DESIGN 3.10)."""
+    make_image(workdir, size="64M", zone_size="1M")
+    m = mount_factory.start()
+    n = 0
+    refused: OSError | None = None
+    while n < 50_000:
+        try:
+            os.close(os.open(m.path / f"f{n:06d}", os.O_CREAT | os.O_WRONLY, 0o644))
+        except OSError as exc:
+            refused = exc
+            break
+        n += 1
+    assert refused is not None
+    assert refused.errno == errno.ENOSPC
+    assert 1000 < n < 50_000
+    st = os.statvfs(m.path)
+    assert st.f_ffree == 0
+    assert st.f_files >= n
+    with pytest.raises(OSError) as info:
+        os.mkdir(m.path / "d")
+    assert info.value.errno == errno.ENOSPC
+    (m.path / "f000000").write_bytes(b"still writable")
+    assert (m.path / "f000000").read_bytes() == b"still writable"
+    for i in range(1, 200):
+        os.unlink(m.path / f"f{i:06d}")
+    os.mkdir(m.path / "d")
+    (m.path / "d" / "new").write_bytes(b"x")
+    assert "metadata area is full" in m.log_text()
