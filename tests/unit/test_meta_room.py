@@ -50,6 +50,8 @@ async def test_creates_get_enospc_and_the_mount_stays_writable(tmp_path: Path,
             await fs.mkdir(ROOT_INO, b"e", 0o755, CTX)
         with pytest.raises(errors.NoSpace):
             await fs.symlink(ROOT_INO, b"s", b"target", CTX)
+        with pytest.raises(errors.Exists):  # the request's own error comes first
+            await fs.mkdir(d.ino, b"file-000000", 0o755, CTX)
         # Still writable: commits and checkpoints go on, deletes make room again.
         assert fs.failsafe is None
         await fs.journal.commit()

@@ -457,8 +457,7 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
 
     async def create(self, parent_ino: int, name: bytes, mode: int, flags: int,
                      ctx: Ctx) -> tuple[int, Attr]:
-        await self._check_meta_room()
-        d = self._prepare_create(parent_ino, name)
+        d = await self._admit_create(parent_ino, name)
         op = self._new_inode_op(statmod.S_IFREG | (mode & 0o7777), ctx, d, 1,
                                 flags=self._stream_flags(d, name))
         inode = self._create_node(d, name, op)

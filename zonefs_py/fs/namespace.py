@@ -101,8 +101,8 @@ class NamespaceOps:
         The estimate scales from the newest checkpoint; past half the budget, a
         namespace that grew by more than 5% since that one is measured by a new
         checkpoint first (a few extra checkpoints as the limit nears).
-        Called before the request validates anything else (the checkpoint
-        awaits; validation then sees the state after it).
+        Called through `_admit_create`, between the request's own checks and
+        their repetition (the checkpoint awaits; the state may change meanwhile).
         """
         self._writable()
         j = self.journal
@@ -137,6 +137,13 @@ class NamespaceOps:
             raise errors.Exists(f"{name!r} exists")
         return d
 
+    async def _admit_create(self, parent_ino: int, name: bytes) -> Inode:
+        """`_prepare_create`, after the meta area's admission: the request's own
+        errors (EEXIST, ENOENT, ...) first, ENOSPC only for a name that could be made."""
+        self._prepare_create(parent_ino, name)
+        await self._check_meta_room()
+        return self._prepare_create(parent_ino, name)
+
     def _create_node(self, d: Inode, name: bytes, op: Op, extra: list[Op] | None = None,
                      is_dir: bool = False) -> Inode:
         ino = op[1]
@@ -148,8 +155,7 @@ class NamespaceOps:
         return inode
 
     async def mknod(self, parent_ino: int, name: bytes, mode: int, rdev: int, ctx: Ctx) -> Attr:
-        await self._check_meta_room()
-        d = self._prepare_create(parent_ino, name)
+        d = await self._admit_create(parent_ino, name)
         fmt = statmod.S_IFMT(mode) or statmod.S_IFREG
         if fmt not in (statmod.S_IFREG, statmod.S_IFIFO, statmod.S_IFSOCK, statmod.S_IFCHR,
                        statmod.S_IFBLK):
@@ -159,24 +165,21 @@ class NamespaceOps:
         return self.attr(self._create_node(d, name, op))
 
     async def mkdir(self, parent_ino: int, name: bytes, mode: int, ctx: Ctx) -> Attr:
-        await self._check_meta_room()
-        d = self._prepare_create(parent_ino, name)
+        d = await self._admit_create(parent_ino, name)
         op = self._new_inode_op(statmod.S_IFDIR | (mode & 0o7777), ctx, d, 2)
         if d.nlink >= LINK_MAX:
             raise errors.TooManyLinks("too many subdirectories")
         return self.attr(self._create_node(d, name, op, is_dir=True))
 
     async def symlink(self, parent_ino: int, name: bytes, target: bytes, ctx: Ctx) -> Attr:
-        await self._check_meta_room()
-        d = self._prepare_create(parent_ino, name)
+        d = await self._admit_create(parent_ino, name)
         if not target or len(target) > 4095:
             raise errors.NameTooLong("symlink target must be 1 to 4095 bytes")
         op = self._new_inode_op(statmod.S_IFLNK | 0o777, ctx, d, 1, size=len(target))
         return self.attr(self._create_node(d, name, op, [(OpType.SYMLINK, op[1], target)]))
 
     async def link(self, ino: int, new_parent_ino: int, new_name: bytes) -> Attr:
-        await self._check_meta_room()
-        d = self._prepare_create(new_parent_ino, new_name)
+        d = await self._admit_create(new_parent_ino, new_name)
         inode = self.inode(ino)
         if inode.is_dir:
             raise errors.NotPermitted("hard links to directories are not allowed")
