@@ -182,11 +182,10 @@ class DataPath:
         task: a WRITE parked on the file's lock, or on anything before it buffers
         its data, would let a READ that arrived after it be answered from the
         older bytes. Without the writeback cache that READ fills the kernel's page
-        cache: when the page cache was invalidated while the WRITE was in flight
-        (another process's open, or a GETATTR showing a new mtime), the pages
-        the READ brings in stay stale after the write returned (fsx, two
-        processes on one file, `writeback_cache=off`: 3 stale reads in 400,000
-        operations, an O_DIRECT re-read of the same range correct).
+        cache, where its stale pages outlive the write. (The stale reads fsx
+        finds with `writeback_cache=off` and two processes on one file did not
+        become rarer with this: those READs reach us before the WRITE does,
+        DESIGN 4.3. This closes the engine's part.)
         """
         self._arrival += 1
         seq = self._arrival

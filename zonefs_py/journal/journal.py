@@ -263,8 +263,9 @@ class Journal:
         kept for a mount after a crash that tore a checkpoint (`checkpoint_needed`).
         So two checkpoints and two zones must fit: ceil(C / zone) <= (M - 2) / 2.
         Past that, checkpoints run back to back and then the log runs out of
-        empty zones (LogFull: the mount turns read-only). Admission stops
-        namespace growth at 80% of it (the estimate is not exact) (`NamespaceOps._check_meta_room`).
+        empty zones (LogFull: the mount turns read-only). Admission
+        (`NamespaceOps._check_meta_room`) stops namespace growth at 80% of it,
+        as the estimate it compares is not exact.
         """
         cap = self.dev.info.zone_size_bytes
         return max(1, (len(self.log.zones) - 2) // 2) * cap * 4 // 5
