@@ -279,8 +279,9 @@ async def test_a_read_arriving_after_a_write_sees_it(fs: ZoneFS, state: str) -> 
     """A write parked before it buffers its data (here on the file's lock) is seen by
     a read that arrived after it (DataPath.write_arriving): the kernel sends the
     requests in that order, and without the writeback cache it keeps what the read
-    returns in its page cache (fsx with two processes on one file found such a
-    read answered from the older bytes, and the stale pages outlived the write)."""
+    returns in its page cache (checked while chasing fsx's stale reads with two
+    processes on one file, DESIGN 4.3; fails on the code before it for stored
+    and inline files)."""
     fh, ino = await open_new(fs, b"f")
     old = pattern(1, 300 if state == "inline" else 3 * MiB)
     await fs.write(fh, 0, old)
