@@ -197,17 +197,7 @@ class Runner:
                 got = bytes(m[a:a + b])
             self.expect(st, a, b, got, "mmap read")
         elif op == "dread":
-            fd = os.open(st.path, os.O_RDONLY | os.O_DIRECT)
-            try:
-                buf = mmap.mmap(-1, b)
-                try:
-                    n = os.preadv(fd, [buf], a)
-                    got = bytes(buf[:n])
-                finally:
-                    buf.close()
-            finally:
-                os.close(fd)
-            self.expect(st, a, b, got, "O_DIRECT read")
+            self.expect(st, a, b, _direct_read(st.path, a, b), "O_DIRECT read")
         else:
             raise ValueError(f"unknown operation {op!r}")
 

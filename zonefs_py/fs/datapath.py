@@ -643,8 +643,8 @@ class DataPath:
             self.alloc.pin_read(z)
         parts: list[bytes | memoryview] = []
         try:
-            stored = [p for p in pieces if p.dev is not None]
-            if len(stored) > 1 and self.reader is not None and self.reader.uses_ring:
+            scattered = sum(1 for p in pieces if p.dev is not None) > 1
+            if scattered and self.reader is not None and self.reader.uses_ring:
                 # Scattered pieces (zone append): all device reads in flight at once.
                 parts = await self._read_pieces(inode.ino, pieces)
             else:
@@ -669,12 +669,11 @@ class DataPath:
         through the ring reader, each verified against its own checksums."""
         assert self.reader is not None
         bs = self.bs
-        stored = [p for p in pieces if p.dev is not None]
+        spans = [(p.dev, p.nblocks * bs) for p in pieces if p.dev is not None]
         try:
-            datas = iter(await self.reader.read_many(
-                [(p.dev, p.nblocks * bs) for p in stored if p.dev is not None]))
+            datas = iter(await self.reader.read_many(spans))
         except OSError as exc:
-            self._read_failed(ino, stored[0].fblock, exc)
+            self._read_failed(ino, next(p.fblock for p in pieces if p.dev is not None), exc)
         parts: list[bytes | memoryview] = []
         for p in pieces:
             if p.dev is None:

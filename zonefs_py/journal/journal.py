@@ -280,15 +280,16 @@ class Journal:
         the root (too high: the caller checkpoints to measure before refusing).
         """
         c, n = self.checkpoint_sample
-        per = c // n if n >= SAMPLE_MIN_INODES else NOMINAL_CHECKPOINT_BYTES_PER_INODE
-        return c + max(0, inodes - n) * max(1, per)
+        return c + max(0, inodes - n) * self._checkpoint_bytes_per_inode()
 
     def inodes_room(self, inodes: int) -> int:
         """How many more inodes the estimate lets a namespace of `inodes` add."""
-        c, n = self.checkpoint_sample
-        per = c // n if n >= SAMPLE_MIN_INODES else NOMINAL_CHECKPOINT_BYTES_PER_INODE
         spare = self.checkpoint_budget_bytes() - self.estimated_checkpoint_bytes(inodes)
-        return max(0, spare // max(1, per))
+        return max(0, spare // self._checkpoint_bytes_per_inode())
+
+    def _checkpoint_bytes_per_inode(self) -> int:
+        c, n = self.checkpoint_sample
+        return max(1, c // n if n >= SAMPLE_MIN_INODES else NOMINAL_CHECKPOINT_BYTES_PER_INODE)
 
     async def checkpoint(self) -> None:
         """Write a checkpoint of the State and point the superblock at it."""
