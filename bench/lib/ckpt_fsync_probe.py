@@ -70,11 +70,11 @@ async def main(files: int, image: Path, checkpoints: int, interval: float) -> di
 
         async def probe() -> None:
             n = 0
-            while phase[0] is not None:
+            while (into := phase[0]) is not None:
                 t = time.monotonic()
                 await fs.write(probe_fh, 0, block[n % 8:] + block[:n % 8])
                 await fs.fsync(probe_fh, False)
-                phase[0].append(time.monotonic() - t)
+                into.append(time.monotonic() - t)
                 n += 1
                 await trio.sleep(interval)
 
