@@ -104,7 +104,6 @@ def snapshot_inode(inode: Inode) -> Inode:
     if inode.extents is not None and len(inode.extents):
         m = ExtentMap()
         m.exts = [Extent(e.fblock, e.nblocks, e.dev, e.csums) for e in inode.extents]
-        m.starts = [e.fblock for e in m.exts]
         m.mapped_blocks = inode.extents.mapped_blocks
         snap.extents = m
     return snap
