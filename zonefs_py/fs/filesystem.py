@@ -544,9 +544,10 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         if self.options.read_only:
             return
         self._writable()
-        await self._flush_file(inode)
-        self.drain.on_fsync(inode)
-        await self.journal.commit()
+        with self.journal.urgent():  # a checkpoint encoding meanwhile makes room for it
+            await self._flush_file(inode)
+            self.drain.on_fsync(inode)
+            await self.journal.commit()
 
     # -- directories -------------------------------------------------------------------------
     async def opendir(self, ino: int) -> int:

@@ -35,6 +35,7 @@ the log at a time (`_write_lock`), and one checkpoint at a time
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import struct
 import time
@@ -65,14 +66,15 @@ NOMINAL_CHECKPOINT_BYTES_PER_INODE = 256
 #: Inodes a checkpoint must hold for its bytes per inode to be used instead
 #: (mkfs's holds only the root: 93 bytes, below what a file costs).
 SAMPLE_MIN_INODES = 64
-#: Inodes a checkpoint encodes in one slice (~0.75 ms at ~3 us each), and the
-#: pause after each slice (and after each ~1 MiB payload packed), during
-#: which the trio thread waits in epoll and leaves the GIL to worker threads
-#: (a commit's device write). Without the pause those got the GIL only at
-#: forced switches: an fsync during the encoding of a 1M-file checkpoint took
-#: up to 1.8 s; with 1000-inode slices and 1 ms pauses up to ~75 ms; with
-#: these, p99 25 ms (bench/checkpoint_fsync). The pauses add ~1 s to the
-#: encoding of a 1M-file checkpoint, which runs in the background.
+#: Inodes a checkpoint encodes in one slice (~0.75 ms at ~3 us each). While
+#: an fsync or commit is in flight (`Journal.urgent`), the encoder pauses
+#: CHECKPOINT_SLICE_PAUSE_S after each slice (and after each ~1 MiB payload
+#: packed): the trio thread then waits in epoll and leaves the GIL to worker
+#: threads (that fsync's device writes). Without pauses they got the GIL only
+#: at forced switches: an fsync during the encoding of a 1M-file checkpoint
+#: took up to 1.8 s; with them, p99 25 ms (bench/checkpoint_fsync). A pause
+#: is ~1 ms in practice (epoll's resolution), so a checkpoint under constant
+#: fsyncs takes up to ~2.4x as long; with none in flight it does not pause.
 CHECKPOINT_SLICE_INODES = 250
 CHECKPOINT_SLICE_PAUSE_S = 0.00025
 #: Checkpoint bytes written per hold of the log: a commit waits at most for
@@ -103,6 +105,8 @@ class Journal:
         self.data_dirty = False
         self._write_lock = trio.Lock()
         self._checkpoint_lock = trio.Lock()
+        #: Requests in `urgent()` (fsyncs, commits) right now.
+        self._urgent = 0
         self._checkpoint_done = trio.Event()
         #: True from a checkpoint's BEGIN to its superblock write.
         self.checkpoint_running = False
@@ -207,6 +211,22 @@ class Journal:
 
             raise errors.IOFailure(f"metadata journal unusable: {self.broken}")
 
+    @contextlib.contextmanager
+    def urgent(self) -> Iterator[None]:
+        """Mark a request that waits for the device (an fsync) while it runs: a
+        checkpoint being encoded meanwhile pauses between its slices for it."""
+        self._urgent += 1
+        try:
+            yield
+        finally:
+            self._urgent -= 1
+
+    async def _between_slices(self) -> None:
+        if self._urgent:
+            await trio.sleep(CHECKPOINT_SLICE_PAUSE_S)
+        else:
+            await trio.lowlevel.checkpoint()
+
     # -- commit ------------------------------------------------------------------
     async def commit(self) -> None:
         """Return once every transaction added before the call is durable.
@@ -214,6 +234,10 @@ class Journal:
         It never waits for a checkpoint being written (only for one of its
         record writes), unless meta zones run out meanwhile.
         """
+        with self.urgent():
+            await self._commit()
+
+    async def _commit(self) -> None:
         target = self.added_txn
         while self.durable_txn < target:
             self._check_broken()
@@ -402,7 +426,7 @@ class Journal:
             # (nor could it: the device writes below are not cancellable either).
             with trio.CancelScope(shield=True):
                 while not snap.step(CHECKPOINT_SLICE_INODES):
-                    await trio.sleep(CHECKPOINT_SLICE_PAUSE_S)
+                    await self._between_slices()
         finally:
             snap.close()
         obsolete: list[int] = []
@@ -424,7 +448,7 @@ class Journal:
                         await self._append_data(group)
                         group, group_bytes = [], 0
                     else:
-                        await trio.sleep(CHECKPOINT_SLICE_PAUSE_S)
+                        await self._between_slices()
                 if group:
                     await self._append_data(group)
                 end = CHECKPOINT_END.pack(count, total)
