@@ -44,7 +44,8 @@ class Recovered:
     #: BEGIN of the newest complete checkpoint met in the log (may be newer than
     #: the superblock's, when a crash hit between the checkpoint and the SB write).
     newest_checkpoint: LogPosition | None = None
-    #: BEGIN of a checkpoint torn by a crash at the end of the log (its zones are garbage).
+    #: BEGIN of a checkpoint torn by a crash at the end of the log (its data is
+    #: dropped; its zones are garbage unless commits were written inside it).
     torn_checkpoint: LogPosition | None = None
     #: True when commits were written inside that torn checkpoint (its zones
     #: hold durable journal records, and stay until the next checkpoint).
