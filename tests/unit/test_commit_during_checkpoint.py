@@ -43,7 +43,7 @@ async def test_fsync_returns_while_a_checkpoint_is_being_written(
 
         def append(records: list[tuple[RecordType, bytes]], **kw: bool) -> object:
             if records[0][0] == RecordType.CHECKPOINT_DATA:
-                time.sleep(0.02)
+                time.sleep(0.05)
             appended.extend(t for t, _ in records)
             return real_append(records, **kw)
 
