@@ -468,6 +468,26 @@ def make_image(image: Path, size: str = "1G", zone_size: str = "16M") -> None:
             raise TortureFailure(f"zonefs-py {' '.join(args)}: {proc.stderr.strip()}")
 
 
+def _keep_evidence(workdir: Path, image: Path, log: Path, seed: int, cycle: int) -> str:
+    """Copy the image (as the failing mount left it: recovered, and maybe already
+    checkpointed by that mount), the daemon log, and with ZONEFS_TORTURE_KEEP_CRASH=1
+    the image as the crash left it, out of `workdir` (which a test removes);
+    return where they went, for the failure message."""
+    dest = Path(f"/var/tmp/zonefs-torture-failed-{seed}-{cycle}-{os.getpid()}")
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["cp", "--sparse=always", str(image), str(dest / "image.img")],
+                       check=True, timeout=300)
+        if log.exists():
+            shutil.copy(log, dest / "daemon.log")
+        crash = workdir / "after-crash.img"
+        if crash.exists():
+            shutil.copy(crash, dest / "after-crash.img")
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"evidence not kept: {exc}"
+    return f"image and daemon log kept in {dest}"
+
+
 def run_torture(workdir: Path, *, seed: int, cycles: int, size: str = "1G",
                 progress: bool = False, time_limit_s: float | None = None) -> Stats:
     """Run `cycles` crash cycles on a fresh image in `workdir`; raise TortureFailure."""
@@ -494,7 +514,8 @@ def run_torture(workdir: Path, *, seed: int, cycles: int, size: str = "1G",
             daemon = Daemon(image, mnt, log, hook, options)
             problems = verify(mnt, model)
             if problems:
-                raise TortureFailure(f"{where}: after the previous crash:\n  "
+                kept = _keep_evidence(workdir, image, log, seed, cycle)
+                raise TortureFailure(f"{where}: after the previous crash ({kept}):\n  "
                                      + "\n  ".join(problems[:20]))
             if mode == "cut":  # count the N writes from now on, not from mount and recovery
                 daemon.proc.send_signal(signal.SIGUSR2)
@@ -524,6 +545,11 @@ def run_torture(workdir: Path, *, seed: int, cycles: int, size: str = "1G",
             if findings:
                 shutil.copy(image, workdir / "failed.img")
                 raise TortureFailure(f"{where}: fsck after the crash:\n  " + "\n  ".join(findings))
+            if os.environ.get("ZONEFS_TORTURE_KEEP_CRASH"):
+                # The image as the crash left it, before the next mount's recovery
+                # writes to it: what a failure found by that mount needs.
+                subprocess.run(["cp", "--sparse=always", str(image),
+                                str(workdir / "after-crash.img")], check=True, timeout=300)
             stats.cycles += 1
             stats.modes[mode] += 1
             if progress:
