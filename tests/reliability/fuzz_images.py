@@ -5,7 +5,8 @@
 
 A small image (8 MiB, 64 KiB zones, 4 meta zones) is built in-process with
 files written, overwritten, renamed and fsync'ed (small ones inline, INLINE
-ops), a checkpoint, and journal records after it; it is left as after a
+ops), a checkpoint written in small records while fsyncs commit journal
+records inside it, and journal records after it; it is left as after a
 crash (no clean unmount). Each
 iteration applies 1-8 random mutations (bit flip, random byte, random word,
 zeroed or 0xFF sector, a sector copied from elsewhere in the metadata, zeroed
@@ -56,6 +57,7 @@ from zonefs_py.fs.filesystem import ZoneFS
 from zonefs_py.fs.mkfs import make_filesystem
 from zonefs_py.fs.options import FsOptions
 from zonefs_py.fsck import check_filesystem
+from zonefs_py.journal import journal as journal_mod
 from zonefs_py.journal.recovery import read_superblock
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -85,6 +87,10 @@ async def build(path: Path, rng: random.Random) -> set[bytes]:
     try:
         make_filesystem(dev, meta_zones=4)
         fs = await ZoneFS.load(dev, FsOptions(commit_interval_s=3600.0, cleaner_rate_mb_s=0.0))
+        # Checkpoints only where written below (the daemon's background task would
+        # write the ones commits ask for; there is none here), so that the image
+        # ends with the checkpoint that has commits inside it.
+        fs.journal.request_checkpoint = lambda: None
         sub = (await fs.mkdir(ROOT_INO, b"dir", 0o755, CTX)).ino
         for i in range(12):
             data = rng.randbytes(rng.randrange(1, 24 * KiB))
@@ -94,11 +100,23 @@ async def build(path: Path, rng: random.Random) -> set[bytes]:
             data = rng.randbytes(rng.randrange(1, 512))
             written.add(data)
             await _write(fs, sub if i % 2 else ROOT_INO, f"s{i}".encode(), data)
-        await fs.journal.checkpoint()
-        for i in range(0, 12, 3):  # overwrite, rename, unlink after the checkpoint
-            data = rng.randbytes(rng.randrange(1, 24 * KiB))
-            written.add(data)
-            await _write(fs, ROOT_INO if i % 2 == 0 else sub, f"f{i}".encode(), data)
+        # A checkpoint of small records, with fsyncs committed while it is written:
+        # their JOURNAL records land inside it (format 3, issue 15).
+        saved = (journal_mod.RECORD_PAYLOAD_TARGET, journal_mod.CHECKPOINT_WRITE_BYTES,
+                 journal_mod.CHECKPOINT_SLICE_INODES)
+        (journal_mod.RECORD_PAYLOAD_TARGET, journal_mod.CHECKPOINT_WRITE_BYTES,
+         journal_mod.CHECKPOINT_SLICE_INODES) = 256, 1, 1
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fs.journal.checkpoint)
+                await trio.lowlevel.checkpoint()
+                for i in range(0, 12, 3):  # overwrite, rename, unlink during and after it
+                    data = rng.randbytes(rng.randrange(1, 24 * KiB))
+                    written.add(data)
+                    await _write(fs, ROOT_INO if i % 2 == 0 else sub, f"f{i}".encode(), data)
+        finally:
+            (journal_mod.RECORD_PAYLOAD_TARGET, journal_mod.CHECKPOINT_WRITE_BYTES,
+             journal_mod.CHECKPOINT_SLICE_INODES) = saved
         for i in range(0, 6, 2):  # new inline bytes in the journal after the checkpoint
             data = rng.randbytes(rng.randrange(1, 512))
             written.add(data)

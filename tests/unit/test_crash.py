@@ -311,6 +311,41 @@ async def fsync_during_checkpoint(fs: ZoneFS, t: Tracker) -> None:
     t.ack_all()
 
 
+async def commits_inside_checkpoint(fs: ZoneFS, t: Tracker) -> None:
+    """fsyncs that return while a checkpoint is still being written (issue 15): the
+    checkpoint goes out as many small CHECKPOINT_DATA records, one per hold of the
+    log, and the commits land between them. What they acknowledged must survive a
+    cut anywhere, also one that tears the checkpoint, and a second cut after the
+    mount that marked it (the remount in verify_after_crash)."""
+    for i in range(40):
+        t.expect(f"/g{i}", b"")
+        await fs.mknod(ROOT_INO, b"g%d" % i, stat.S_IFREG | 0o644, 0, CTX)
+    await fs.sync()
+    t.ack_all()
+    saved = journal_mod.RECORD_PAYLOAD_TARGET, journal_mod.CHECKPOINT_WRITE_BYTES
+    journal_mod.RECORD_PAYLOAD_TARGET = 512
+    journal_mod.CHECKPOINT_WRITE_BYTES = 1
+    try:
+        async with _checkpoint_in_slices(fs):
+            for i in range(4):
+                path = f"/h{i}"
+                data = pattern(130 + i, 700 if i % 2 else 5000)  # inline, then a block
+                t.expect(path, b"")
+                t.expect(path, data)
+                await write_file(fs, path, data, fsync=True)
+                t.ack(path)
+                t.expect(f"/g{i}", None)
+                await fs.unlink(ROOT_INO, b"g%d" % i)
+                await fs.sync()
+                t.ack(f"/g{i}")
+    finally:
+        journal_mod.RECORD_PAYLOAD_TARGET, journal_mod.CHECKPOINT_WRITE_BYTES = saved
+    t.expect("/h0", None)
+    await fs.unlink(ROOT_INO, b"h0")
+    await fs.sync()
+    t.ack_all()
+
+
 async def cleaning_pass(fs: ZoneFS, t: Tracker) -> None:
     """Fill a zone with four files, delete one, clean that zone (relocate, commit, reset)."""
     for i in range(4):
@@ -391,6 +426,7 @@ SCENARIOS: dict[str, tuple[Scenario, Geometry]] = {
     "explicit_checkpoint": (explicit_checkpoint, SMALL),
     "checkpoint_during_changes": (checkpoint_during_changes, SMALL),
     "fsync_during_checkpoint": (fsync_during_checkpoint, SMALL),
+    "commits_inside_checkpoint": (commits_inside_checkpoint, SMALL),
 }
 
 
@@ -438,6 +474,8 @@ async def verify_after_crash(image: Path, t: Tracker, where: str) -> set[str]:
             paths.add("torn tail")
         if rec.torn_checkpoint is not None:
             paths.add("torn checkpoint")
+            if rec.torn_checkpoint_holds_commits:
+                paths.add("torn checkpoint holding commits")
         if rec.newest_checkpoint and rec.newest_checkpoint.offset != sb_checkpoint:
             paths.add("checkpoint newer than superblock")
         files, dirs = await read_tree(fs)
@@ -490,6 +528,8 @@ async def test_power_cut_after_every_write(tmp_path: Path, name: str, mode: str)
         if mode == "tear":
             assert seen["torn checkpoint"] > 0, seen
             assert seen["torn tail"] > 0, seen
+    if name == "commits_inside_checkpoint":
+        assert seen["torn checkpoint holding commits"] > 0, seen
 
 
 @pytest.mark.slow

@@ -10,7 +10,13 @@ import enum
 #: Version of the on-disk format (independent of the package version).
 #: 2: INLINE ops (small files' bytes in the metadata, issue 15). Version 1
 #: images are refused at mount and by fsck (no conversion; docs/SPEC.md).
-DISK_VERSION = 2
+#: 3: JOURNAL records inside a checkpoint and CHECKPOINT_ABORT (commits do not
+#: wait for checkpoints, issue 15). A version 2 image is read as it is and
+#: converted by its first read-write mount, which rewrites the superblock
+#: before it writes anything else.
+DISK_VERSION = 3
+#: The oldest version this build reads (and converts at a read-write mount).
+OLDEST_DISK_VERSION = 2
 
 #: Largest inline body an INLINE op may carry (format limit; the engine inlines
 #: files of at most min(this, block_size // 2) bytes, fs/inline.py).
@@ -34,6 +40,8 @@ class RecordType(enum.IntEnum):
     CHECKPOINT_BEGIN = 4
     CHECKPOINT_DATA = 5
     CHECKPOINT_END = 6
+    #: A mount after a crash marks the checkpoint the crash tore (DISK_VERSION 3).
+    CHECKPOINT_ABORT = 7
 
 
 class OpType(enum.IntEnum):

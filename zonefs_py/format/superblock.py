@@ -6,7 +6,7 @@ import struct
 import uuid
 from dataclasses import dataclass, replace
 
-from zonefs_py.format.constants import DISK_VERSION
+from zonefs_py.format.constants import DISK_VERSION, OLDEST_DISK_VERSION
 
 _SB = struct.Struct("<I16sIQIIIIIIQ64sIQQQQ")
 LABEL_MAX = 64
@@ -55,6 +55,11 @@ class Superblock:
     def with_checkpoint(self, zone: int, offset: int, seq: int) -> Superblock:
         return replace(self, checkpoint_zone=zone, checkpoint_offset=offset, checkpoint_seq=seq)
 
+    def upgraded(self) -> Superblock:
+        """This superblock as the current format version (a version 2 log is a
+        valid version 3 log: the conversion is this rewrite)."""
+        return replace(self, disk_version=DISK_VERSION)
+
     def encode(self) -> bytes:
         label = self.label[:LABEL_MAX]
         return _SB.pack(
@@ -71,7 +76,7 @@ class Superblock:
             raise SuperblockError(f"superblock payload of {len(payload)} bytes is too short")
         (version, fs_uuid, bs, zsize, nzones, sba, sbb, mfirst, mcount, dfirst, reserve,
          label, dcount, cpoff, cpseq, created, cpzone) = _SB.unpack_from(payload)
-        if version != DISK_VERSION:
+        if not OLDEST_DISK_VERSION <= version <= DISK_VERSION:
             raise SuperblockError(_version_refusal(version))
         return cls(fs_uuid, bs, zsize, nzones, sba, sbb, mfirst, mcount, dfirst, dcount,
                    reserve, label.rstrip(b"\0"), cpzone, cpoff, cpseq, created, version)
@@ -82,6 +87,8 @@ def _version_refusal(version: int) -> str:
     if version == 1:
         # docs/SPEC.md "Versions": 2 added INLINE ops; no in-place conversion.
         return ("on-disk format version 1 predates inline small-file data (this build "
-                f"reads version {DISK_VERSION} only, no conversion): mount it with a build "
+                f"reads versions {OLDEST_DISK_VERSION}-{DISK_VERSION}, no conversion): "
+                "mount it with a build "
                 "of format 1, copy the files out, and mkfs again")
-    return f"on-disk format version {version} is not supported (this is {DISK_VERSION})"
+    return (f"on-disk format version {version} is not supported (this build reads "
+            f"versions {OLDEST_DISK_VERSION}-{DISK_VERSION})")

@@ -2,7 +2,8 @@
 
 `refuse_non_tree` checks the recovered namespace (INV-11) on every mount;
 `finish_recovery` runs on writable mounts and puts a crashed image back in
-order: stale log zones reset, a torn checkpoint's zones dropped, a checkpoint
+order: an older format converted, stale log zones reset, a torn checkpoint
+marked, a checkpoint
 completed whose superblock write was lost, orphans freed, dead data zones
 queued for reset (docs/DESIGN.md 3.4).
 """
@@ -16,7 +17,7 @@ import trio
 
 from zonefs_py import errors
 from zonefs_py.alloc.allocator import Allocator
-from zonefs_py.format.constants import OpType
+from zonefs_py.format.constants import DISK_VERSION, OpType
 from zonefs_py.format.ops import Op
 from zonefs_py.format.superblock import Superblock
 from zonefs_py.fs.api import ROOT_INO
@@ -64,20 +65,34 @@ def refuse_non_tree(state: State, path: str) -> None:
 async def finish_recovery(rec: Recovered, journal: Journal, alloc: Allocator,
                           reclaim: SpaceReclaim, txn: Callable[[list[Op]], None],
                           checkpoint_journal_bytes: int) -> Superblock | None:
-    """Free orphans, reset dead zones, and start a clean log if its tail was torn.
+    """Convert an older format, free orphans, reset dead zones, and mark a torn
+    checkpoint.
 
     `txn` applies and queues one transaction (ZoneFS._txn). Returns the
-    superblock written to complete a checkpoint whose superblock write was
-    lost, else None.
+    superblock written (to convert a version 2 image, or to complete a
+    checkpoint whose superblock write was lost), else None.
     """
+    written: Superblock | None = None
+    if journal.sb.disk_version < DISK_VERSION:
+        # Before anything else is written: an older build must refuse the image
+        # from the first record it could not read (docs/SPEC.md "Versions").
+        written = journal.sb.upgraded()
+        await trio.to_thread.run_sync(journal.sbstore.write, written)
+        journal.sb = written
+        log.info("converted on-disk format %d to %d", rec.sb.disk_version, DISK_VERSION)
     scan = rec.scan
     stale = scan.obsolete_zones + scan.garbage_zones
     if stale:
         await trio.to_thread.run_sync(journal.log.reset_zones, stale)
     torn = rec.torn_checkpoint
-    if torn is not None:
-        # A checkpoint always starts a fresh zone: drop the zones of a torn one
-        # and continue the log from its first sequence number (so the chain
+    if torn is not None and rec.torn_checkpoint_holds_commits:
+        # Commits were written inside it (recovery applied them): keep its zones,
+        # and tell later replays that it ends here; the checkpoint below then
+        # makes them obsolete.
+        await journal.abort_torn_checkpoint(torn.seq)
+    elif torn is not None:
+        # Nothing but the checkpoint in its zones (it starts a fresh one): drop
+        # them and continue the log from its first sequence number (so the chain
         # stays gapless), else later journal records would land inside it.
         mlog = journal.log
         first_seq = mlog.zone_first_seq[torn.zone]
@@ -85,7 +100,6 @@ async def finish_recovery(rec: Recovered, journal: Journal, alloc: Allocator,
         mlog.cur_zone = None
         await trio.to_thread.run_sync(mlog.reset_zones, garbage)
         mlog.next_seq = first_seq
-    written: Superblock | None = None
     cp = rec.newest_checkpoint
     if cp is not None and cp.offset != rec.sb.checkpoint_offset:
         # A crash hit between a complete checkpoint and its superblock write:

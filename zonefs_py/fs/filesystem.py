@@ -161,17 +161,25 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
             self.sb = sb
 
     async def serve_background(self) -> None:
-        """Run periodic commits, checkpoints and zone resets until `close()`."""
-        while not self._stop.is_set():
-            with trio.move_on_after(self.options.commit_interval_s):
-                await self._wake.wait()
-            self._wake = trio.Event()
-            if self._stop.is_set() or self.options.read_only or self.failsafe:
-                continue
-            try:
-                await self.background_step()
-            except errors.ZoneFSError as exc:
-                self.enter_failsafe(f"background commit failed: {exc}")
+        """Run periodic commits, checkpoints and zone resets until `close()`.
+
+        Meanwhile a commit that finds a checkpoint due wakes this task for it
+        instead of writing it while its caller (an fsync) waits.
+        """
+        self.journal.request_checkpoint = self.wake_background
+        try:
+            while not self._stop.is_set():
+                with trio.move_on_after(self.options.commit_interval_s):
+                    await self._wake.wait()
+                self._wake = trio.Event()
+                if self._stop.is_set() or self.options.read_only or self.failsafe:
+                    continue
+                try:
+                    await self.background_step()
+                except errors.ZoneFSError as exc:
+                    self.enter_failsafe(f"background commit failed: {exc}")
+        finally:
+            self.journal.request_checkpoint = None
 
     async def background_step(self) -> None:
         """One round of background work (also used by tests)."""
@@ -536,9 +544,10 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         if self.options.read_only:
             return
         self._writable()
-        await self._flush_file(inode)
-        self.drain.on_fsync(inode)
-        await self.journal.commit()
+        with self.journal.urgent():  # a checkpoint encoding meanwhile makes room for it
+            await self._flush_file(inode)
+            self.drain.on_fsync(inode)
+            await self.journal.commit()
 
     # -- directories -------------------------------------------------------------------------
     async def opendir(self, ino: int) -> int:

@@ -142,6 +142,8 @@ def build_status(fs: StatusSource) -> dict[str, object]:
                     "empty_zones": len(fs.alloc.empty_zones())},
         "journal": {"commits": fs.journal.commits,
                     "checkpoints": fs.journal.checkpoints_written,
+                    "checkpoint_running": fs.journal.checkpoint_running,
+                    "commits_during_checkpoints": fs.journal.commits_during_checkpoints,
                     "pending_bytes": fs.journal.pending_bytes,
                     "bytes_since_checkpoint": fs.journal.journal_bytes_since_checkpoint,
                     "durable_txn": fs.journal.durable_txn, "added_txn": fs.journal.added_txn,

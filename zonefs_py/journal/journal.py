@@ -13,32 +13,39 @@ queued op of the same inode sets them again (`_drop_superseded` has the
 crash argument): a directory's times at every create in it, the kernel's
 SETATTR of times before a close.
 
-`checkpoint()` folds the pending batch into a snapshot of the whole State,
-taken without awaiting, writes it as CHECKPOINT_* records starting in a fresh
-meta zone, flushes, points the superblock at it, and resets the meta zones it
-made obsolete. A checkpoint complete in the log is authoritative even before
-the superblock points at it: recovery reloads state from any complete
-checkpoint it meets while replaying (DESIGN.md, "Checkpoint").
+`checkpoint()` takes the queued transactions and a copy-on-write snapshot of
+the whole State at one instant, writes those transactions as a JOURNAL record
+and a CHECKPOINT_BEGIN in a fresh meta zone (flushed: from here they are
+durable as journal records), encodes the snapshot, writes it as
+CHECKPOINT_DATA records and a CHECKPOINT_END, flushes, points the superblock
+at it, and resets the meta zones it made obsolete. Commits do not wait for it
+(issue 15): they take the log between its writes, so their JOURNAL records
+land between BEGIN and END. Recovery applies such records after the
+checkpoint they sit in, and to the older state when that checkpoint is torn
+(DESIGN.md, "Checkpoint").
 
 What runs where: encoding runs on the trio thread, a checkpoint's in slices
 of CHECKPOINT_SLICE_INODES inodes with requests served in between (a
 copy-on-write `State.Snapshot` keeps it the state of the moment the batch was
 taken); device calls run in worker threads through `trio.to_thread.run_sync`
-with the engine's CapacityLimiter. Only one commit or checkpoint writes to
-the log at a time (`_write_lock`): commits wait for a checkpoint to finish.
+with the engine's CapacityLimiter. Only one commit or checkpoint write goes to
+the log at a time (`_write_lock`), and one checkpoint at a time
+(`_checkpoint_lock`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import NoReturn
 
 import trio
 
 from zonefs_py.device.base import ZonedDevice
-from zonefs_py.format.constants import OpType, RecordType
+from zonefs_py.format.constants import RECORD_HEADER_SIZE, OpType, RecordType
 from zonefs_py.format.ops import Op, encode_op
 from zonefs_py.format.superblock import Superblock
 from zonefs_py.journal.log import LogFull, LogPosition, MetaLog
@@ -51,15 +58,28 @@ log = logging.getLogger(__name__)
 #: transaction gets a record of its own).
 RECORD_PAYLOAD_TARGET = 1 << 20
 CHECKPOINT_END = struct.Struct("<QQ")
+#: Payload of CHECKPOINT_ABORT: the seq of the torn checkpoint's BEGIN.
+CHECKPOINT_ABORT = struct.Struct("<Q")
 #: Checkpoint bytes per inode assumed before any checkpoint was measured (an empty
 #: file in a directory of 1000: ~130 bytes; with 256 bytes inline: ~380).
 NOMINAL_CHECKPOINT_BYTES_PER_INODE = 256
 #: Inodes a checkpoint must hold for its bytes per inode to be used instead
 #: (mkfs's holds only the root: 93 bytes, below what a file costs).
 SAMPLE_MIN_INODES = 64
-#: Inodes a checkpoint encodes between two trio checkpoints (~3 us each, so a
-#: request waits a few ms at most for the encoder, not seconds).
-CHECKPOINT_SLICE_INODES = 1000
+#: Inodes a checkpoint encodes in one slice (~0.75 ms at ~3 us each). While
+#: an fsync or commit is in flight (`Journal.urgent`), the encoder pauses
+#: CHECKPOINT_SLICE_PAUSE_S after each slice (and after each ~1 MiB payload
+#: packed): the trio thread then waits in epoll and leaves the GIL to worker
+#: threads (that fsync's device writes). Without pauses they got the GIL only
+#: at forced switches: an fsync during the encoding of a 1M-file checkpoint
+#: took up to 1.8 s; with them, p99 25 ms (bench/checkpoint_fsync). A pause
+#: is ~1 ms in practice (epoll's resolution), so a checkpoint under constant
+#: fsyncs takes up to ~2.4x as long; with none in flight it does not pause.
+CHECKPOINT_SLICE_INODES = 250
+CHECKPOINT_SLICE_PAUSE_S = 0.00025
+#: Checkpoint bytes written per hold of the log: a commit waits at most for
+#: one such write (~10 ms), never for the whole checkpoint.
+CHECKPOINT_WRITE_BYTES = 8 << 20
 
 
 class Journal:
@@ -84,6 +104,15 @@ class Journal:
         self.durable_txn = 0
         self.data_dirty = False
         self._write_lock = trio.Lock()
+        self._checkpoint_lock = trio.Lock()
+        #: Requests in `urgent()` (fsyncs, commits) right now.
+        self._urgent = 0
+        self._checkpoint_done = trio.Event()
+        #: True from a checkpoint's BEGIN to its superblock write.
+        self.checkpoint_running = False
+        #: Set by the engine while its background task runs: a commit that finds a
+        #: checkpoint due asks for one there instead of writing it itself.
+        self.request_checkpoint: Callable[[], None] | None = None
         self.journal_bytes_since_checkpoint = 0
         self.last_checkpoint_bytes = 0
         #: (bytes, inodes) of the newest checkpoint written (or loaded at mount, set
@@ -91,6 +120,8 @@ class Journal:
         self.checkpoint_sample: tuple[int, int] = (0, 0)
         self.checkpoints_written = 0
         self.commits = 0
+        #: Commits written while a checkpoint was being written (inside it).
+        self.commits_during_checkpoints = 0
         self.last_commit_ns = 0
         #: Set when a device error left the journal unable to make progress.
         self.broken: str | None = None
@@ -180,26 +211,61 @@ class Journal:
 
             raise errors.IOFailure(f"metadata journal unusable: {self.broken}")
 
+    @contextlib.contextmanager
+    def urgent(self) -> Iterator[None]:
+        """Mark a request that waits for the device (an fsync) while it runs: a
+        checkpoint being encoded meanwhile pauses between its slices for it."""
+        self._urgent += 1
+        try:
+            yield
+        finally:
+            self._urgent -= 1
+
+    async def _between_slices(self) -> None:
+        if self._urgent:
+            await trio.sleep(CHECKPOINT_SLICE_PAUSE_S)
+        else:
+            await trio.lowlevel.checkpoint()
+
     # -- commit ------------------------------------------------------------------
     async def commit(self) -> None:
-        """Return once every transaction added before the call is durable."""
+        """Return once every transaction added before the call is durable.
+
+        It never waits for a checkpoint being written (only for one of its
+        record writes), unless meta zones run out meanwhile.
+        """
+        with self.urgent():
+            await self._commit()
+
+    async def _commit(self) -> None:
         target = self.added_txn
         while self.durable_txn < target:
             self._check_broken()
+            if self.checkpoint_needed(self.journal_limit):
+                if self.checkpoint_running:
+                    if self._last_meta_zones_at_stake():
+                        # The log could run out of zones before the running
+                        # checkpoint frees some: wait for it (it makes our batch
+                        # durable too).
+                        await self._checkpoint_done.wait()
+                        continue
+                elif self.request_checkpoint is None or self._last_meta_zones_at_stake():
+                    # Nobody runs checkpoints in the background (engine tests, fsck),
+                    # or it is busy and the log would run out of zones first: write
+                    # it here; it makes the queued transactions durable.
+                    await self.checkpoint()
+                    continue
+                else:
+                    self.request_checkpoint()
             # (No waiting for a "durable" event while another task writes: the lock
-            # holder may mark transactions durable before it releases the lock, e.g.
-            # a checkpoint before its superblock write, and a waiter that arrived in
-            # between would sleep until someone else's commit. Queue for the lock
-            # instead; a batch that made ours durable meanwhile ends the loop.)
+            # holder may mark transactions durable before it releases the lock, and a
+            # waiter that arrived in between would sleep until someone else's commit.
+            # Queue for the lock instead; a batch that made ours durable meanwhile
+            # ends the loop.)
             async with self._write_lock:
                 if self.durable_txn >= target:
                     break
-                if self.checkpoint_needed(self.journal_limit):
-                    # Meta zones run short (or the journal is long): a checkpoint
-                    # makes the queued transactions durable and frees old zones.
-                    await self._checkpoint_locked()
-                else:
-                    await self._commit_locked()
+                await self._commit_locked()
 
     async def _commit_locked(self) -> None:
         batch, upto = self._take_batch()
@@ -222,6 +288,8 @@ class Journal:
         size = sum(len(p) for _, p in records)
         self.journal_bytes_since_checkpoint += size
         self.commits += 1
+        if self.checkpoint_running:
+            self.commits_during_checkpoints += 1
         self.last_commit_ns = time.time_ns()
         self._set_durable(upto)
 
@@ -233,13 +301,6 @@ class Journal:
         self.dev.flush()
         return positions
 
-    def _pack_and_write(self, encoded: list[bytes], upto: int, flush_first: bool
-                        ) -> tuple[list[tuple[RecordType, bytes]], list[LogPosition]]:
-        """Worker thread: a checkpoint's records from its encoded ops, written
-        starting in a fresh meta zone; returns the records and where they went."""
-        records = _checkpoint_records(encoded, upto)
-        return records, self._write_records(records, flush_first, new_zone=True)
-
     async def _run(self, fn: Callable[..., object], *args: object) -> object:
         return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
 
@@ -248,11 +309,26 @@ class Journal:
         """True when the journal grew past the limit or meta zones run short."""
         if self.journal_bytes_since_checkpoint >= journal_limit:
             return True
+        return self._meta_short() and self.journal_bytes_since_checkpoint > 0
+
+    def _last_meta_zones_at_stake(self) -> bool:
+        """True when the queued batch would start a meta zone and at most two are
+        empty. Those are kept for a checkpoint and for a mount after a crash
+        that tore it (which writes a CHECKPOINT_ABORT and its own checkpoint,
+        each maybe in a fresh zone): such a commit waits for the running
+        checkpoint, or writes one first."""
+        if len(self.log.free_zones()) > 2:
+            return False
+        n = self._pending_bytes
+        overhead = (n // RECORD_PAYLOAD_TARGET + 1) * (RECORD_HEADER_SIZE + self.log.block_size)
+        return n + overhead > self.log.room_in_current_zone()
+
+    def _meta_short(self) -> bool:
         cap = self.dev.info.zone_size_bytes
         # +3: the next checkpoint, room for the journal meanwhile, and one zone kept
         # spare so that a mount after a crash that tore this checkpoint can write its own.
         needed = (self.last_checkpoint_bytes * 2) // max(cap, 1) + 3
-        return len(self.log.free_zones()) < needed and self.journal_bytes_since_checkpoint > 0
+        return len(self.log.free_zones()) < needed
 
     # -- how many files the meta area holds -----------------------------------------
     def checkpoint_budget_bytes(self) -> int:
@@ -292,60 +368,141 @@ class Journal:
         return max(1, c // n if n >= SAMPLE_MIN_INODES else NOMINAL_CHECKPOINT_BYTES_PER_INODE)
 
     async def checkpoint(self) -> None:
-        """Write a checkpoint of the State and point the superblock at it."""
-        self._check_broken()
-        async with self._write_lock:
-            await self._checkpoint_locked()
+        """Write a checkpoint of the State and point the superblock at it.
 
-    async def _checkpoint_locked(self) -> None:
-        """Write a checkpoint; the caller holds `_write_lock`."""
-        # Atomic (no await): the pending transactions are folded into the snapshot,
-        # which from here on is the State as of `upto` (copy-on-write), however
-        # requests change it while it is encoded between their turns.
-        _batch, upto = self._take_batch()
-        flush_first = self.data_dirty
-        self.data_dirty = False
-        snap = Snapshot(self.state, encode_op)
-        snap_inodes = len(self.state.inodes)
+        Every transaction added before the call is durable when it returns
+        (they are durable already once its BEGIN is written).
+        """
+        self._check_broken()
+        async with self._checkpoint_lock:
+            self._check_broken()
+            self.checkpoint_running = True
+            try:
+                await self._write_checkpoint()
+            finally:
+                self.checkpoint_running = False
+                self._checkpoint_done.set()
+                self._checkpoint_done = trio.Event()
+
+    def _failed(self, what: str, exc: Exception) -> NoReturn:
+        self.broken = f"{what} failed: {exc}"
+        log.error("%s", self.broken)
+        self._set_durable(self.durable_txn)
+        self._check_broken()
+        raise AssertionError("unreachable")
+
+    async def _write_checkpoint(self) -> None:
+        """The steps of `checkpoint()` (DESIGN.md 3.3); the caller holds `_checkpoint_lock`."""
+        async with self._write_lock:
+            # Atomic (no await): the queued transactions and the snapshot, which from
+            # here on is the State as of `upto` (copy-on-write), however requests
+            # change it while it is encoded between their turns.
+            batch, upto = self._take_batch()
+            flush_first = self.data_dirty
+            self.data_dirty = False
+            snap = Snapshot(self.state, encode_op)
+            snap_inodes = len(self.state.inodes)
+            # The batch goes out as a journal record *before* BEGIN: should this
+            # checkpoint be torn, recovery replays the older state through it and
+            # then the commits written inside the checkpoint, which follow it.
+            journal = [(RecordType.JOURNAL, p) for p in _pack(batch)]
+            begin = [(RecordType.CHECKPOINT_BEGIN, struct.pack("<QQ", upto, time.time_ns()))]
+            try:
+                positions = await self._run(self._write_begin, journal, begin, flush_first)
+            except (OSError, LogFull) as exc:
+                snap.close()
+                self._failed("checkpoint write", exc)
+            except BaseException:
+                snap.close()
+                raise
+            assert isinstance(positions, list)
+            self._set_durable(upto)
+            journal_before = self.journal_bytes_since_checkpoint + sum(
+                len(p) for _, p in journal)
+            self.journal_bytes_since_checkpoint = journal_before
+        first = positions[-1]
         try:
-            # Shielded: the batch taken above exists only in the snapshot now, so
-            # the checkpoint must not stop half-way (nor could it before: the
-            # device writes below are not cancellable either).
+            # Shielded: the checkpoint must not stop half-way once BEGIN is written
+            # (nor could it: the device writes below are not cancellable either).
             with trio.CancelScope(shield=True):
                 while not snap.step(CHECKPOINT_SLICE_INODES):
-                    await trio.lowlevel.checkpoint()
+                    await self._between_slices()
         finally:
             snap.close()
         obsolete: list[int] = []
-        try:
-            # Packing ~1 MiB payloads out of the encoded ops takes ~50 ms per 100k
-            # files; the worker thread does it (the trio thread gets the GIL back
-            # every switch interval meanwhile).
-            written = await self._run(self._pack_and_write, snap.encoded_ops(), upto,
-                                      flush_first)
-            assert isinstance(written, tuple)
-            records, positions = written
-            self._set_durable(upto)
-            first = positions[0]
-            sb = self.sb.with_checkpoint(first.zone, first.offset, first.seq)
-            await self._run(self.sbstore.write, sb)
-            self.sb = sb
-            first_zone_seq = self.log.zone_first_seq[first.zone]
-            obsolete = self.log.zones_before(first_zone_seq)
-            if obsolete:
-                await self._run(self.log.reset_zones, obsolete)
-        except (OSError, LogFull) as exc:
-            self.broken = f"checkpoint write failed: {exc}"
-            log.error("%s", self.broken)
-            self._set_durable(self.durable_txn)
-            self._check_broken()
-        total = sum(len(p) for _, p in records)
+        with trio.CancelScope(shield=True):
+            try:
+                # Packed on the trio thread a ~1 MiB payload at a time, pausing like
+                # the encoder (in a worker thread, the packing of a 1M-file
+                # checkpoint held the GIL ~200 ms against commits beside it),
+                # and written a group at a time, each group its own hold of the log.
+                count = total = 0
+                group: list[bytes] = []
+                group_bytes = 0
+                for payload in _pack_iter(snap.encoded_ops()):
+                    count += 1
+                    total += len(payload)
+                    group.append(payload)
+                    group_bytes += len(payload)
+                    if group_bytes >= CHECKPOINT_WRITE_BYTES:
+                        await self._append_data(group)
+                        group, group_bytes = [], 0
+                    else:
+                        await self._between_slices()
+                if group:
+                    await self._append_data(group)
+                end = CHECKPOINT_END.pack(count, total)
+                async with self._write_lock:
+                    self._check_broken()
+                    await self._run(self._write_records, [(RecordType.CHECKPOINT_END, end)],
+                                    False)
+                sb = self.sb.with_checkpoint(first.zone, first.offset, first.seq)
+                await self._run(self.sbstore.write, sb)
+                self.sb = sb
+                obsolete = self.log.zones_before(self.log.zone_first_seq[first.zone])
+                if obsolete:
+                    await self._run(self.log.reset_zones, obsolete)
+            except (OSError, LogFull) as exc:
+                self._failed("checkpoint write", exc)
         self.last_checkpoint_bytes = total
         self.checkpoint_sample = (total, snap_inodes)
-        self.journal_bytes_since_checkpoint = 0
+        # Commits written inside the checkpoint are replayed after it.
+        self.journal_bytes_since_checkpoint = max(
+            0, self.journal_bytes_since_checkpoint - journal_before)
         self.checkpoints_written += 1
         log.info("checkpoint written: %d bytes in %d records, %d meta zones reset",
-                 total, len(records), len(obsolete))
+                 total, count + 2, len(obsolete))
+
+    async def _append_data(self, payloads: list[bytes]) -> None:
+        """Append CHECKPOINT_DATA records (not flushed), holding the log."""
+        async with self._write_lock:
+            self._check_broken()
+            await self._run(self.log.append,
+                            [(RecordType.CHECKPOINT_DATA, p) for p in payloads])
+
+    async def abort_torn_checkpoint(self, begin_seq: int) -> None:
+        """Mark the checkpoint whose BEGIN has `begin_seq`, torn by a crash, as
+        ended (mount, before anything else goes to the log): later replays then
+        apply the records after it to the older state. Flushed."""
+        async with self._write_lock:
+            try:
+                await self._run(self._write_records, [(RecordType.CHECKPOINT_ABORT,
+                                                       CHECKPOINT_ABORT.pack(begin_seq))], False)
+            except (OSError, LogFull) as exc:
+                self._failed("checkpoint abort write", exc)
+
+    def _write_begin(self, journal: list[tuple[RecordType, bytes]],
+                     begin: list[tuple[RecordType, bytes]], flush_first: bool
+                     ) -> list[LogPosition]:
+        """Worker thread: the batch's records where the log is, then BEGIN in a
+        fresh zone, one flush for both."""
+        if flush_first:
+            self.dev.flush()
+        if journal:
+            self.log.append(journal)
+        positions = self.log.append(begin, new_zone=True)
+        self.dev.flush()
+        return positions
 
 
 def checkpoint_records(state: State, upto_txn: int) -> list[tuple[RecordType, bytes]]:
@@ -369,15 +526,18 @@ def _pack(chunks: list[bytes]) -> list[bytes]:
 
     A chunk is never split: one transaction is always inside one record.
     """
-    out: list[bytes] = []
+    return list(_pack_iter(chunks))
+
+
+def _pack_iter(chunks: list[bytes]) -> Iterator[bytes]:
+    """The payloads of `_pack`, one at a time."""
     cur: list[bytes] = []
     cur_len = 0
     for c in chunks:
         if cur and cur_len + len(c) > RECORD_PAYLOAD_TARGET:
-            out.append(b"".join(cur))
+            yield b"".join(cur)
             cur, cur_len = [], 0
         cur.append(c)
         cur_len += len(c)
     if cur:
-        out.append(b"".join(cur))
-    return out
+        yield b"".join(cur)

@@ -85,6 +85,12 @@ class MetaLog:
         return [z.index for z in self.dev.report_zones(self.zones[0], len(self.zones))
                 if z.cond == ZoneCond.EMPTY and z.index not in used]
 
+    def room_in_current_zone(self) -> int:
+        """Bytes the zone the log appends to can still take (0 when a record
+        would start a new zone)."""
+        cur = self.cur_zone
+        return 0 if cur is None else self._zone(cur).remaining_bytes
+
     def _start_zone_locked(self) -> int:
         free = self.free_zones()
         if not free:

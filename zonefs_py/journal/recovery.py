@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from zonefs_py import errors
 from zonefs_py.device.base import ZonedDevice
 from zonefs_py.format.constants import RecordType
-from zonefs_py.format.ops import OpDecodeError, decode_ops
+from zonefs_py.format.ops import Op, OpDecodeError, decode_ops
 from zonefs_py.format.superblock import Superblock
-from zonefs_py.journal.journal import CHECKPOINT_END
+from zonefs_py.journal.journal import CHECKPOINT_ABORT, CHECKPOINT_END
 from zonefs_py.journal.log import LogCorrupt, LogPosition, MetaLog, ScanResult
 from zonefs_py.journal.sbstore import SuperblockStore
 from zonefs_py.model.state import State, StateError
@@ -44,8 +44,12 @@ class Recovered:
     #: BEGIN of the newest complete checkpoint met in the log (may be newer than
     #: the superblock's, when a crash hit between the checkpoint and the SB write).
     newest_checkpoint: LogPosition | None = None
-    #: BEGIN of a checkpoint torn by a crash at the end of the log (its zones are garbage).
+    #: BEGIN of a checkpoint torn by a crash at the end of the log (its data is
+    #: dropped; its zones are garbage unless commits were written inside it).
     torn_checkpoint: LogPosition | None = None
+    #: True when commits were written inside that torn checkpoint (its zones
+    #: hold durable journal records, and stay until the next checkpoint).
+    torn_checkpoint_holds_commits: bool = False
     salvaged: str | None = None
 
 
@@ -126,6 +130,9 @@ def _recover(dev: ZonedDevice, *, salvage: bool = False,
     res = Recovered(sb, state, scan, mlog, sbstore)
     start = LogPosition(sb.checkpoint_zone, sb.checkpoint_offset, sb.checkpoint_seq)
     loading: State | None = None
+    #: Ops of the JOURNAL records met inside the checkpoint being loaded: commits
+    #: written while it was written, applied after its END.
+    inside: list[list[Op]] = []
     loaded_records = 0
     first = True
     total_bytes = 0
@@ -143,6 +150,7 @@ def _recover(dev: ZonedDevice, *, salvage: bool = False,
                 if loading is not None:
                     raise LogCorrupt(f"checkpoint at {off} begins inside another")
                 loading = state if first else State(sb.block_size, sb.zone_size)
+                inside = []
                 loaded_records = 0
                 begin = LogPosition(off // dev.info.zone_size_bytes, off, rec.seq)
             elif rec.type == RecordType.CHECKPOINT_DATA:
@@ -159,16 +167,38 @@ def _recover(dev: ZonedDevice, *, salvage: bool = False,
                 nrec, _nbytes = CHECKPOINT_END.unpack_from(rec.payload)
                 if nrec != loaded_records:
                     raise LogCorrupt(f"checkpoint at {off} has {loaded_records} of {nrec} records")
+                # The checkpoint is the State as of its BEGIN; the commits written
+                # inside it came after. (When it is not the first, `state` got them
+                # too, from the journal before BEGIN on: the two are the same.)
+                for ops in inside:
+                    loading.apply_all(ops)
                 state = loading
                 loading = None
+                inside = []
                 res.newest_checkpoint = begin
             elif rec.type == RecordType.JOURNAL:
-                if loading is not None:
-                    raise LogCorrupt(f"journal record at {off} inside a checkpoint")
                 ops = decode_ops(rec.payload)
-                state.apply_all(ops)
+                if loading is None:
+                    state.apply_all(ops)
+                else:
+                    inside.append(ops)
+                    if loading is not state:
+                        # Should this checkpoint turn out torn, the older state goes on.
+                        state.apply_all(ops)
                 res.ops += len(ops)
                 res.journal_bytes += len(rec.payload)
+            elif rec.type == RecordType.CHECKPOINT_ABORT:
+                # Written by a mount after a crash tore this checkpoint: the journal
+                # records inside it were applied to `state` already.
+                if len(rec.payload) != CHECKPOINT_ABORT.size:
+                    raise LogCorrupt(f"checkpoint abort at {off} has a "
+                                     f"{len(rec.payload)}-byte payload")
+                (aborted,) = CHECKPOINT_ABORT.unpack_from(rec.payload)
+                if loading is None or loading is state or aborted != begin.seq:
+                    raise LogCorrupt(f"checkpoint abort at {off} names seq {aborted}, not "
+                                     "a torn checkpoint")
+                loading = None
+                inside = []
             else:
                 raise LogCorrupt(f"unexpected {rec.type.name} record at {off}")
             first = False
@@ -179,6 +209,7 @@ def _recover(dev: ZonedDevice, *, salvage: bool = False,
         if loading is not None:
             log.info("ignoring a checkpoint torn by a crash at the end of the log")
             res.torn_checkpoint = begin
+            res.torn_checkpoint_holds_commits = bool(inside)
     except (LogCorrupt, OpDecodeError, StateError) as exc:
         if not salvage or first or loading is state:
             raise _corruption(dev, exc) from None
