@@ -268,6 +268,10 @@ class Journal:
                 await self._commit_locked()
 
     async def _commit_locked(self) -> None:
+        # A write that failed while we queued for the lock took the queued
+        # transactions with it (ours maybe among them): an empty batch now would
+        # look like "all durable", so refuse before taking one.
+        self._check_broken()
         batch, upto = self._take_batch()
         if not batch:
             if self.data_dirty:
@@ -394,6 +398,7 @@ class Journal:
     async def _write_checkpoint(self) -> None:
         """The steps of `checkpoint()` (DESIGN.md 3.3); the caller holds `_checkpoint_lock`."""
         async with self._write_lock:
+            self._check_broken()  # (as in _commit_locked)
             # Atomic (no await): the queued transactions and the snapshot, which from
             # here on is the State as of `upto` (copy-on-write), however requests
             # change it while it is encoded between their turns.
