@@ -7,6 +7,8 @@ log"):
 * Every meta zone in use starts with a ZONE_HEADER record. Record sequence
   numbers increase by exactly one along the whole chain, across zones, so the
   zone that continues the log is the one whose header has seq = last + 1.
+  The device is flushed before a new zone's header is written, so a power cut
+  never keeps records of a zone while losing some of the zone before it.
 * A checkpoint is CHECKPOINT_BEGIN, CHECKPOINT_DATA..., CHECKPOINT_END, always
   starting in a fresh zone. The superblock points at the BEGIN of the newest
   checkpoint known to be complete; zones before it are obsolete and reset.
@@ -97,6 +99,11 @@ class MetaLog:
             raise LogFull("no empty meta zone left for the metadata log")
         zone = free[0]
         if self.cur_zone is not None:
+            # What went to the zone we leave must be durable before the next one
+            # gets anything: zones persist independently, and a power cut that
+            # kept the new zone's header but not the old zone's tail would leave
+            # a gap in the chain, which reads as damage in the middle.
+            self.dev.flush()
             cur = self._zone(self.cur_zone)
             if cur.cond not in (ZoneCond.FULL, ZoneCond.EMPTY):
                 self.dev.finish_zone(self.cur_zone)
