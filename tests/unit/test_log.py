@@ -226,6 +226,7 @@ def test_a_tear_across_a_zone_roll_leaves_no_gap(tmp_path: Path, seed: int) -> N
     again = EmulatedZonedDevice.open(tmp_path / "roll.img")
     try:
         got, res = scan_all(MetaLog(again, 2, 4, UUID, FS_ID), start)  # no LogCorrupt
-        assert len(got) >= 2 and res.last_seq == len(got) + len(res.chain_zones)
+        assert len(got) >= 2
+        assert res.last_seq == len(got) + len(res.chain_zones)
     finally:
         again.close()

@@ -5,9 +5,12 @@ in the foreground with `-f`):
 
   1. take the device lock (`DeviceLock`) and start the state record
      (`RunState`), open the device, `ZoneFS.load` (which runs crash
-     recovery), `pyfuse3.init` (the mount(2) call);
+     recovery; with the cycle collector off, then frozen: `gcpolicy`),
+     `pyfuse3.init` (the mount(2) call);
   2. serve: `pyfuse3.main` plus the engine's `serve_background`, a signal
-     watcher and the readiness task, in one trio nursery. The readiness task
+     watcher, the readiness task, the memory trimmer and the cycle
+     collector's collect-then-freeze step (`gcpolicy.GcFreezer`), in one
+     trio nursery. The readiness task
      waits for INIT and a STATFS to be answered, tunes the connection, and
      only then calls `report(None)`: `zonefs-py mount` exits 0 only once the
      filesystem serves. A failure before that unmounts, closes the
@@ -47,6 +50,8 @@ import trio
 
 from zonefs_py import control, errors
 from zonefs_py.daemon.daemonize import Reporter
+from zonefs_py.daemon.gcpolicy import GcFreezer
+from zonefs_py.daemon.gcpolicy import loading as gc_loading
 from zonefs_py.daemon.memtrim import MemoryTrimmer
 from zonefs_py.daemon.options import MountConfig, MountError
 from zonefs_py.daemon.runstate import DeviceLock, LockHeld, RunState
@@ -167,8 +172,9 @@ async def serve(cfg: MountConfig, report: Reporter, state: RunState) -> int:
                 log.info("loading %s (recovery runs if the last unmount was not clean)",
                          cfg.device)
                 # On a terminal (the caller's, until ready) the replay shows progress.
-                fs = await ZoneFS.load(device, cfg.fs_options, progress=progress_printer(
-                    "mount: replaying the metadata log"))
+                with gc_loading():
+                    fs = await ZoneFS.load(device, cfg.fs_options, progress=progress_printer(
+                        "mount: replaying the metadata log"))
                 ops = Operations(fs, writeback_cache=cfg.writeback_cache,
                                  attr_timeout_s=cfg.attr_timeout_s,
                                  entry_timeout_s=cfg.attr_timeout_s,
@@ -229,6 +235,7 @@ async def _serve_mounted(cfg: MountConfig, fs: Any, ops: Any, signals: Any,
         nursery.start_soon(_watch_signals, signals)
         nursery.start_soon(_become_ready, cfg, report, state, failed)
         nursery.start_soon(MemoryTrimmer(lambda: _write_activity(fs)).run)
+        nursery.start_soon(GcFreezer().run)
         await start_exporters(
             nursery, cfg.device, cfg.metrics_addr, cfg.metrics_textfile_dir,
             cfg.metrics_interval_s, lambda: control.status_document(fs, ops.failsafe_reason))
