@@ -51,7 +51,7 @@ import xxhash
 from zonefs_py import errors
 from zonefs_py.device.emulated import EmulatedZonedDevice
 from zonefs_py.format.constants import RECORD_HEADER_SIZE
-from zonefs_py.format.records import padded_size, peek_header
+from zonefs_py.format.records import FLAG_ZLIB, padded_size, peek_header
 from zonefs_py.fs.api import ROOT_INO, Ctx
 from zonefs_py.fs.filesystem import ZoneFS
 from zonefs_py.fs.mkfs import make_filesystem
@@ -121,6 +121,15 @@ async def build(path: Path, rng: random.Random) -> set[bytes]:
             data = rng.randbytes(rng.randrange(1, 512))
             written.add(data)
             await _write(fs, ROOT_INO, f"s{i}".encode(), data)
+        # Many small files in one commit: a JOURNAL payload past a block, stored
+        # compressed (FLAG_ZLIB, format 3).
+        for i in range(16):
+            data = bytes([i + 1]) * rng.randrange(150, 300)
+            written.add(data)
+            fh, _attr = await fs.create(sub, f"b{i}".encode(), 0o644, os.O_WRONLY, CTX)
+            await fs.write(fh, 0, data)
+            await fs.release(fh)
+        await fs.journal.commit()
         await fs.rename(ROOT_INO, b"f0", sub, b"moved", 0)
         await fs.unlink(ROOT_INO, b"f2")
         await fs.symlink(sub, b"link", b"../f4", CTX)
@@ -338,6 +347,10 @@ def run(workdir: Path, iterations: int, seed: int, *, quiet: bool = False) -> di
     scratch = workdir / "fuzz-rw.img"
     fd = os.open(image, os.O_RDWR)
     records = find_records(fd, ranges, block_size)
+    flags = [peek_header(os.pread(fd, RECORD_HEADER_SIZE, off))[1]  # type: ignore[index]
+             for off, _len in records]
+    if FLAG_ZLIB not in flags:
+        raise AssertionError("the base image holds no compressed record to fuzz")
     blocks = written_blocks(written)
     t0 = time.monotonic()
     try:

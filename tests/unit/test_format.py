@@ -238,3 +238,55 @@ def test_block_checksums_find_the_flipped_block(data: bytes, flip: int) -> None:
     bad = bytearray(data)
     bad[pos] ^= 1 << (flip % 8)
     assert first_bad_block(bytes(bad), 512, csums) == pos // 512
+
+
+# -- compressed payloads (record flag FLAG_ZLIB, format 3) ---------------------------------
+
+def _ops_payload(n: int) -> bytes:
+    return encode_ops([(OpType.INODE, 100 + i, 0o100644, 0, 0, 1, 0, 256, 1, 2, 3, 0)
+                       for i in range(n)])
+
+
+def test_compressed_payload_round_trips_and_saves_blocks() -> None:
+    import zonefs_py.format.records as rec_mod
+    from zonefs_py.format.ops import record_body
+
+    small = _ops_payload(10)  # fits one block as it is: stored as it is
+    assert rec_mod.compress_payload(small, 4096) == (small, 0)
+    big = _ops_payload(500)
+    packed, flags = rec_mod.compress_payload(big, 4096)
+    assert flags == rec_mod.FLAG_ZLIB
+    assert rec_mod.padded_size(len(packed), 4096) < rec_mod.padded_size(len(big), 4096)
+    raw = rec_mod.encode_record(RecordType.JOURNAL, 7, 1, packed, 4096, flags)
+    rec = rec_mod.decode_record(raw, 0, 1, 4096)
+    assert rec.flags == rec_mod.FLAG_ZLIB
+    assert decode_ops(record_body(rec.type, rec.flags, rec.payload)) == decode_ops(big)
+    import random
+
+    noise = random.Random(1).randbytes(6000)  # incompressible: stored as it is
+    assert rec_mod.compress_payload(noise, 4096) == (noise, 0)
+
+
+@pytest.mark.parametrize("case", ["garbage", "truncated", "trailing", "bomb", "flag", "type"])
+def test_bad_compressed_payloads_are_decode_errors(case: str) -> None:
+    import zlib
+
+    from zonefs_py.format.ops import record_body
+    from zonefs_py.format.records import FLAG_ZLIB, MAX_PAYLOAD
+
+    good = zlib.compress(_ops_payload(200), 1)
+    rtype, flags, payload = RecordType.JOURNAL, FLAG_ZLIB, good
+    if case == "garbage":
+        payload = b"\x78\x01" + bytes(100)
+    elif case == "truncated":
+        payload = good[:-10]
+    elif case == "trailing":
+        payload = good + b"x"
+    elif case == "bomb":
+        payload = zlib.compress(bytes(MAX_PAYLOAD + 1), 1)
+    elif case == "flag":
+        flags = 0x2
+    else:
+        rtype = RecordType.CHECKPOINT_BEGIN
+    with pytest.raises(OpDecodeError):
+        record_body(rtype, flags, payload)

@@ -27,9 +27,11 @@ u32 body length, body (docs/SPEC.md "Operations").
 from __future__ import annotations
 
 import struct
+import zlib
 from typing import Any
 
-from zonefs_py.format.constants import INLINE_MAX_BYTES, OpType
+from zonefs_py.format.constants import INLINE_MAX_BYTES, OpType, RecordType
+from zonefs_py.format.records import FLAG_ZLIB, MAX_PAYLOAD
 
 Op = tuple[Any, ...]
 
@@ -92,6 +94,27 @@ def encode_op(op: Op) -> bytes:
 
 def encode_ops(ops: list[Op]) -> bytes:
     return b"".join(encode_op(op) for op in ops)
+
+
+def record_body(rtype: int, flags: int, payload: bytes) -> bytes:
+    """The ops bytes a JOURNAL or CHECKPOINT_DATA record carries (inflated when
+    its FLAG_ZLIB is set). Raises OpDecodeError for any other flag, or for a
+    zlib stream that does not inflate to at most MAX_PAYLOAD bytes exactly (the
+    record checksum passed: a bug or corruption, never skipped)."""
+    if flags == 0:
+        return payload
+    if flags != FLAG_ZLIB:
+        raise OpDecodeError(f"record flags {flags:#x}: unknown bits")
+    if rtype not in (RecordType.JOURNAL, RecordType.CHECKPOINT_DATA):
+        raise OpDecodeError(f"record type {rtype} cannot be compressed")
+    inflate = zlib.decompressobj()
+    try:
+        body = inflate.decompress(payload, MAX_PAYLOAD)
+    except zlib.error as exc:
+        raise OpDecodeError(f"compressed payload does not inflate: {exc}") from None
+    if not inflate.eof or inflate.unconsumed_tail or inflate.unused_data:
+        raise OpDecodeError("compressed payload is truncated, too long or followed by bytes")
+    return body
 
 
 def decode_ops(payload: bytes) -> list[Op]:

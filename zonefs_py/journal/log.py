@@ -27,9 +27,18 @@ from dataclasses import dataclass, field
 
 from zonefs_py.device.base import Zone, ZoneCond, ZonedDevice
 from zonefs_py.format.constants import RecordType
-from zonefs_py.format.records import Record, RecordError, decode_record, encode_record
+from zonefs_py.format.records import (
+    Record,
+    RecordError,
+    compress_payload,
+    decode_record,
+    encode_record,
+)
 
 _ZONE_HEADER = struct.Struct("<16sI")
+#: Record types whose payload (ops) is stored zlib-compressed when that saves a
+#: block (format 3; `compress_payload`).
+_COMPRESSED = (RecordType.JOURNAL, RecordType.CHECKPOINT_DATA)
 _READ_CHUNK = 4 << 20
 
 
@@ -122,6 +131,8 @@ class MetaLog:
         """Append records (not flushed); return where each landed.
 
         `new_zone` starts a fresh zone first (checkpoints begin in one).
+        JOURNAL and CHECKPOINT_DATA payloads are compressed on the way when
+        that saves a block (in the caller's thread: a worker's).
         Several records that fit in the current zone go out in one device write.
         """
         with self._lock:
@@ -133,14 +144,18 @@ class MetaLog:
             assert self.cur_zone is not None
             remaining = self._zone(self.cur_zone).remaining_bytes
             for rtype, payload in records:
-                rec = encode_record(rtype, self.next_seq, self.fs_id, payload, self.block_size)
+                flags = 0
+                if rtype in _COMPRESSED:
+                    payload, flags = compress_payload(payload, self.block_size)
+                rec = encode_record(rtype, self.next_seq, self.fs_id, payload, self.block_size,
+                                    flags)
                 if len(rec) > remaining - pending_len:
                     self._write_pending_locked(pending, positions)
                     pending, pending_len = [], 0
                     self._start_zone_locked()
                     # The zone header took this sequence number: encode again.
                     rec = encode_record(rtype, self.next_seq, self.fs_id, payload,
-                                        self.block_size)
+                                        self.block_size, flags)
                     remaining = self._zone(self.cur_zone).remaining_bytes
                     if len(rec) > remaining:
                         raise LogFull(f"a {len(rec)}-byte record does not fit in a meta zone")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from zonefs_py import errors
 from zonefs_py.device.base import ZonedDevice
 from zonefs_py.format.constants import RecordType
-from zonefs_py.format.ops import Op, OpDecodeError, decode_ops
+from zonefs_py.format.ops import Op, OpDecodeError, decode_ops, record_body
 from zonefs_py.format.superblock import Superblock
 from zonefs_py.journal.journal import CHECKPOINT_ABORT, CHECKPOINT_END
 from zonefs_py.journal.log import LogCorrupt, LogPosition, MetaLog, ScanResult
@@ -140,10 +140,14 @@ def _recover(dev: ZonedDevice, *, salvage: bool = False,
         meta = range(sb.meta_first_zone, sb.meta_first_zone + sb.meta_zone_count)
         total_bytes = sum(z.written_bytes for z in dev.report_zones() if z.index in meta)
     try:
+        read_bytes = 0
         for rec, off in mlog.scan(start, scan):
             res.records += 1
+            read_bytes += rec.size_bytes
             if progress is not None and res.records % PROGRESS_EVERY == 0:
-                progress(res.checkpoint_bytes + res.journal_bytes, total_bytes)
+                progress(read_bytes, total_bytes)
+            if rec.flags and rec.type not in (RecordType.JOURNAL, RecordType.CHECKPOINT_DATA):
+                raise LogCorrupt(f"{rec.type.name} record at {off} with flags {rec.flags:#x}")
             if first and rec.type != RecordType.CHECKPOINT_BEGIN:
                 raise LogCorrupt(f"superblock points at a {rec.type.name} record, not a checkpoint")
             if rec.type == RecordType.CHECKPOINT_BEGIN:
@@ -156,10 +160,11 @@ def _recover(dev: ZonedDevice, *, salvage: bool = False,
             elif rec.type == RecordType.CHECKPOINT_DATA:
                 if loading is None:
                     raise LogCorrupt(f"checkpoint data at {off} outside a checkpoint")
-                ops = decode_ops(rec.payload)
+                body = record_body(rec.type, rec.flags, rec.payload)
+                ops = decode_ops(body)
                 loading.apply_all(ops)
                 res.ops += len(ops)
-                res.checkpoint_bytes += len(rec.payload)
+                res.checkpoint_bytes += len(body)
                 loaded_records += 1
             elif rec.type == RecordType.CHECKPOINT_END:
                 if loading is None:
@@ -177,7 +182,8 @@ def _recover(dev: ZonedDevice, *, salvage: bool = False,
                 inside = []
                 res.newest_checkpoint = begin
             elif rec.type == RecordType.JOURNAL:
-                ops = decode_ops(rec.payload)
+                body = record_body(rec.type, rec.flags, rec.payload)
+                ops = decode_ops(body)
                 if loading is None:
                     state.apply_all(ops)
                 else:
@@ -186,7 +192,7 @@ def _recover(dev: ZonedDevice, *, salvage: bool = False,
                         # Should this checkpoint turn out torn, the older state goes on.
                         state.apply_all(ops)
                 res.ops += len(ops)
-                res.journal_bytes += len(rec.payload)
+                res.journal_bytes += len(body)
             elif rec.type == RecordType.CHECKPOINT_ABORT:
                 # Written by a mount after a crash tore this checkpoint: the journal
                 # records inside it were applied to `state` already.
