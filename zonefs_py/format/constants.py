@@ -11,7 +11,8 @@ import enum
 #: 2: INLINE ops (small files' bytes in the metadata, issue 15). Version 1
 #: images are refused at mount and by fsck (no conversion; docs/SPEC.md).
 #: 3: JOURNAL records inside a checkpoint and CHECKPOINT_ABORT (commits do not
-#: wait for checkpoints, issue 15). A version 2 image is read as it is and
+#: wait for checkpoints, issue 15), and JOURNAL / CHECKPOINT_DATA payloads that
+#: may be zlib-compressed (record flag ZLIB). A version 2 image is read as it is and
 #: converted by its first read-write mount, which rewrites the superblock
 #: before it writes anything else.
 DISK_VERSION = 3

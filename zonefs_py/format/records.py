@@ -1,8 +1,10 @@
 """Metadata records: encode and decode, no I/O.
 
 Every metadata write (superblock, zone headers, journal batches, checkpoint
-pieces) is one *record*: a 32-byte header, a payload, zero padding up to the
-device block size. Layout in docs/SPEC.md ("Record").
+pieces) is one *record*: a 32-byte header, a payload (JOURNAL and
+CHECKPOINT_DATA ones maybe zlib-compressed: `compress_payload`, flag
+FLAG_ZLIB), zero padding up to the device block size. Layout in docs/SPEC.md
+("Record").
 
 The checksum is xxh3-64 (seed 0) over the header with its checksum field zeroed,
 followed by the payload; the padding is not covered but must be zero for fsck.
@@ -31,8 +33,7 @@ MAX_PAYLOAD = 64 << 20
 #: CHECKPOINT_DATA records only). No other flag exists; a record with any other
 #: bit set is corruption.
 FLAG_ZLIB = 0x1
-#: zlib level: 1 is ~10x faster than the default and leaves little on the table
-#: for op streams (measured on a 256-byte-file create batch: see docs/DESIGN.md 3.3).
+#: zlib level 1, the fastest (what it saves on small files: docs/DESIGN.md 3.3).
 ZLIB_LEVEL = 1
 
 
