@@ -23,7 +23,7 @@ import stat
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import trio
@@ -38,7 +38,9 @@ from engine_helpers import (  # noqa: E402
     lookup,
     new_image,
     read_tree,
+    write_file,
 )
+from test_crash import Tracker, _show  # noqa: E402
 
 from zonefs_py import errors  # noqa: E402
 from zonefs_py.device.emulated import EmulatedZonedDevice  # noqa: E402
@@ -53,34 +55,22 @@ GEO = Geometry(size_bytes=96 * MiB, zone_size_bytes=2 * MiB)
 OPTIONS = FsOptions(commit_interval_s=0.02, checkpoint_journal_bytes=16 << 10)
 STEPS = 25
 
-Version = bytes | None
-
-
-@dataclass
-class Paths:
-    """Per path: the versions it went through; index of the last acknowledged one."""
-
-    versions: dict[str, list[Version]] = field(default_factory=dict)
-    acked: dict[str, int] = field(default_factory=dict)
-
-    def expect(self, path: str, v: Version) -> None:
-        hist = self.versions.setdefault(path, [None])
-        self.acked.setdefault(path, 0)
-        if hist[-1] != v:
-            hist.append(v)
+class Paths(Tracker):
+    """test_crash's Tracker (versions of each path, the last acknowledged one),
+    for workers that race: `mark` a version before a change others may follow
+    with their own, `ack_version` it once the change is durable, and
+    `problems` reports instead of asserting, letting a path that was not
+    fsync'ed hold any subset of its newest writes."""
 
     def mark(self, path: str) -> int:
         return len(self.versions[path]) - 1
 
-    def ack(self, path: str, upto: int | None = None) -> None:
-        upto = self.mark(path) if upto is None else upto
+    def ack_version(self, path: str, upto: int) -> None:
         self.acked[path] = max(self.acked[path], upto)
 
-    def check(self, files: dict[str, bytes]) -> list[str]:
-        bad = []
-        for path in files:
-            if path not in self.versions:
-                bad.append(f"{path} exists but was never created")
+    def problems(self, files: dict[str, bytes]) -> list[str]:
+        bad = [f"{path} exists but was never created" for path in files
+               if path not in self.versions]
         for path, hist in self.versions.items():
             actual = files.get(path)
             allowed = hist[self.acked[path]:]
@@ -99,31 +89,6 @@ def _subset(actual: bytes, v: bytes) -> bool:
     if len(actual) > len(v):
         return False
     return all(a == b or a == 0 for a, b in zip(actual, v, strict=False))
-
-
-def _show(v: Version) -> str:
-    return "absent" if v is None else f"<{len(v)} bytes {v[:6].hex()}>"
-
-
-class Stopped(Exception):
-    """The power went out: a worker stops."""
-
-
-async def _write(fs: ZoneFS, parent: int, name: bytes, data: bytes, *, fsync: bool,
-                 chunk: int) -> None:
-    try:
-        ino = (await lookup(fs, parent, name)).ino
-        fh = await fs.open(ino, os.O_WRONLY | os.O_TRUNC)
-    except errors.NotFound:
-        fh, attr = await fs.create(parent, name, 0o644, os.O_WRONLY, CTX)
-        fs.forget([(attr.ino, 1)])
-    try:
-        for off in range(0, len(data), chunk):
-            await fs.write(fh, off, data[off:off + chunk])
-        if fsync:
-            await fs.fsync(fh, False)
-    finally:
-        await fs.release(fh)
 
 
 async def _fsyncdir(fs: ZoneFS, ino: int) -> None:
@@ -145,22 +110,22 @@ async def ckpt_worker(fs: ZoneFS, t: Paths, rng: random.Random, d: int) -> None:
         tmp, dst = "/ckpt/" + name + ".tmp", "/ckpt/" + name
         t.expect(tmp, b"")
         t.expect(tmp, data)
-        await _write(fs, d, (name + ".tmp").encode(), data, fsync=True, chunk=128 << 10)
+        await write_file(fs, tmp, data, fsync=True, chunk=128 << 10)
         t.ack(tmp)
         t.expect(dst, data)
         t.expect(tmp, None)
         m_dst, m_tmp = t.mark(dst), t.mark(tmp)
         await fs.rename(d, (name + ".tmp").encode(), d, name.encode(), RenameFlags.NONE)
         await _fsyncdir(fs, d)
-        t.ack(dst, m_dst)
-        t.ack(tmp, m_tmp)
+        t.ack_version(dst, m_dst)
+        t.ack_version(tmp, m_tmp)
         old = f"step_{step - 2}.pt"
         if f"/ckpt/{old}" in t.versions and t.versions[f"/ckpt/{old}"][-1] is not None:
             t.expect(f"/ckpt/{old}", None)
             m = t.mark(f"/ckpt/{old}")
             await fs.unlink(d, old.encode())
             await _fsyncdir(fs, d)
-            t.ack(f"/ckpt/{old}", m)
+            t.ack_version(f"/ckpt/{old}", m)
 
 
 async def data_worker(fs: ZoneFS, t: Paths, rng: random.Random, d: int) -> None:
@@ -174,16 +139,16 @@ async def data_worker(fs: ZoneFS, t: Paths, rng: random.Random, d: int) -> None:
             await fs.unlink(d, name.encode())
             if rng.random() < 0.5:
                 await _fsyncdir(fs, d)
-                t.ack(path, m)
+                t.ack_version(path, m)
             continue
         data = rng.randbytes(rng.randrange(1, 12) * (32 << 10) + rng.randrange(4096))
         t.expect(path, b"")
         t.expect(path, data)
         m = t.mark(path)
         sync = rng.random() < 0.8
-        await _write(fs, d, name.encode(), data, fsync=sync, chunk=64 << 10)
+        await write_file(fs, path, data, fsync=sync, chunk=64 << 10)
         if sync:
-            t.ack(path, m)
+            t.ack_version(path, m)
 
 
 async def log_worker(fs: ZoneFS, t: Paths, rng: random.Random, d: int) -> None:
@@ -207,7 +172,7 @@ async def log_worker(fs: ZoneFS, t: Paths, rng: random.Random, d: int) -> None:
             if rng.random() < 0.3:
                 m = t.mark(path)
                 await fs.fsync(fh, False)
-                t.ack(path, m)
+                t.ack_version(path, m)
     finally:
         await fs.release(fh)
 
@@ -226,16 +191,16 @@ async def churn_worker(fs: ZoneFS, t: Paths, rng: random.Random, d: int) -> None
             t.expect(path, data)
             m = t.mark(path)
             sync = rng.random() < 0.5
-            await _write(fs, d, name.encode(), data, fsync=sync, chunk=8192)
+            await write_file(fs, path, data, fsync=sync, chunk=8192)
             if sync:
-                t.ack(path, m)
+                t.ack_version(path, m)
         elif r < 0.6:
             t.expect(path, None)
             m = t.mark(path)
             await fs.unlink(d, name.encode())
             if rng.random() < 0.3:
                 await _fsyncdir(fs, d)
-                t.ack(path, m)
+                t.ack_version(path, m)
         elif r < 0.8:
             other = rng.choice(names)
             if other == name:
@@ -247,7 +212,7 @@ async def churn_worker(fs: ZoneFS, t: Paths, rng: random.Random, d: int) -> None
             await fs.rename(d, name.encode(), d, other.encode(), RenameFlags.NONE)
             if rng.random() < 0.3:
                 await _fsyncdir(fs, d)
-                t.ack(path, m)  # dst's content is durable only if it was fsync'ed
+                t.ack_version(path, m)  # dst's content is durable only if it was fsync'ed
         else:
             size = rng.randrange(0, 2 * len(cur) + 1)
             new = cur[:size] + bytes(max(0, size - len(cur)))
@@ -261,7 +226,7 @@ async def churn_worker(fs: ZoneFS, t: Paths, rng: random.Random, d: int) -> None
                     await fs.fsync(fh, False)
                 finally:
                     await fs.release(fh)
-                t.ack(path, m)
+                t.ack_version(path, m)
 
 
 WORKERS: dict[str, Worker] = {"ckpt": ckpt_worker, "data": data_worker,
@@ -340,7 +305,7 @@ async def verify(image: Path, t: Paths) -> list[str]:
     try:
         fs = await ZoneFS.load(dev, FsOptions(commit_interval_s=3600.0))
         files, _dirs = await read_tree(fs)
-        bad = t.check(files)
+        bad = t.problems(files)
         await fs.close()
     finally:
         dev.close()

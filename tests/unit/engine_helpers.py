@@ -215,8 +215,10 @@ async def parent_and_name(fs: ZoneFS, path: str) -> tuple[int, bytes]:
     return await resolve(fs, head or "/"), name.encode()
 
 
-async def write_file(fs: ZoneFS, path: str, data: bytes, *, fsync: bool = True) -> Attr:
-    """Create or truncate `path`, write `data`, optionally fsync, release."""
+async def write_file(fs: ZoneFS, path: str, data: bytes, *, fsync: bool = True,
+                     chunk: int = 0) -> Attr:
+    """Create or truncate `path`, write `data` (in writes of `chunk` bytes, or
+    one), optionally fsync, release."""
     parent, name = await parent_and_name(fs, path)
     try:
         ino = (await lookup(fs, parent, name)).ino
@@ -225,8 +227,9 @@ async def write_file(fs: ZoneFS, path: str, data: bytes, *, fsync: bool = True) 
         fh, attr = await fs.create(parent, name, 0o644, os.O_WRONLY, CTX)
         fs.forget([(attr.ino, 1)])
     try:
-        if data:
-            await fs.write(fh, 0, data)
+        step = chunk or len(data)
+        for off in range(0, len(data), step or 1):
+            await fs.write(fh, off, data[off:off + step])
         if fsync:
             await fs.fsync(fh, False)
         return await fs.getattr(fs.files[fh])
