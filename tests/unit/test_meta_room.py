@@ -18,7 +18,8 @@ from zonefs_py import errors
 from zonefs_py.fs.api import ROOT_INO
 from zonefs_py.fs.filesystem import ZoneFS
 
-#: 4 meta zones of 128 KiB: checkpoints of at most ~115 KiB, a few hundred files.
+#: 4 meta zones of 128 KiB: checkpoints of at most ~115 KiB on the device, a few
+#: thousand files (records are compressed).
 GEO = Geometry(size_bytes=16 * MiB, zone_size_bytes=128 * KiB, meta_zones=4)
 
 
@@ -66,11 +67,11 @@ async def test_creates_get_enospc_and_the_mount_stays_writable(tmp_path: Path,
     async with mounted(image, geo=GEO) as fs:
         d_ino = fs.state.inodes[ROOT_INO].entries[b"d"]  # type: ignore[index]
         late = 0
-        while late < 1000:
+        while late < 10_000:
             try:
                 await fs.mknod(d_ino, b"late-%04d" % late, 0o100644, 0, CTX)
             except errors.NoSpace:
                 break
             late += 1
-        assert late < 1000
+        assert late < 10_000
         assert fs.failsafe is None

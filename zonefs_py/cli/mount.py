@@ -39,7 +39,7 @@ OPTIONS_HELP = textwrap.dedent("""\
               subtype=NAME (default: zonefs-py), noatime/relatime/..., nodev, nosuid, noexec;
               default_permissions is always on (the kernel checks modes).
       engine: commit=S (journal commit interval, default 5),
-              checkpoint_mb=N (journal MiB between checkpoints, default 64),
+              checkpoint_mb=N (journal MiB between checkpoints at least, default 64),
               io_threads=N (device calls in flight, default 16),
               cleaner_rate=MB/s (0 disables background cleaning, default 64),
               cleaner_policy=cost-benefit|greedy,

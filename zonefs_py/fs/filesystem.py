@@ -96,6 +96,11 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         self.meta_limiter = trio.CapacityLimiter(2)
         self.journal = Journal(dev, rec.log, rec.sbstore, rec.sb, self.state, self.meta_limiter)
         self.journal.journal_limit = options.checkpoint_journal_bytes
+        # The checkpoint loaded sets the checkpoint trigger, the meta-zone
+        # reserve and the bound on files until this mount writes one.
+        self.journal.last_checkpoint_bytes = rec.checkpoint_bytes
+        self.journal.last_checkpoint_disk_bytes = rec.checkpoint_disk_bytes
+        self.journal.checkpoint_sample = (rec.checkpoint_disk_bytes, len(rec.state.inodes))
         self.alloc = Allocator(dev.info, rec.sb, self.state, dev.report_zones())
         self.alloc.current_txn = lambda: self.journal.added_txn  # type: ignore[method-assign]
         self.state.on_zone_emptied = self.alloc.zone_emptied
@@ -146,7 +151,6 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         rec = await trio.to_thread.run_sync(functools.partial(recover, dev, progress=progress))
         refuse_non_tree(rec.state, dev.info.path)
         fs = cls(dev, rec, options)
-        fs.journal.checkpoint_sample = (rec.checkpoint_bytes, len(rec.state.inodes))
         log.info("recovered %s: %d records, %d ops in %.2f s (torn tail: %s)", dev.info.path,
                  rec.records, rec.ops, rec.seconds, rec.scan.torn_tail)
         if not options.read_only:
@@ -200,7 +204,8 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         self._wake.set()
 
     async def close(self) -> None:
-        """Clean unmount: write buffers, commit, checkpoint, flush, release the device."""
+        """Clean unmount: write buffers, commit, checkpoint (unless the newest one
+        holds everything already), flush, release the device."""
         if self._closed:
             return
         self._closed = True
@@ -234,14 +239,39 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
                           if i.nlink == 0 and i.ino != ROOT_INO]:
                 inode.lookups = inode.opens = 0
                 self._free_if_unused(inode)
-            self._record_counters()
-            await self.journal.commit()
-            await self.journal.checkpoint()
+            if self._checkpoint_holds_everything():
+                log.info("unmount: nothing changed since the checkpoint loaded at mount; "
+                         "no checkpoint written")
+            else:
+                self._record_counters()
+                await self.journal.commit()
+                await self.journal.checkpoint()
             await self.reclaim.reset_dead_zones()
             await trio.to_thread.run_sync(self.dev.flush)
         except (errors.ZoneFSError, OSError) as exc:
             log.error("unmount could not write everything: %s", exc)
             raise
+
+    def _checkpoint_holds_everything(self) -> bool:
+        """True when the checkpoint the superblock points at is the whole State,
+        and a clean unmount may skip its own (DESIGN.md 4.5; at a million files
+        that is seconds, for a mount that only read).
+
+        It is when the log held nothing after that checkpoint at mount (no
+        journal record to replay, no torn tail, no torn checkpoint, nothing
+        salvaged), this mount wrote nothing to the log or the superblock (a
+        mount that converted the format, completed a checkpoint, marked a torn
+        one or freed orphans did; so did every commit, whose counters the
+        checkpoint would then have to hold), and nothing is queued. The device
+        then holds what the checkpoint would write, and the next mount replays
+        the same empty tail. Call after the buffers are flushed.
+        """
+        rec, j = self.recovered, self.journal
+        found_clean = (rec.journal_bytes == 0 and not rec.scan.torn_tail
+                       and rec.torn_checkpoint is None and rec.salvaged is None)
+        wrote_nothing = j.log.bytes_written == 0 and j.sbstore.bytes_written == 0
+        return (found_clean and wrote_nothing and j.pending_bytes == 0 and not j.data_dirty
+                and not self.quota.dirty_tenants and j.broken is None)
 
     def enter_failsafe(self, reason: str) -> None:
         """Refuse every later change (EROFS) until remount; keep serving reads."""

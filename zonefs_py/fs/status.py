@@ -147,7 +147,7 @@ def build_status(fs: StatusSource) -> dict[str, object]:
                     "pending_bytes": fs.journal.pending_bytes,
                     "bytes_since_checkpoint": fs.journal.journal_bytes_since_checkpoint,
                     "durable_txn": fs.journal.durable_txn, "added_txn": fs.journal.added_txn,
-                    "meta_zones_free": len(fs.journal.log.free_zones()),
+                    "meta_zones_free": fs.journal.log.free_zone_count(),
                     "meta_zones": fs.sb.meta_zone_count,
                     "broken": fs.journal.broken},
         "latency": {"read": fs.read_latency.summary(), "write": fs.write_latency.summary()},

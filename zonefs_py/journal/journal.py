@@ -47,6 +47,7 @@ import trio
 from zonefs_py.device.base import ZonedDevice
 from zonefs_py.format.constants import RECORD_HEADER_SIZE, OpType, RecordType
 from zonefs_py.format.ops import Op, encode_op
+from zonefs_py.format.records import padded_size
 from zonefs_py.format.superblock import Superblock
 from zonefs_py.journal.log import LogFull, LogPosition, MetaLog
 from zonefs_py.journal.sbstore import SuperblockStore
@@ -66,6 +67,27 @@ NOMINAL_CHECKPOINT_BYTES_PER_INODE = 256
 #: Inodes a checkpoint must hold for its bytes per inode to be used instead
 #: (mkfs's holds only the root: 93 bytes, below what a file costs).
 SAMPLE_MIN_INODES = 64
+#: Inodes to come are estimated at this many times (num / den) the device bytes
+#: per inode of the newest checkpoint (records are compressed, format 3), plus
+#: their metadata-only payloads, uncompressed (`_NEW_INODE_CONTENT`).
+GROWTH_MARGIN = (5, 4)
+#: Ops whose bytes count, uncompressed, toward the estimate of the next
+#: checkpoint when they concern an inode made since the newest checkpoint's
+#: snapshot: the payloads only metadata holds (inline bytes, targets, xattrs,
+#: drain records, long names). A namespace of small files that compress well
+#: can be followed by files whose payloads do not compress at all, and the
+#: bytes per inode measured are then many times too low: the meta area ran
+#: out in a test (5,000 empty files, then files of 500 random inline bytes, 4
+#: meta zones), and random 255-byte names after short ones made a checkpoint
+#: of 200 KiB where 128 KiB can rotate. A DIRENT_ADD counts only beyond
+#: DIRENT_ALLOWANCE_BYTES: shorter names are left to the bytes per inode (one
+#: such op per file would otherwise count twice, and `df -i` fall by two or
+#: three per file between checkpoints). Extents are left out: their checksums
+#: grow with the data stored, 4 bytes per 4 KiB block, far below the 3% of the
+#: device the meta area gets. Value: where the op's subject inode sits.
+_NEW_INODE_CONTENT = {OpType.INLINE: 1, OpType.SYMLINK: 1, OpType.XATTR_SET: 1,
+                      OpType.DRAIN: 1, OpType.DIRENT_ADD: 2}
+DIRENT_ALLOWANCE_BYTES = 64
 #: Inodes a checkpoint encodes in one slice (~0.75 ms at ~3 us each). While
 #: an fsync or commit is in flight (`Journal.urgent`), the encoder pauses
 #: CHECKPOINT_SLICE_PAUSE_S after each slice (and after each ~1 MiB payload
@@ -113,11 +135,26 @@ class Journal:
         #: Set by the engine while its background task runs: a commit that finds a
         #: checkpoint due asks for one there instead of writing it itself.
         self.request_checkpoint: Callable[[], None] | None = None
+        #: JOURNAL payload bytes (as encoded, before compression) written since
+        #: the newest checkpoint's BEGIN, by this mount.
         self.journal_bytes_since_checkpoint = 0
+        #: Payload bytes (before compression) of the newest checkpoint written.
         self.last_checkpoint_bytes = 0
-        #: (bytes, inodes) of the newest checkpoint written (or loaded at mount, set
-        #: by the engine): what `estimated_checkpoint_bytes` scales from.
+        #: What the newest checkpoint (written, or loaded at mount: set by the
+        #: engine) took of the meta area: its records as stored, compressed, with
+        #: the zone header and the tails of the zones it filled. The unit of
+        #: everything that counts meta zones (`_meta_short`, the checkpoint
+        #: trigger, `estimated_checkpoint_bytes`).
+        self.last_checkpoint_disk_bytes = 0
+        #: (device bytes, inodes) of the newest checkpoint written (or loaded at
+        #: mount, set by the engine): what `estimated_checkpoint_bytes` scales from.
         self.checkpoint_sample: tuple[int, int] = (0, 0)
+        #: Bytes of `_NEW_INODE_CONTENT` ops added for inodes numbered from
+        #: `_new_ino_floor` on (the next inode number at the newest snapshot), and
+        #: their count when the newest checkpoint's snapshot was taken.
+        self._new_content_bytes = 0
+        self._new_content_base = 0
+        self._new_ino_floor = state.next_ino
         self.checkpoints_written = 0
         self.commits = 0
         #: Commits written while a checkpoint was being written (inside it).
@@ -126,7 +163,8 @@ class Journal:
         #: Set when a device error left the journal unable to make progress.
         self.broken: str | None = None
         self.on_durable: list[Callable[[int], None]] = []
-        #: Journal bytes after which a commit becomes a checkpoint (mount option).
+        #: Journal bytes after which a commit becomes a checkpoint (mount option),
+        #: at least: see `checkpoint_needed`.
         self.journal_limit = 64 << 20
 
     # -- adding ------------------------------------------------------------------
@@ -141,6 +179,12 @@ class Journal:
         kept, times_only = self._kept_attrs, self._times_only
         for k, op in enumerate(ops):
             kind = op[0]
+            where_ino = _NEW_INODE_CONTENT.get(kind)
+            if where_ino is not None and op[where_ino] >= self._new_ino_floor:
+                extra = len(encoded[k])
+                if kind == OpType.DIRENT_ADD:
+                    extra -= DIRENT_ALLOWANCE_BYTES
+                self._new_content_bytes += max(0, extra)
             if kind == OpType.INODE:
                 ino = op[1]
                 where = times_only.pop(ino, None)
@@ -279,7 +323,7 @@ class Journal:
                 await self._run(self.dev.flush)
             self._set_durable(upto)
             return
-        records = [(RecordType.JOURNAL, p) for p in _pack(batch)]
+        records = [(RecordType.JOURNAL, p) for p in _pack(batch, self._payload_target())]
         flush_first = self.data_dirty
         self.data_dirty = False
         try:
@@ -310,8 +354,18 @@ class Journal:
 
     # -- checkpoint -----------------------------------------------------------------
     def checkpoint_needed(self, journal_limit: int) -> bool:
-        """True when the journal grew past the limit or meta zones run short."""
-        if self.journal_bytes_since_checkpoint >= journal_limit:
+        """True when the journal grew past the limit or meta zones run short.
+
+        The limit is `journal_limit` or the size of the newest checkpoint on the
+        device, whichever is larger: a checkpoint then costs at most about as
+        many bytes as the journal written since the one before, so metadata
+        writes stay within ~2x the journal however large the namespace (with a
+        fixed limit they grew with the square of the bytes stored). Meta zones
+        running short (`_meta_short`) still ask for one earlier. Memory only:
+        called on the trio thread.
+        """
+        limit = max(journal_limit, self.last_checkpoint_disk_bytes)
+        if self.journal_bytes_since_checkpoint >= limit:
             return True
         return self._meta_short() and self.journal_bytes_since_checkpoint > 0
 
@@ -321,18 +375,22 @@ class Journal:
         that tore it (which writes a CHECKPOINT_ABORT and its own checkpoint,
         each maybe in a fresh zone): such a commit waits for the running
         checkpoint, or writes one first."""
-        if len(self.log.free_zones()) > 2:
+        if self.log.free_zone_count() > 2:
             return False
         n = self._pending_bytes
-        overhead = (n // RECORD_PAYLOAD_TARGET + 1) * (RECORD_HEADER_SIZE + self.log.block_size)
+        overhead = (n // self._payload_target() + 1) * (RECORD_HEADER_SIZE + self.log.block_size)
         return n + overhead > self.log.room_in_current_zone()
 
     def _meta_short(self) -> bool:
-        cap = self.dev.info.zone_size_bytes
-        # +3: the next checkpoint, room for the journal meanwhile, and one zone kept
-        # spare so that a mount after a crash that tore this checkpoint can write its own.
-        needed = (self.last_checkpoint_bytes * 2) // max(cap, 1) + 3
-        return len(self.log.free_zones()) < needed
+        cap = self.log.zone_capacity_bytes
+        # Twice the newest checkpoint as stored: the next one, grown by what the
+        # journal meanwhile added (since `checkpoint_needed` lets the journal
+        # reach the checkpoint's own size, it may be up to twice as large); +3:
+        # its fresh first zone, room for the journal meanwhile, and one zone kept
+        # spare so that a mount after a crash that tore this checkpoint can
+        # write its own.
+        needed = (self.last_checkpoint_disk_bytes * 2) // max(cap, 1) + 3
+        return self.log.free_zone_count() < needed
 
     # -- how many files the meta area holds -----------------------------------------
     def checkpoint_budget_bytes(self) -> int:
@@ -341,35 +399,46 @@ class Journal:
         A checkpoint starts in a fresh meta zone and the previous one stays until
         it is complete; one more zone holds the journal meanwhile, and one is
         kept for a mount after a crash that tore a checkpoint (`checkpoint_needed`).
-        So two checkpoints and two zones must fit: ceil(C / zone) <= (M - 2) / 2.
-        Past that, checkpoints run back to back and then the log runs out of
-        empty zones (LogFull: the mount turns read-only). Admission
-        (`NamespaceOps._check_meta_room`) stops namespace growth at 80% of it,
-        as the estimate it compares is not exact.
+        So two checkpoints and two zones must fit: ceil(C / zone) <= (M - 2) / 2,
+        C in device bytes (`last_checkpoint_disk_bytes`). Past that, checkpoints
+        run back to back and then the log runs out of empty zones (LogFull: the
+        mount turns read-only). Admission (`NamespaceOps._check_meta_room`)
+        stops namespace growth at 80% of it, as the estimate it compares
+        (`estimated_checkpoint_bytes`) is not exact.
         """
-        cap = self.dev.info.zone_size_bytes
+        cap = self.log.zone_capacity_bytes
         return max(1, (len(self.log.zones) - 2) // 2) * cap * 4 // 5
 
     def estimated_checkpoint_bytes(self, inodes: int) -> int:
-        """The size of a checkpoint of a namespace of `inodes` inodes: the newest
-        checkpoint's size plus its bytes per inode for each inode since
-        (NOMINAL_CHECKPOINT_BYTES_PER_INODE while it held fewer than
-        SAMPLE_MIN_INODES). An estimate: extents and
-        inline bytes grow without new inodes (too low lets growth run into the
-        old read-only failure), and the first checkpoint holds little more than
-        the root (too high: the caller checkpoints to measure before refusing).
+        """The device bytes of a checkpoint of a namespace of `inodes` inodes: the
+        newest checkpoint's, plus for each inode since its device bytes per
+        inode with GROWTH_MARGIN (NOMINAL_CHECKPOINT_BYTES_PER_INODE, an
+        uncompressed figure, while it held fewer than SAMPLE_MIN_INODES), plus
+        the payloads of the new inodes that only metadata holds, uncompressed
+        (`_NEW_INODE_CONTENT`). Device bytes, as the budget: records are
+        compressed, and inflated sizes made creates fail at a sixth of what
+        the meta area holds. An estimate: extents and inline bytes of older
+        inodes grow without new inodes (too low lets growth run into the old
+        read-only failure); the first checkpoint holds little more than the
+        root (too high: the caller checkpoints to measure before refusing).
         """
         c, n = self.checkpoint_sample
-        return c + max(0, inodes - n) * self._checkpoint_bytes_per_inode()
+        return (c + max(0, inodes - n) * self._checkpoint_bytes_per_inode()
+                + self._new_content_bytes - self._new_content_base)
 
     def inodes_room(self, inodes: int) -> int:
-        """How many more inodes the estimate lets a namespace of `inodes` add."""
+        """How many more inodes the estimate lets a namespace of `inodes` add
+        (each at the bytes per inode measured, with GROWTH_MARGIN: what `df -i`
+        shows)."""
         spare = self.checkpoint_budget_bytes() - self.estimated_checkpoint_bytes(inodes)
         return max(0, spare // self._checkpoint_bytes_per_inode())
 
     def _checkpoint_bytes_per_inode(self) -> int:
         c, n = self.checkpoint_sample
-        return max(1, c // n if n >= SAMPLE_MIN_INODES else NOMINAL_CHECKPOINT_BYTES_PER_INODE)
+        if n < SAMPLE_MIN_INODES:
+            return NOMINAL_CHECKPOINT_BYTES_PER_INODE
+        num, den = GROWTH_MARGIN
+        return max(1, -(-c * num // (n * den)))
 
     async def checkpoint(self) -> None:
         """Write a checkpoint of the State and point the superblock at it.
@@ -407,11 +476,15 @@ class Journal:
             self.data_dirty = False
             snap = Snapshot(self.state, encode_op)
             snap_inodes = len(self.state.inodes)
+            snap_content = self._new_content_bytes
+            self._new_ino_floor = self.state.next_ino
             # The batch goes out as a journal record *before* BEGIN: should this
             # checkpoint be torn, recovery replays the older state through it and
             # then the commits written inside the checkpoint, which follow it.
-            journal = [(RecordType.JOURNAL, p) for p in _pack(batch)]
+            journal = [(RecordType.JOURNAL, p) for p in _pack(batch, self._payload_target())]
             begin = [(RecordType.CHECKPOINT_BEGIN, struct.pack("<QQ", upto, time.time_ns()))]
+            # BEGIN starts a fresh zone: its header and BEGIN are the checkpoint's.
+            disk = self.log.block_size + padded_size(len(begin[0][1]), self.log.block_size)
             try:
                 positions = await self._run(self._write_begin, journal, begin, flush_first)
             except (OSError, LogFull) as exc:
@@ -444,23 +517,25 @@ class Journal:
                 count = total = 0
                 group: list[bytes] = []
                 group_bytes = 0
-                for payload in _pack_iter(snap.encoded_ops()):
+                for payload in _pack_iter(snap.encoded_ops(), self._payload_target()):
                     count += 1
                     total += len(payload)
                     group.append(payload)
                     group_bytes += len(payload)
                     if group_bytes >= CHECKPOINT_WRITE_BYTES:
-                        await self._append_data(group)
+                        disk += await self._append_data(group)
                         group, group_bytes = [], 0
                     else:
                         await self._between_slices()
                 if group:
-                    await self._append_data(group)
+                    disk += await self._append_data(group)
                 end = CHECKPOINT_END.pack(count, total)
                 async with self._write_lock:
                     self._check_broken()
+                    before = self.log.bytes_consumed
                     await self._run(self._write_records, [(RecordType.CHECKPOINT_END, end)],
                                     False)
+                    disk += self.log.bytes_consumed - before
                 sb = self.sb.with_checkpoint(first.zone, first.offset, first.seq)
                 await self._run(self.sbstore.write, sb)
                 self.sb = sb
@@ -470,20 +545,31 @@ class Journal:
             except (OSError, LogFull) as exc:
                 self._failed("checkpoint write", exc)
         self.last_checkpoint_bytes = total
-        self.checkpoint_sample = (total, snap_inodes)
+        self.last_checkpoint_disk_bytes = disk
+        self.checkpoint_sample = (disk, snap_inodes)
+        self._new_content_base = snap_content
         # Commits written inside the checkpoint are replayed after it.
         self.journal_bytes_since_checkpoint = max(
             0, self.journal_bytes_since_checkpoint - journal_before)
         self.checkpoints_written += 1
-        log.info("checkpoint written: %d bytes in %d records, %d meta zones reset",
-                 total, count + 2, len(obsolete))
+        log.info("checkpoint written: %d bytes (%d on the device) in %d records, "
+                 "%d meta zones reset", total, disk, count + 2, len(obsolete))
 
-    async def _append_data(self, payloads: list[bytes]) -> None:
-        """Append CHECKPOINT_DATA records (not flushed), holding the log."""
+    async def _append_data(self, payloads: list[bytes]) -> int:
+        """Append CHECKPOINT_DATA records (not flushed), holding the log; return
+        the meta-area bytes they took (`MetaLog.bytes_consumed`: nothing else
+        appends while the log is held)."""
         async with self._write_lock:
             self._check_broken()
+            before = self.log.bytes_consumed
             await self._run(self.log.append,
                             [(RecordType.CHECKPOINT_DATA, p) for p in payloads])
+            return self.log.bytes_consumed - before
+
+    def _payload_target(self) -> int:
+        """Record payload size to pack to: RECORD_PAYLOAD_TARGET, or less where a
+        meta zone is smaller (a record must fit in one, compressed or not)."""
+        return min(RECORD_PAYLOAD_TARGET, self.log.max_payload_bytes)
 
     async def abort_torn_checkpoint(self, begin_seq: int) -> None:
         """Mark the checkpoint whose BEGIN has `begin_seq`, torn by a crash, as
@@ -526,20 +612,22 @@ def _checkpoint_records(encoded_ops: list[bytes],
     return records
 
 
-def _pack(chunks: list[bytes]) -> list[bytes]:
-    """Group transaction/op byte strings into record payloads of about 1 MiB.
+def _pack(chunks: list[bytes], target: int | None = None) -> list[bytes]:
+    """Group transaction/op byte strings into record payloads of about `target`
+    bytes (RECORD_PAYLOAD_TARGET, 1 MiB, by default).
 
     A chunk is never split: one transaction is always inside one record.
     """
-    return list(_pack_iter(chunks))
+    return list(_pack_iter(chunks, target))
 
 
-def _pack_iter(chunks: list[bytes]) -> Iterator[bytes]:
+def _pack_iter(chunks: list[bytes], target: int | None = None) -> Iterator[bytes]:
     """The payloads of `_pack`, one at a time."""
+    limit = RECORD_PAYLOAD_TARGET if target is None else target
     cur: list[bytes] = []
     cur_len = 0
     for c in chunks:
-        if cur and cur_len + len(c) > RECORD_PAYLOAD_TARGET:
+        if cur and cur_len + len(c) > limit:
             yield b"".join(cur)
             cur, cur_len = [], 0
         cur.append(c)

@@ -16,6 +16,16 @@ log"):
   of the same chain exists in that zone, or a zone's header skips a number,
   the log is corrupt in the middle (`LogCorrupt`); otherwise an invalid record
   is a torn tail, normal after a power cut.
+
+Zone accounting without the device: `MetaLog` is the only writer of the meta
+zones (it starts, finishes and resets them), so it keeps which of them are
+EMPTY and how much room the zone it appends to has left, learnt from one zone
+report when it is built and at `scan`. `free_zones`, `free_zone_count` and
+`room_in_current_zone` read only that, so the journal may ask them on the trio
+thread (a zone report is an ioctl on a real device). The figures err on the
+safe side: a zone counts as EMPTY only once its reset returned, and stops
+counting before anything is appended to it; after a failed append the room
+left is taken as 0. Writes still check the device itself (worker threads).
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from zonefs_py.device.base import Zone, ZoneCond, ZonedDevice
-from zonefs_py.format.constants import RecordType
+from zonefs_py.format.constants import RECORD_HEADER_SIZE, RecordType
 from zonefs_py.format.records import (
     Record,
     RecordError,
@@ -84,29 +94,74 @@ class MetaLog:
         self.cur_zone: int | None = None
         self.zone_first_seq: dict[int, int] = {}
         self.bytes_written = 0
+        #: `bytes_written` plus the unused tail of every zone finished because a
+        #: record did not fit in it: what appends took of the meta area.
+        self.bytes_consumed = 0
         self._lock = threading.Lock()
+        #: Meta zones known EMPTY on the device (see the module docstring).
+        self._empty: set[int] = set()
+        #: Bytes the zone the log appends to can still take, as of our last write
+        #: to it (0 when unknown: a record would then be taken to need a new zone).
+        self._cur_room = 0
+        report = self.dev.report_zones(first_zone, zone_count)
+        self._learn_zones(report)
+        self._capacity = {z.index: z.capacity_bytes for z in report}
+        usable = [z.capacity_bytes for z in report
+                  if z.cond not in (ZoneCond.OFFLINE, ZoneCond.READONLY)]
+        #: What the smallest meta zone holds (capacity may be below the zone size):
+        #: the unit in which the journal counts meta zones.
+        self.zone_capacity_bytes = min(usable, default=dev.info.zone_size_bytes)
+        #: The largest JOURNAL / CHECKPOINT_DATA payload that fits in an empty meta
+        #: zone after its header, whether compression helps or not.
+        self.max_payload_bytes = max(
+            self.block_size, self.zone_capacity_bytes - self.block_size - RECORD_HEADER_SIZE)
+
+    def _learn_zones(self, report: list[Zone]) -> None:
+        """Take the meta zones' conditions (and the room of the current one) from a report."""
+        self._empty = {z.index for z in report if z.cond == ZoneCond.EMPTY}
+        cur = self.cur_zone
+        self._cur_room = next((z.remaining_bytes for z in report if z.index == cur), 0)
+
+    def capacity_bytes(self, zone: int) -> int:
+        """Bytes meta zone `zone` can hold (its capacity, as reported at open)."""
+        return self._capacity[zone]
 
     # -- writing ------------------------------------------------------------------
     def _zone(self, idx: int) -> Zone:
         return self.dev.report_zones(idx, 1)[0]
 
     def free_zones(self) -> list[int]:
-        """Meta zones that hold nothing (EMPTY)."""
-        used = set(self.zone_first_seq)
-        return [z.index for z in self.dev.report_zones(self.zones[0], len(self.zones))
-                if z.cond == ZoneCond.EMPTY and z.index not in used]
+        """Meta zones that hold nothing (EMPTY), in order. Memory only: safe on the
+        trio thread (membership tests only, as a worker thread may change the
+        sets meanwhile)."""
+        return [z for z in self.zones if z in self._empty and z not in self.zone_first_seq]
+
+    def free_zone_count(self) -> int:
+        """How many meta zones hold nothing (`free_zones`), from memory."""
+        return len(self.free_zones())
 
     def room_in_current_zone(self) -> int:
         """Bytes the zone the log appends to can still take (0 when a record
-        would start a new zone)."""
-        cur = self.cur_zone
-        return 0 if cur is None else self._zone(cur).remaining_bytes
+        would start a new zone). Memory only, as `free_zones`."""
+        return 0 if self.cur_zone is None else self._cur_room
 
     def _start_zone_locked(self) -> int:
-        free = self.free_zones()
-        if not free:
-            raise LogFull("no empty meta zone left for the metadata log")
-        zone = free[0]
+        try:
+            return self._start_zone_inner_locked()
+        except BaseException:
+            self._cur_room = 0  # whatever the device holds now: take the zone as full
+            raise
+
+    def _start_zone_inner_locked(self) -> int:
+        while True:
+            free = self.free_zones()
+            if not free:
+                raise LogFull("no empty meta zone left for the metadata log")
+            zone = self._zone(free[0])
+            if zone.cond == ZoneCond.EMPTY:
+                break
+            # Not what we knew (an OFFLINE zone): as the device says, not free.
+            self._empty.discard(zone.index)
         if self.cur_zone is not None:
             # What went to the zone we leave must be durable before the next one
             # gets anything: zones persist independently, and a power cut that
@@ -116,15 +171,19 @@ class MetaLog:
             cur = self._zone(self.cur_zone)
             if cur.cond not in (ZoneCond.FULL, ZoneCond.EMPTY):
                 self.dev.finish_zone(self.cur_zone)
-        payload = _ZONE_HEADER.pack(self.fs_uuid, zone)
+        payload = _ZONE_HEADER.pack(self.fs_uuid, zone.index)
         rec = encode_record(RecordType.ZONE_HEADER, self.next_seq, self.fs_id, payload,
                             self.block_size)
-        self.dev.append(zone, rec)
+        # Not EMPTY any more from the first byte sent, whether the append returns.
+        self._empty.discard(zone.index)
+        self.dev.append(zone.index, rec)
         self.bytes_written += len(rec)
-        self.zone_first_seq[zone] = self.next_seq
+        self.bytes_consumed += len(rec)
+        self.zone_first_seq[zone.index] = self.next_seq
         self.next_seq += 1
-        self.cur_zone = zone
-        return zone
+        self.cur_zone = zone.index
+        self._cur_room = zone.remaining_bytes - len(rec)
+        return zone.index
 
     def append(self, records: list[tuple[RecordType, bytes]], *,
                new_zone: bool = False) -> list[LogPosition]:
@@ -143,6 +202,7 @@ class MetaLog:
             pending_len = 0
             assert self.cur_zone is not None
             remaining = self._zone(self.cur_zone).remaining_bytes
+            self._cur_room = remaining
             for rtype, payload in records:
                 flags = 0
                 if rtype in _COMPRESSED:
@@ -152,6 +212,8 @@ class MetaLog:
                 if len(rec) > remaining - pending_len:
                     self._write_pending_locked(pending, positions)
                     pending, pending_len = [], 0
+                    # The zone's tail is given up: part of what this append takes.
+                    self.bytes_consumed += self._cur_room
                     self._start_zone_locked()
                     # The zone header took this sequence number: encode again.
                     rec = encode_record(rtype, self.next_seq, self.fs_id, payload,
@@ -171,8 +233,16 @@ class MetaLog:
             return
         data = b"".join(pending)
         assert self.cur_zone is not None
-        off = self.dev.append(self.cur_zone, data)
+        # What is left once it landed, from now on (the trio thread may ask while
+        # it is in flight); unknown after a failed append: as if the zone were full.
+        self._cur_room -= len(data)
+        try:
+            off = self.dev.append(self.cur_zone, data)
+        except BaseException:
+            self._cur_room = 0
+            raise
         self.bytes_written += len(data)
+        self.bytes_consumed += len(data)
         # Fill in the offsets of the records written by this call.
         todo = [p for p in positions if p.offset == -1]
         for p, rec in zip(todo, pending, strict=True):
@@ -187,10 +257,14 @@ class MetaLog:
                     continue
                 self.dev.reset_zone(z)
                 self.zone_first_seq.pop(z, None)
+                # Only now: a reset that raised leaves the zone counted as used.
+                self._empty.add(z)
 
     def zones_before(self, seq: int) -> list[int]:
         """Chain zones whose every record precedes `seq` (a checkpoint's first zone seq)."""
-        return [z for z, s in self.zone_first_seq.items() if s < seq and z != self.cur_zone]
+        # A copy first (atomic): a commit's worker thread may start a zone meanwhile.
+        first_seq = self.zone_first_seq.copy()
+        return [z for z, s in first_seq.items() if s < seq and z != self.cur_zone]
 
     # -- reading ------------------------------------------------------------------
     def _read_zone_header(self, zone: Zone) -> int | None:
@@ -261,6 +335,7 @@ class MetaLog:
                     else zone_idx
                 self.cur_zone = result.append_zone
                 self.next_seq = expect
+                self._learn_zones(list(report.values()))
                 break
             zone_idx = nxt
             pos = report[nxt].start_bytes

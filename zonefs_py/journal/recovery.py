@@ -39,7 +39,12 @@ class Recovered:
     records: int = 0
     ops: int = 0
     journal_bytes: int = 0
+    #: Payload bytes (inflated) of the newest complete checkpoint loaded.
     checkpoint_bytes: int = 0
+    #: What that checkpoint takes of the meta area: its records as stored, its
+    #: first zone's header, and the zones' tails it left unused (the unit of
+    #: `Journal.last_checkpoint_disk_bytes`).
+    checkpoint_disk_bytes: int = 0
     seconds: float = 0.0
     #: BEGIN of the newest complete checkpoint met in the log (may be newer than
     #: the superblock's, when a crash hit between the checkpoint and the SB write).
@@ -134,6 +139,9 @@ def _recover(dev: ZonedDevice, *, salvage: bool = False,
     #: written while it was written, applied after its END.
     inside: list[list[Op]] = []
     loaded_records = 0
+    #: (payload bytes, meta-area bytes) of the checkpoint being loaded, and where
+    #: its last record ended.
+    cp_bytes = cp_disk = cp_end = 0
     first = True
     total_bytes = 0
     if progress is not None:
@@ -157,6 +165,9 @@ def _recover(dev: ZonedDevice, *, salvage: bool = False,
                 inside = []
                 loaded_records = 0
                 begin = LogPosition(off // dev.info.zone_size_bytes, off, rec.seq)
+                cp_bytes = 0
+                cp_disk = sb.block_size + rec.size_bytes  # BEGIN starts a zone: + header
+                cp_end = off + rec.size_bytes
             elif rec.type == RecordType.CHECKPOINT_DATA:
                 if loading is None:
                     raise LogCorrupt(f"checkpoint data at {off} outside a checkpoint")
@@ -164,7 +175,9 @@ def _recover(dev: ZonedDevice, *, salvage: bool = False,
                 ops = decode_ops(body)
                 loading.apply_all(ops)
                 res.ops += len(ops)
-                res.checkpoint_bytes += len(body)
+                cp_bytes += len(body)
+                cp_disk += _zone_change_bytes(mlog, cp_end, off) + rec.size_bytes
+                cp_end = off + rec.size_bytes
                 loaded_records += 1
             elif rec.type == RecordType.CHECKPOINT_END:
                 if loading is None:
@@ -181,6 +194,9 @@ def _recover(dev: ZonedDevice, *, salvage: bool = False,
                 loading = None
                 inside = []
                 res.newest_checkpoint = begin
+                res.checkpoint_bytes = cp_bytes
+                res.checkpoint_disk_bytes = (cp_disk + _zone_change_bytes(mlog, cp_end, off)
+                                             + rec.size_bytes)
             elif rec.type == RecordType.JOURNAL:
                 body = record_body(rec.type, rec.flags, rec.payload)
                 ops = decode_ops(body)
@@ -193,6 +209,11 @@ def _recover(dev: ZonedDevice, *, salvage: bool = False,
                         state.apply_all(ops)
                 res.ops += len(ops)
                 res.journal_bytes += len(body)
+                if loading is not None:
+                    # (A commit inside the checkpoint: a zone change after it is
+                    # counted to the checkpoint, erring high.)
+                    cp_disk += _zone_change_bytes(mlog, cp_end, off)
+                    cp_end = off + rec.size_bytes
             elif rec.type == RecordType.CHECKPOINT_ABORT:
                 # Written by a mount after a crash tore this checkpoint: the journal
                 # records inside it were applied to `state` already.
@@ -228,6 +249,18 @@ def _recover(dev: ZonedDevice, *, salvage: bool = False,
     if progress is not None:
         progress(total_bytes, total_bytes)
     return res
+
+
+def _zone_change_bytes(mlog: MetaLog, prev_end: int, off: int) -> int:
+    """Meta-area bytes between a record ending at `prev_end` and the next, at
+    `off`: none in the same zone, else the tail of the zone left (unused up to
+    its capacity) and the new zone's header."""
+    zone_size = mlog.dev.info.zone_size_bytes
+    prev_zone = (prev_end - 1) // zone_size
+    if off // zone_size == prev_zone:
+        return 0
+    tail = prev_zone * zone_size + mlog.capacity_bytes(prev_zone) - prev_end
+    return max(0, tail) + mlog.block_size
 
 
 def _corruption(dev: ZonedDevice, exc: Exception) -> errors.CorruptionError:
