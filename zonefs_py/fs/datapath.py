@@ -65,6 +65,7 @@ from zonefs_py.device.base import ZonedDevice
 from zonefs_py.format.checksum import Data, block_checksums, first_bad_block
 from zonefs_py.format.constants import OpType, Stream
 from zonefs_py.format.ops import Op
+from zonefs_py.fs.append_order import AppendOrder
 from zonefs_py.fs.prefetch import Prefetcher
 from zonefs_py.fs.qos import ReadLatencyController
 from zonefs_py.journal.journal import Journal
@@ -164,6 +165,10 @@ class DataPath:
         state.on_data_changed = self.data_changed
         #: Sequential read-ahead (None: off; set by the engine, `prefetch_mb=`).
         self.prefetch: Prefetcher | None = None
+        #: Appends at the write pointer go to the device in reservation order (None
+        #: with zone append, where the device places them).
+        self.append_order: AppendOrder | None = (
+            None if dev.info.zone_append else AppendOrder())
         #: TEST HOOK: awaited by every chunk after its data is placed and before its
         #: ops are applied, so tests can make chunks land before, during or after
         #: another request (tests/unit/test_chunk_landing.py). None in production.
@@ -485,11 +490,14 @@ class DataPath:
             if zone_ops:
                 self.journal.add(zone_ops)
             piece = memoryview(data)[pos:pos + granted]
+            ticket = -1
             try:
                 for z in to_finish:
                     await trio.to_thread.run_sync(self.dev.finish_zone, z, limiter=self.limiter)
+                if self.append_order is not None:
+                    ticket = self.append_order.ticket(zone)
                 landed, csums = await trio.to_thread.run_sync(self._checksum_and_append,
-                                                              zone, piece,
+                                                              zone, piece, ticket,
                                                               limiter=self.limiter)
             except OSError as exc:
                 self.alloc.append_done(zone, ok=False)
@@ -500,6 +508,12 @@ class DataPath:
                     raise errors.IOFailure(
                         f"cannot write data of {self.path_of(inode.ino)}: {exc}") from exc
                 continue
+            finally:
+                if ticket >= 0:
+                    # A no-op when the worker marked it; else (the thread never ran,
+                    # or failed first) the next appends of the zone need not wait.
+                    assert self.append_order is not None
+                    self.append_order.done(zone, ticket)
             # One EXTENT op per slice, at the address the device returned for it
             # (zone append: slices land anywhere in the zone, in any order; DESIGN
             # "Zone append"). Only the first carries the zone's in-flight mark.
@@ -512,15 +526,26 @@ class DataPath:
             self._count(C_STREAM_BASE + stream, granted)
             pos += granted
 
-    def _checksum_and_append(self, zone: int,
-                             piece: memoryview) -> tuple[list[tuple[int, int]], bytes]:
+    def _checksum_and_append(self, zone: int, piece: memoryview,
+                             ticket: int) -> tuple[list[tuple[int, int]], bytes]:
         """Worker thread: checksum the blocks, then append them (one thread hop);
-        return [(device offset, bytes)] of consecutive slices, and the checksums."""
+        return [(device offset, bytes)] of consecutive slices, and the checksums.
+
+        With a `ticket` (>= 0) the append waits for the zone's earlier ones
+        (`fs/append_order.py`): a file's chunks then land in file order.
+        """
         csums = block_checksums(piece, self.bs)
-        scattered = getattr(self.dev, "append_scattered", None)
-        if scattered is not None:
-            return scattered(zone, piece), csums
-        return [(self.dev.append(zone, piece), piece.nbytes)], csums
+        order = self.append_order
+        if ticket >= 0 and order is not None:
+            order.wait(zone, ticket)
+        try:
+            scattered = getattr(self.dev, "append_scattered", None)
+            if scattered is not None:
+                return scattered(zone, piece), csums
+            return [(self.dev.append(zone, piece), piece.nbytes)], csums
+        finally:
+            if ticket >= 0 and order is not None:
+                order.done(zone, ticket)
 
     def _slices(self, landed: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
         """(device offset, first block, blocks) per slice, device-contiguous ones merged."""
