@@ -342,7 +342,7 @@ def repair_filesystem(dev: ZonedDevice) -> list[str]:
     * a log damaged in the middle: keep everything before the damage, drop the
       rest (said plainly: changes after the damage are lost);
     * orphans, dangling entries and wrong link counts (INV-11);
-    then write a fresh checkpoint and reset every other meta zone.
+    then write a fresh checkpoint and reset every meta zone it does not occupy.
     Data blocks with bad checksums are reported, never "fixed".
     """
     import trio
@@ -393,9 +393,19 @@ def repair_filesystem(dev: ZonedDevice) -> list[str]:
         fs._txn(ops)
         await fs._after_recovery()
         await fs.journal.checkpoint()
-        keep = fs.journal.log.cur_zone
-        others = [z for z in fs.journal.log.zones if z != keep]
-        await trio.to_thread.run_sync(fs.journal.log.reset_zones, others)
+        # Reset everything but the new checkpoint's zones (from the one holding
+        # its BEGIN on, and the one the log appends to): the damaged tail and
+        # any zone the salvage left out of the chain. Resetting all but the
+        # current zone reset the start of a checkpoint that spanned zones, and
+        # a crash before the checkpoint of `close` then left no mountable image.
+        mlog = fs.journal.log
+        first_seq = mlog.zone_first_seq.get(fs.journal.sb.checkpoint_zone, 0)
+        keep = {z for z, seq in mlog.zone_first_seq.items() if seq >= first_seq}
+        keep.add(fs.journal.sb.checkpoint_zone)
+        if mlog.cur_zone is not None:
+            keep.add(mlog.cur_zone)
+        others = [z for z in mlog.zones if z not in keep]
+        await trio.to_thread.run_sync(mlog.reset_zones, others)
         await fs.close()
 
     trio.run(run)

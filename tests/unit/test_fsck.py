@@ -242,3 +242,37 @@ async def test_link_count_damage_is_inv11_and_repaired(tmp_path: Path) -> None:
     fixed = await repair(image)
     assert any("link count 5 -> 1" in line for line in fixed)
     assert_fsck_clean(image)
+
+
+async def test_repair_keeps_every_zone_of_its_checkpoint_until_the_next(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Repair writes a checkpoint and resets the other meta zones. A checkpoint
+    that spans zones must keep all of them: resetting all but the zone the log
+    appends to reset its BEGIN, and a crash before the checkpoint of `close`
+    left an image that did not mount."""
+    from engine_helpers import Geometry
+
+    from zonefs_py.journal.journal import Journal
+
+    geo = Geometry(size_bytes=16 << 20, zone_size_bytes=64 << 10, meta_zones=24)
+    image = tmp_path / "fs.img"
+    async with mounted(image, geo=geo, create=True, fsck_after=False) as fs:
+        for i in range(700):  # random bytes: a checkpoint of several 64 KiB zones
+            await write_file(fs, f"/f{i:04d}", os.urandom(120))
+        fs._txn([(OpType.DIRENT_DEL, ROOT_INO, b"f0000")])  # an orphan to repair
+    real = Journal.checkpoint
+    calls = 0
+
+    async def first_only(self: Journal) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            await real(self)  # repair's own; the one of close is "lost to a crash"
+
+    monkeypatch.setattr(Journal, "checkpoint", first_only)
+    await repair(image)
+    monkeypatch.setattr(Journal, "checkpoint", real)
+    assert calls == 2
+    assert_fsck_clean(image)
+    async with mounted(image, geo=geo) as fs:
+        assert len(fs.state.inodes) == 700  # root + 699 files: the orphan is freed
