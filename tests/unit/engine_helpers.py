@@ -345,3 +345,18 @@ def corrupt_image(path: Path, dev_offset: int, *, xor: int = 0x01) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+async def create_files(fs: ZoneFS, parent: int, prefix: bytes, count: int,
+                       content: bytes = b"") -> int:
+    """Create up to `count` files holding `content`; stop at NoSpace; return how many."""
+    for n in range(count):
+        try:
+            fh, attr = await fs.create(parent, prefix + b"%06d" % n, 0o644, os.O_RDWR, CTX)
+        except errors.NoSpace:
+            return n
+        if content:
+            await fs.write(fh, 0, content)
+        await fs.release(fh)
+        fs.forget([(attr.ino, 1)])
+    return count

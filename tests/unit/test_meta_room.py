@@ -8,11 +8,10 @@ make the engine checkpoint back to back and then turn read-only (LogFull).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
-from engine_helpers import CTX, Geometry, KiB, MiB, mounted
+from engine_helpers import CTX, Geometry, KiB, MiB, create_files, mounted
 
 from zonefs_py import errors
 from zonefs_py.fs.api import ROOT_INO
@@ -25,18 +24,9 @@ GEO = Geometry(size_bytes=16 * MiB, zone_size_bytes=128 * KiB, meta_zones=4)
 
 async def fill(fs: ZoneFS, parent: int, prefix: bytes, inline: bytes) -> int:
     """Create files (with `inline` bytes each) until ENOSPC; return how many."""
-    n = 0
-    while True:
-        try:
-            fh, attr = await fs.create(parent, prefix + b"%06d" % n, 0o644, os.O_RDWR, CTX)
-        except errors.NoSpace:
-            return n
-        if inline:
-            await fs.write(fh, 0, inline)
-        await fs.release(fh)
-        fs.forget([(attr.ino, 1)])
-        n += 1
-        assert n < 100_000, "never refused"
+    n = await create_files(fs, parent, prefix, 100_000, inline)
+    assert n < 100_000, "never refused"
+    return n
 
 
 @pytest.mark.parametrize("inline", [b"", b"y" * 200])

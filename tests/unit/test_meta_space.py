@@ -7,7 +7,6 @@ and records that fit a meta zone whatever its size.
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 from collections import Counter
@@ -22,6 +21,7 @@ from engine_helpers import (
     Geometry,
     KiB,
     MiB,
+    create_files,
     mounted,
     new_image,
     pattern,
@@ -75,21 +75,6 @@ def assert_log_matches_device(mlog: MetaLog) -> None:
 async def commit_files(fs: ZoneFS, prefix: str, count: int, size: int = 300) -> None:
     for i in range(count):
         await write_file(fs, f"/{prefix}{i}", pattern(i, size), fsync=True)
-
-
-async def create_files(fs: ZoneFS, parent: int, prefix: bytes, count: int,
-                       content: bytes = b"") -> int:
-    """Create up to `count` files holding `content`; stop at NoSpace; return how many."""
-    for n in range(count):
-        try:
-            fh, attr = await fs.create(parent, prefix + b"%06d" % n, 0o644, os.O_RDWR, CTX)
-        except errors.NoSpace:
-            return n
-        if content:
-            await fs.write(fh, 0, content)
-        await fs.release(fh)
-        fs.forget([(attr.ino, 1)])
-    return count
 
 
 # -- 1. meta-zone accounting without the device --------------------------------------
