@@ -63,9 +63,10 @@ def register(subparsers: Any) -> None:
     create.add_argument("--max-active", type=int, default=0, help="0 = no limit (default)")
     create.add_argument("--block-size", type=parse_size, default=4096)
     create.add_argument("--discard-data", action="store_true",
-                        help="keep zone states and metadata zones but not the bytes of data "
-                             "zones (they read back as zeros); for benchmarks at sizes the "
-                             "backing disk cannot hold")
+                        help="keep zone states, metadata zones and non-zero blocks but do "
+                             "not store the all-zero blocks of data zones (they stay holes); "
+                             "for benchmarks writing zeros at sizes the backing disk cannot "
+                             "hold (needs a file system that can punch holes)")
     create.add_argument("--force", action="store_true", help="overwrite an existing file")
     create.set_defaults(func=cmd_create)
 

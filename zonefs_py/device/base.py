@@ -29,8 +29,9 @@ have landed: they are garbage below the write pointer.
 
 Optional extension, `declare_data_zones(first_zone)` (the emulator only):
 mkfs tells the device that zones from `first_zone` on hold file data; an
-emulator image created in data-discarding mode then stops storing the bytes
-written there (SPEC.md, "Emulator image"). Other devices lack it.
+emulator image created in data-discarding mode then stops storing the all-zero
+blocks written there, keeping every other block (SPEC.md, "Emulator image").
+Other devices lack it.
 
 Errors: misuse and device failures raise `OSError` carrying the errno the Linux
 kernel would return for the same request (EIO for a write off the write

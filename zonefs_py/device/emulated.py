@@ -37,10 +37,26 @@ under the zone lock (one in flight per zone), as null_blk behaves.
 
 Data-discarding mode (`create(..., discard_data=True)`, `emu create
 --discard-data`): after mkfs declared where its data zones start
-(`declare_data_zones`, recorded in the header), blocks written to those zones
-are not stored and read back as zeros (the image file stays sparse), while zone
-states, write pointers and the superblock/metadata zones behave as always. It
-lets a benchmark fill a multi-terabyte device with zeros on a small disk.
+(`declare_data_zones`, recorded in the header), the all-zero blocks written to
+those zones are not stored (their file ranges stay holes), while every block
+holding anything else is (contiguous runs of them with one pwrite each), so
+the filesystem's per-zone summary blocks read back exactly. Zone states, write
+pointers and the superblock/metadata zones behave as always. It lets a
+benchmark fill a multi-terabyte device with zeros on a small disk. Skipping a
+zero block is right only where the file already reads zeros, so:
+  * EMU-4: in a discarding zone, the file range from `_zeros_from[zone]` to the
+    zone end is holes. A write or append starting below that mark first
+    punches its zone's range from its start to the zone end (fallocate
+    PUNCH_HOLE); the mark is unknown (the zone size) after open, so stale
+    blocks of a generation the table forgot (power cut, torn flush, failed
+    write) never resurface under skipped zeros.
+  * reset punches the whole zone's range after the reset is durable (EMU-2),
+    so its stored blocks give their space back and a crash in between leaves
+    the zone reset (the next write punches again). The zone lock is held
+    throughout; reads of the zone already see zeros (its data end is 0).
+  * a file system that cannot punch holes fails `create(discard_data=True)`,
+    and a punch later, with OSError(EOPNOTSUPP); writing zeros instead would
+    allocate the very space the mode saves.
 
 Test hooks (not for user paths): `volatile_cache=True` with
 `simulate_power_cut()`, `faults` (`emu_faults.FaultInjector`) including
@@ -83,7 +99,14 @@ from zonefs_py.device.emu_format import (
     encode_table,
     pick_newest_table,
 )
-from zonefs_py.device.emu_io import Buffer, ImageIO, IOMode, open_image_io
+from zonefs_py.device.emu_io import (
+    Buffer,
+    ImageIO,
+    IOMode,
+    nonzero_runs,
+    open_image_io,
+    punch_hole,
+)
 from zonefs_py.device.emu_zones import ZoneStates
 from zonefs_py.errors import Busy, DeviceRefused
 
@@ -96,6 +119,24 @@ SCATTER_PIECE_BYTES = 128 << 10
 
 def _power_loss() -> OSError:
     return OSError(errno.EIO, "simulated power loss")
+
+
+def _punch_unsupported(path: str, exc: OSError) -> OSError:
+    return OSError(errno.EOPNOTSUPP,
+                   f"{path}: the image's file system cannot punch holes "
+                   f"(fallocate PUNCH_HOLE: {exc.strerror}), which the data-discarding "
+                   "mode needs; put the image on ext4, xfs, btrfs or tmpfs")
+
+
+def _probe_punch_hole(path: str, fd: int, geo: Geometry) -> None:
+    """Punch the last zone of a new (all-holes) image; unlink it and raise if impossible."""
+    try:
+        punch_hole(fd, geo.image_bytes - geo.zone_size_bytes, geo.zone_size_bytes)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
+            raise
+        os.unlink(path)
+        raise _punch_unsupported(path, exc) from None
 
 
 def probe_image(path: str | os.PathLike[str]) -> bool:
@@ -116,6 +157,9 @@ class EmulatedZonedDevice:
         """Wrap an opened, locked and validated image; use `open` or `create` instead."""
         self._path = path
         self._discard = discard or DataDiscard()
+        #: Per zone, relative offset from which its file range is holes (EMU-4);
+        #: guarded by the zone lock. Unknown (the zone size) until a punch.
+        self._zeros_from = [geo.zone_size_bytes] * geo.nr_zones
         self._io = io
         self._geo = geo
         self._read_only = read_only
@@ -155,12 +199,14 @@ class EmulatedZonedDevice:
         """Create a sparse image for the given geometry and open it for writing.
 
         `discard_data`: the data-discarding mode (`declare_data_zones`): data
-        zones keep their state but not their bytes, for benchmarks at sizes
-        the backing disk cannot hold.
+        zones keep their state and non-zero blocks but not their zeros, for
+        benchmarks at sizes the backing disk cannot hold.
 
         Raises ValueError for an impossible geometry (message is one line),
         FileExistsError if `path` exists and not `overwrite`, Busy if another
-        process has it open for writing, OSError from the file system.
+        process has it open for writing, OSError from the file system
+        (EOPNOTSUPP with `discard_data` where it cannot punch holes; the file
+        is removed then).
         """
         if zone_size_bytes <= 0 or size_bytes <= 0 or size_bytes % zone_size_bytes:
             raise ValueError(
@@ -184,6 +230,8 @@ class EmulatedZonedDevice:
                 raise Busy(f"{path}: image is open for writing by another process") from None
             os.ftruncate(fd, 0)
             os.ftruncate(fd, geo.image_bytes)
+            if discard_data:
+                _probe_punch_hole(path, fd, geo)
             os.pwrite(fd, encode_header(geo, DataDiscard(enabled=discard_data)), 0)
             os.pwrite(fd, encode_table(geo, 1, ZoneStates.fresh_entries(geo)), geo.table_offset)
             os.fsync(fd)
@@ -317,10 +365,10 @@ class EmulatedZonedDevice:
         """Record that zones from `first_zone` on hold file data (mkfs calls it).
 
         Only an image created with `discard_data` acts on it: from then on the
-        blocks written to those zones are not stored (the write pointer and
-        zone state move as usual; the blocks read back as zeros, as on
-        null_blk without `memory_backed`), while the zones before it -- the
-        superblock and metadata log -- keep their bytes. Persisted in the
+        all-zero blocks written to those zones are not stored (the write
+        pointer and zone state move as usual; they read back as zeros from
+        the holes) while other blocks are, and the zones before it -- the
+        superblock and metadata log -- keep every byte. Persisted in the
         header (fdatasync) before it returns; a no-op otherwise.
 
         Raises OSError: EINVAL for a zone out of range, EBADF when read-only.
@@ -461,17 +509,22 @@ class EmulatedZonedDevice:
     def _zone_append_write(self, zone_idx: int, data: Buffer, length: int) -> int:
         """Place the append under the zone lock, write it outside (module doc)."""
         start = zone_idx << self._zone_shift
+        ok = False
         with self._zone_locks[zone_idx]:
             if self.faults.io_armed:  # where it would land: nothing moves if it fails
                 self.faults.check_write(start + self._zones.wp_rel[zone_idx], length)
             with self._state_lock:
                 self._check_alive()
                 rel = self._zones.reserve_append(zone_idx, length)
-        ok = False
+            try:
+                discards = self._claim_range_zl(zone_idx, rel, length)
+            except BaseException:
+                with self._state_lock:
+                    self._zones.end_append(zone_idx, rel, length, False)
+                raise
         try:
             self._check_alive()
-            if not self._discard.discards(zone_idx):
-                self._io.pwrite(self._data_offset + start + rel, data)
+            self._store(zone_idx, start + rel, data, discards)
             ok = True
         finally:
             with self._state_lock:
@@ -514,8 +567,8 @@ class EmulatedZonedDevice:
                 if self.faults.io_armed:
                     self.faults.check_write(offset, length)
                 self._check_alive()
-                if not self._discard.discards(zone_idx):
-                    self._io.pwrite(self._data_offset + offset, data)
+                discards = self._claim_range_zl(zone_idx, rel, length)
+                self._store(zone_idx, offset, data, discards)
             except BaseException:
                 with self._state_lock:
                     self._zones.abort_write(zone_idx)
@@ -524,6 +577,40 @@ class EmulatedZonedDevice:
                 self._zones.end_write(zone_idx, length)
                 self._count_write_locked()
         return offset
+
+    def _claim_range_zl(self, zone_idx: int, rel: int, length: int) -> bool:
+        """Prepare a write of zone-relative [rel, rel + length); return whether it discards.
+
+        Keeps EMU-4 (module doc): a discarding write starting below the zone's
+        zeros mark punches from `rel` to the zone end first. Caller holds the
+        zone lock. Raises OSError from the punch (EOPNOTSUPP: `_punch_zone_zl`).
+        """
+        discards = self._discard.discards(zone_idx)
+        if discards and rel < self._zeros_from[zone_idx]:
+            self._punch_zone_zl(zone_idx, rel)
+        self._zeros_from[zone_idx] = max(self._zeros_from[zone_idx], rel + length)
+        return discards
+
+    def _punch_zone_zl(self, zone_idx: int, rel: int) -> None:
+        """Punch the zone's file range from `rel` to its end; caller holds the zone lock."""
+        zsize = self._geo.zone_size_bytes
+        try:
+            self._io.punch_hole(self._data_offset + (zone_idx << self._zone_shift) + rel,
+                                zsize - rel)
+        except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
+                raise _punch_unsupported(self._path, exc) from None
+            raise
+        self._zeros_from[zone_idx] = rel
+
+    def _store(self, zone_idx: int, offset_bytes: int, data: Buffer, discards: bool) -> None:
+        """Write `data` at device offset `offset_bytes`, all-zero blocks skipped if `discards`."""
+        if not discards:
+            self._io.pwrite(self._data_offset + offset_bytes, data)
+            return
+        view = memoryview(data).cast("B")
+        for start, end in nonzero_runs(view, self._geo.block_size):
+            self._io.pwrite(self._data_offset + offset_bytes + start, view[start:end])
 
     def _conv_write(self, offset_bytes: int, data: Buffer, length: int) -> None:
         if self.faults.io_armed:
@@ -596,8 +683,10 @@ class EmulatedZonedDevice:
     def reset_zone(self, zone_idx: int) -> None:
         """Rewind the write pointer; the zone becomes EMPTY, durably (EMU-2).
 
+        In a discarding zone its file range is then punched (module doc).
         Raises OSError: EINVAL (bad index), EIO (conventional, READONLY or
-        OFFLINE zone, power cut), EBADF (closed or read-only).
+        OFFLINE zone, power cut), EBADF (closed or read-only); EOPNOTSUPP
+        when the punch is impossible (the zone is reset nonetheless).
         """
         self._zone_mgmt(zone_idx, "reset")
 
@@ -637,6 +726,8 @@ class EmulatedZonedDevice:
                 entry = zones.entry(zone_idx)
             if changed and op in ("reset", "finish"):
                 self._persist_zone(zone_idx, entry, sync_data=op == "finish")
+            if changed and op == "reset" and self._discard.discards(zone_idx) and not self._dead:
+                self._punch_zone_zl(zone_idx, 0)  # once durable (module doc)
             with self._state_lock:
                 self._count_write_locked()
 
