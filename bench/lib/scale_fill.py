@@ -113,7 +113,8 @@ def main() -> int:
     parser.add_argument("--random", action="store_true",
                         help="random bytes instead of zeros: the metadata written is "
                              "then that of real data, but the data-discarding emulator "
-                             "reads zeros back, so the image fails every data read")
+                             "stores every non-zero block, so the image takes the disk "
+                             "space of the data (only for fills that fit on the disk)")
     args = parser.parse_args()
     figures = trio.run(fill, args.image, args.ckpt_files, args.ckpt_gib, args.dataset_files,
                        args.dataset_kib, args.zone_append, args.random)

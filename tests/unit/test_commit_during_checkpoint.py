@@ -162,6 +162,6 @@ async def test_version_2_image_is_converted_by_its_first_read_write_mount(
         assert await read_file(fs, "/old") == pattern(1, 300)
     dev = EmulatedZonedDevice.open(image)
     try:
-        assert read_superblock(dev)[0].disk_version == DISK_VERSION == 3
+        assert read_superblock(dev)[0].disk_version == DISK_VERSION == 4
     finally:
         dev.close()

@@ -415,7 +415,39 @@ async def inline_small_files(fs: ZoneFS, t: Tracker) -> None:
     t.ack_all()
 
 
+async def zone_seals(fs: ZoneFS, t: Tracker) -> None:
+    """Zones sealed (issue 19): a file past a zone (the full zone's summary write,
+    then its ZONE_SEAL in the next commit), a checkpoint-stream file whose own
+    zone is closed early and sealed at its write pointer, a checkpoint holding
+    sealed extents without checksums, then an overwrite inside sealed data."""
+    big = pattern(150, 2 * 1024 * KiB + 5000)
+    t.expect("/big", b"")
+    t.expect("/big", big)
+    await write_file(fs, "/big", big)
+    t.ack("/big")
+    ckpt = pattern(151, 3800 * KiB)
+    t.expect("/m.pt", b"")
+    t.expect("/m.pt", ckpt)
+    await write_file(fs, "/m.pt", ckpt)
+    t.ack("/m.pt")
+    await fs.data.sealer.wait_idle()
+    await fs.sync()
+    await fs.checkpoint()
+    patch = pattern(152, 9000)
+    new = big[:100_000] + patch + big[109_000:]
+    t.expect("/big", new)
+    ino = await resolve(fs, "/big")
+    fh = await fs.open(ino, os.O_RDWR)
+    try:
+        await fs.write(fh, 100_000, patch)
+        await fs.fsync(fh, False)
+    finally:
+        await fs.release(fh)
+    t.ack("/big")
+
+
 SCENARIOS: dict[str, tuple[Scenario, Geometry]] = {
+    "zone_seals": (zone_seals, SMALL),
     "inline_small_files": (inline_small_files, SMALL),
     "cleaning_pass": (cleaning_pass, SMALL),
     "save_via_rename": (save_via_rename, SMALL),

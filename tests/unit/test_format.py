@@ -134,6 +134,9 @@ OP_STRATEGIES = {
     OpType.XATTR_SET: st.tuples(st.just(OpType.XATTR_SET), u64, name, st.binary(max_size=3000)),
     OpType.XATTR_DEL: st.tuples(st.just(OpType.XATTR_DEL), u64, name),
     OpType.ZONE_STATE: st.tuples(st.just(OpType.ZONE_STATE), u32, u8, u8, u32),
+    # An EXTENT of a sealed zone: no checksums (decoded back to EXTENT with None).
+    OpType.EXTENT_SEALED: st.tuples(st.just(OpType.EXTENT), u64, u64, u32, u64, st.none()),
+    OpType.ZONE_SEAL: st.tuples(st.just(OpType.ZONE_SEAL), u32, u32, u64),
     OpType.COUNTERS: st.tuples(st.just(OpType.COUNTERS), st.dictionaries(u16, u64, max_size=20)),
     OpType.NEXT_INO: st.tuples(st.just(OpType.NEXT_INO), u64),
     OpType.TENANT_BYTES: st.tuples(st.just(OpType.TENANT_BYTES), u64, u64),

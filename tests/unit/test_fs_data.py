@@ -59,6 +59,12 @@ async def open_new(fs: ZoneFS, name: bytes) -> tuple[int, int]:
     return fh, attr.ino
 
 
+def zones_of(fs: ZoneFS, ino: int) -> list[int]:
+    inode = fs.state.inodes[ino]
+    assert inode.extents is not None
+    return [e.dev // fs.state.zone_size for e in inode.extents]
+
+
 def data_appends(fs: ZoneFS, calls: list[int]) -> int:
     return sum(1 for z in calls if z >= fs.sb.data_first_zone)
 
@@ -78,9 +84,13 @@ async def test_sequential_small_writes_coalesce_into_1mib_appends(
     data = pattern(1, 4 * MiB)
     for off in range(0, len(data), 32 * 1024):
         await fs.write(fh, off, data[off:off + 32 * 1024])
-    assert data_appends(fs, zones) <= 4, zones  # chunks may still be in flight
+    # One append per MiB, and one more per zone boundary a chunk straddles (a zone's
+    # data room is its size less its summary's room, not a MiB multiple).
+    want = 4 + len(set(zones_of(fs, ino))) - 1
+    assert data_appends(fs, zones) <= want, zones  # chunks may still be in flight
     await fs.fsync(fh, False)
-    assert data_appends(fs, zones) == 4, zones  # one per MiB, nothing left over
+    want = 4 + len(set(zones_of(fs, ino))) - 1
+    assert 4 <= data_appends(fs, zones) <= want, zones  # nothing left over
     await fs.release(fh)
     assert await read_file(fs, "/seq") == data
 

@@ -132,6 +132,6 @@ async def test_unmount_after_a_format_conversion_writes_a_checkpoint(tmp_path: P
     finally:
         dev.close()
     async with mounted(image) as fs:
-        assert fs.journal.sb.disk_version == 3
+        assert fs.journal.sb.disk_version == 4
         await read_file(fs, "/d/f0")
     assert fs.journal.checkpoints_written == 1

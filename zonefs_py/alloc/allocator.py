@@ -18,6 +18,15 @@ the private head with the least space left is finished (becomes FULL), which
 frees its token; shared heads are never taken from. A device without limits
 gets a soft budget of 64 heads.
 
+Zone summaries (format/zonesum.py): every data zone keeps the last
+`room_blocks` of its capacity for the summary written when it is sealed, so
+`DataZone.capacity` is what data may use. A zone is sealed once it takes no
+more data and no append to it is in flight: when its data capacity is used up
+(`seal_queue`, written by the engine's `ZoneSealer`), or when it is finished
+early (`_mark_finished`: the caller seals it before finishing it). Until its
+summary is written the seal counts as an append in flight, so the zone is
+neither cleaned nor reset under it.
+
 A zone whose live block count drops to zero is reset only when (a) it is not a
 head, (b) no append to it is in flight, and (c) the journal transaction that
 made it dead is durable (INV-8): otherwise a crash could bring back extents
@@ -28,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from zonefs_py import errors
@@ -35,6 +45,7 @@ from zonefs_py.device.base import DeviceInfo, Zone, ZoneCond
 from zonefs_py.format.constants import OpType, Stream
 from zonefs_py.format.ops import Op
 from zonefs_py.format.superblock import Superblock
+from zonefs_py.format.zonesum import room_blocks, sum_blocks
 from zonefs_py.model.state import State
 
 log = logging.getLogger(__name__)
@@ -48,6 +59,7 @@ SOFT_HEAD_BUDGET = 64
 class DataZone:
     idx: int
     start: int
+    #: Bytes data may fill: the zone's capacity less the room kept for its summary.
     capacity: int
     #: Bytes handed out so far (>= the device write pointer while appends are in flight).
     reserved: int
@@ -61,6 +73,10 @@ class DataZone:
     write_failed: bool = False
     #: When data was last appended (mount time for zones written before it).
     last_write_ns: int = 0
+    #: The zone's summary is written (a ZONE_SEAL op for its current reset count).
+    sealed: bool = False
+    #: Data bytes of a seal decided and not written yet (it counts in `inflight`).
+    seal_at: int | None = None
 
     @property
     def remaining(self) -> int:
@@ -80,15 +96,33 @@ class Allocator:
         self.state = state
         self.block_size = info.block_size
         self.zones: dict[int, DataZone] = {}
+        bs = info.block_size
+        #: Zones whose data capacity is used up (full, or written past it by an
+        #: older format) but that are not FULL on the device: finished at mount so
+        #: they give back their active-zone tokens (`finish_at_mount`).
+        self.finish_at_mount: list[int] = []
         for z in zones:
             if not (sb.data_first_zone <= z.index < sb.data_first_zone + sb.data_zone_count):
                 continue
             stream, _flags, resets = state.zone_info.get(z.index, (Stream.DEFAULT, 0, 0))
-            dz = DataZone(z.index, z.start_bytes, z.capacity_bytes, z.written_bytes,
+            cap_blocks = z.capacity_bytes // bs
+            data_cap = (cap_blocks - room_blocks(cap_blocks, bs)) * bs
+            dz = DataZone(z.index, z.start_bytes, data_cap, min(z.written_bytes, data_cap),
                           stream=stream, resets=resets)
+            seal = state.zone_seals.get(z.index)
+            if seal is not None and z.written_bytes < (
+                    seal[1] + sum_blocks(seal[1], bs)) * bs:
+                # Reset after its seal, and the reset's record was lost in a crash
+                # (resets are journaled, not waited for): nothing of it is live
+                # (INV-4 says so otherwise), and the summary is gone.
+                del state.zone_seals[z.index]
+                seal = None
+            dz.sealed = seal is not None
             if z.cond in (ZoneCond.READONLY, ZoneCond.OFFLINE):
                 dz.unusable = True
-            elif z.cond == ZoneCond.FULL:
+            elif z.cond == ZoneCond.FULL or dz.sealed or z.written_bytes >= data_cap:
+                if z.cond != ZoneCond.FULL and z.written_bytes:
+                    self.finish_at_mount.append(z.index)
                 dz.reserved = dz.capacity
             self.zones[z.index] = dz
         cap = max((z.capacity for z in self.zones.values()), default=0)
@@ -116,6 +150,10 @@ class Allocator:
         #: Capacity given up by finishing zones early.
         self.wasted_bytes = 0
         self._total_capacity: int | None = None
+        #: Zones whose seal is decided (`seal_at` set) for the engine's sealer to write.
+        self.seal_queue: list[int] = []
+        #: Called (trio thread) when `seal_queue` gains a zone.
+        self.on_seal_ready: Callable[[], None] | None = None
 
     # -- queries -------------------------------------------------------------------
     def live_bytes(self, zone: int) -> int:
@@ -193,7 +231,8 @@ class Allocator:
         return zone_idx, granted
 
     def append_done(self, zone_idx: int, ok: bool) -> None:
-        """Account an append issued after `reserve` (ok=False: it failed)."""
+        """Account an append issued after `reserve` (ok=False: it failed), or the
+        write of a seal."""
         dz = self.zones[zone_idx]
         dz.inflight -= 1
         if not ok:
@@ -202,6 +241,30 @@ class Allocator:
             if dz.head_of is not None:
                 self._drop_head(dz.head_of)
             log.error("data zone %d stopped taking writes after a write error", zone_idx)
+        elif not dz.inflight and dz.reserved >= dz.capacity and self._decide_seal(dz):
+            self.seal_queue.append(zone_idx)
+            if self.on_seal_ready is not None:
+                self.on_seal_ready()
+        self._maybe_dead(zone_idx)
+
+    def _decide_seal(self, dz: DataZone) -> bool:
+        """Decide to seal a zone that takes no more data (its data is `dz.reserved`
+        bytes, no append in flight); True if it is to be sealed. Nothing is
+        sealed that has no live data (it is about to be reset) or that a failed
+        write left unknown."""
+        if (dz.sealed or dz.seal_at is not None or dz.unusable or dz.reserved == 0
+                or not self.state.zone_live_blocks.get(dz.idx)):
+            return False
+        dz.seal_at = dz.reserved
+        dz.inflight += 1
+        return True
+
+    def seal_written(self, zone_idx: int, ok: bool) -> None:
+        """The seal decided for the zone was written (ok) or given up."""
+        dz = self.zones[zone_idx]
+        dz.seal_at = None
+        dz.sealed = dz.sealed or ok
+        dz.inflight -= 1
         self._maybe_dead(zone_idx)
 
     def release_owner(self, owner: int, to_finish: list[int]) -> None:
@@ -227,8 +290,11 @@ class Allocator:
             # once idle if the token is needed.
 
     def _mark_finished(self, dz: DataZone, to_finish: list[int]) -> None:
+        """Stop writing the zone; the caller seals it (if `seal_at` is set) and
+        finishes it (`ZoneSealer.close_zones`)."""
         assert not dz.inflight, f"finishing zone {dz.idx} with appends in flight"
         self.wasted_bytes += dz.remaining
+        self._decide_seal(dz)
         dz.reserved = dz.capacity
         to_finish.append(dz.idx)
         self._maybe_dead(dz.idx)
@@ -376,6 +442,7 @@ class Allocator:
         self._set_unusable(dz, False, write_failed=False)
         self.dead_bytes_reset += dz.reserved
         dz.reserved = 0
+        dz.sealed = False
         dz.resets += 1
         self.state.zone_owners.pop(zone_idx, None)
         op = (OpType.ZONE_STATE, zone_idx, Stream.DEFAULT, 0, dz.resets)

@@ -51,8 +51,10 @@ class LivePiece:
     #: First file block the piece holds.
     fblock: int
     nblocks: int
-    #: The blocks' checksums (4 bytes each), as the file's extent map has them.
-    csums: bytes
+    #: The blocks' checksums (4 bytes each), as the file's extent map has them;
+    #: None when they are in the summary of the (sealed) zone: `read_verified`
+    #: fetches them.
+    csums: bytes | None
 
 
 class CleanerHost(Protocol):

@@ -50,6 +50,8 @@ OPTIONS_HELP = textwrap.dedent("""\
                 engine's p90 read latency is above MS, 0 off, default 2),
               prefetch_mb=N (device reads kept in flight ahead of a file read
                 sequentially, MiB, 0 off, default 8),
+              cache_mb=N (memory for the checksums of full zones, read from the
+                zones' summary blocks on demand, MiB, default 256),
               inline_max=N (files of at most N bytes keep them in the metadata, no
                 data block; 0 off, at most 2048, default 512),
               zone_append=auto|on|off (NVMe Zone Append through /dev/ngXnY when the

@@ -15,7 +15,12 @@ import enum
 #: may be zlib-compressed (record flag ZLIB). A version 2 image is read as it is and
 #: converted by its first read-write mount, which rewrites the superblock
 #: before it writes anything else.
-DISK_VERSION = 3
+#: 4: zone summaries (issue 19): a sealed data zone carries the checksums of its
+#: blocks in summary blocks after its data (format/zonesum.py), recorded by a
+#: ZONE_SEAL op; checkpoints then describe its extents with EXTENT_SEALED ops,
+#: which carry no checksums. Versions 2 and 3 are read as they are (they have no
+#: sealed zone) and converted like 2 was.
+DISK_VERSION = 4
 #: The oldest version this build reads (and converts at a read-write mount).
 OLDEST_DISK_VERSION = 2
 
@@ -64,6 +69,10 @@ class OpType(enum.IntEnum):
     # 14, 16-19 left to other features of the same release; see docs/SPEC.md.
     INLINE = 15
     DRAIN = 20
+    #: An EXTENT of a sealed zone: its checksums are in the zone's summary (version 4).
+    EXTENT_SEALED = 21
+    #: A data zone's summary blocks are written (version 4).
+    ZONE_SEAL = 22
 
 
 class Stream(enum.IntEnum):

@@ -10,7 +10,9 @@ u32 body length, body (docs/SPEC.md "Operations").
     INODE_FREE  (ino,)
     DIRENT_ADD  (parent_ino, ino, name)
     DIRENT_DEL  (parent_ino, name)
-    EXTENT      (ino, file_block, nblocks, dev_offset, checksums: bytes of nblocks*u32)
+    EXTENT      (ino, file_block, nblocks, dev_offset, checksums: bytes of nblocks*u32,
+                or None: the blocks lie in a sealed zone whose summary holds their
+                checksums; encoded as an EXTENT_SEALED op, decoded back to this)
     TRUNCATE    (ino, first_dropped_block)
     SYMLINK     (ino, target)
     XATTR_SET   (ino, name, value)
@@ -22,6 +24,8 @@ u32 body length, body (docs/SPEC.md "Operations").
     INLINE      (ino, size, mtime_ns, ctime_ns, data)   a small file's bytes in the metadata
                 (fs/inline.py), with the size and times they give it
     DRAIN       (ino, state, size, xxh3, url, token)   drain state of a file (zonefs_py/drain)
+    ZONE_SEAL   (zone_idx, reset_count, data_blocks)   the zone's summary blocks are written
+                after its first data_blocks blocks (format/zonesum.py)
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ _ZONE_STATE = struct.Struct("<IBBHI")
 _COUNTER = struct.Struct("<HQ")
 _DRAIN = struct.Struct("<QBQQHH")
 _INLINE = struct.Struct("<QQqqH")
+_ZONE_SEAL = struct.Struct("<IIQ")
 
 
 class OpDecodeError(Exception):
@@ -67,7 +72,13 @@ def encode_op(op: Op) -> bytes:
     elif kind == OpType.DIRENT_DEL:
         body = _DIRENT_DEL.pack(op[1], len(op[2])) + op[2]
     elif kind == OpType.EXTENT:
-        body = _EXTENT.pack(op[1], op[2], op[3], op[4]) + op[5]
+        body = _EXTENT.pack(op[1], op[2], op[3], op[4])
+        if op[5] is None:
+            kind = OpType.EXTENT_SEALED
+        else:
+            body += op[5]
+    elif kind == OpType.ZONE_SEAL:
+        body = _ZONE_SEAL.pack(op[1], op[2], op[3])
     elif kind == OpType.TRUNCATE or kind == OpType.TENANT_BYTES:
         body = _QQ.pack(op[1], op[2])
     elif kind == OpType.SYMLINK:
@@ -176,6 +187,13 @@ def _decode_body(kind: int, payload: bytes, mv: memoryview, pos: int, bend: int)
         start = pos + _EXTENT.size
         _check(start + nblocks * 4 == bend, "EXTENT checksum count")
         return (OpType.EXTENT, ino, fblock, nblocks, dev, bytes(mv[start:bend]))
+    if kind == OpType.EXTENT_SEALED:
+        _check(bend - pos == _EXTENT.size, "EXTENT_SEALED length")
+        ino, fblock, nblocks, dev = _EXTENT.unpack_from(payload, pos)
+        return (OpType.EXTENT, ino, fblock, nblocks, dev, None)
+    if kind == OpType.ZONE_SEAL:
+        _check(bend - pos == _ZONE_SEAL.size, "ZONE_SEAL length")
+        return (OpType.ZONE_SEAL, *_ZONE_SEAL.unpack_from(payload, pos))
     if kind == OpType.TRUNCATE:
         return (OpType.TRUNCATE, *_QQ.unpack_from(payload, pos))
     if kind == OpType.TENANT_BYTES:

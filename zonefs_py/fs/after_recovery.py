@@ -116,6 +116,14 @@ async def finish_recovery(rec: Recovered, journal: Journal, alloc: Allocator,
     for inode in orphans:
         log.info("freeing orphan inode %d (unlinked while open before a crash)", inode.ino)
         txn([(OpType.INODE_FREE, inode.ino)])
+    for zone in alloc.finish_at_mount:
+        # Data capacity used up, not FULL on the device (a crash before its seal,
+        # or an image of format 3 or older): finish it so it holds no active token.
+        try:
+            await trio.to_thread.run_sync(reclaim.dev.finish_zone, zone)
+        except OSError as exc:
+            log.error("finishing data zone %d failed: %s", zone, exc)
+    alloc.finish_at_mount.clear()
     for zone in alloc.adopt_partial_zones():
         alloc.pending_resets.append((zone, 0))
     await journal.commit()

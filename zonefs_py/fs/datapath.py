@@ -68,6 +68,7 @@ from zonefs_py.format.ops import Op
 from zonefs_py.fs.append_order import AppendOrder
 from zonefs_py.fs.prefetch import Prefetcher
 from zonefs_py.fs.qos import ReadLatencyController
+from zonefs_py.fs.zonesums import SumCache, ZoneSealer
 from zonefs_py.journal.journal import Journal
 from zonefs_py.model.extents import Piece
 from zonefs_py.model.state import Inode, State
@@ -135,7 +136,8 @@ class _Arrivals:
 class DataPath:
     def __init__(self, dev: ZonedDevice, state: State, journal: Journal, alloc: Allocator,
                  limiter: trio.CapacityLimiter, path_of: Callable[[int], str],
-                 read_limiter: trio.CapacityLimiter | None = None) -> None:
+                 read_limiter: trio.CapacityLimiter | None = None,
+                 cache_bytes: int = 256 << 20) -> None:
         self.dev = dev
         self.state = state
         self.journal = journal
@@ -158,6 +160,9 @@ class DataPath:
         self.counters = state.counters
         self.stream_hint: Callable[[Inode], int] = lambda inode: classify_stream(
             self.state, inode)
+        #: Zone summaries: sealing full zones, and the checksums of sealed ones.
+        self.sealer = ZoneSealer(dev, state, journal, alloc, limiter)
+        self.sums = SumCache(dev, state, self.read_limiter, cache_bytes, path_of)
         #: Thread-free reads (io_uring), set by the engine when the device allows.
         self.reader: AsyncReader | None = None
         #: Read QoS gate for appends (disabled until the engine sets a target).
@@ -492,8 +497,7 @@ class DataPath:
             piece = memoryview(data)[pos:pos + granted]
             ticket = -1
             try:
-                for z in to_finish:
-                    await trio.to_thread.run_sync(self.dev.finish_zone, z, limiter=self.limiter)
+                await self.sealer.close_zones(to_finish)
                 if self.append_order is not None:
                     ticket = self.append_order.ticket(zone)
                 landed, csums = await trio.to_thread.run_sync(self._checksum_and_append,
@@ -668,6 +672,8 @@ class DataPath:
             self.alloc.pin_read(z)
         parts: list[bytes | memoryview] = []
         try:
+            if any(p.csums is None for p in pieces if p.dev is not None):
+                pieces = await self._with_checksums(inode.ino, pieces)
             scattered = sum(1 for p in pieces if p.dev is not None) > 1
             if scattered and self.reader is not None and self.reader.uses_ring:
                 # Scattered pieces (zone append): all device reads in flight at once.
@@ -687,6 +693,16 @@ class DataPath:
         out = blob[skip:skip + (end - offset)]
         if len(out) < length:
             return bytes(out) + bytes(length - len(out))
+        return out
+
+    async def _with_checksums(self, ino: int, pieces: list[Piece]) -> list[Piece]:
+        """The pieces, those of sealed zones with their checksums from the zone
+        summaries (`SumCache`; the caller pinned their zones)."""
+        out: list[Piece] = []
+        for p in pieces:
+            if p.dev is not None and p.csums is None:
+                p = p._replace(csums=await self.sums.checksums(ino, p.fblock, p.dev, p.nblocks))
+            out.append(p)
         return out
 
     async def _read_pieces(self, ino: int, pieces: list[Piece]) -> list[bytes | memoryview]:
@@ -710,7 +726,7 @@ class DataPath:
         return parts
 
     async def _read_extent(self, ino: int, fblock: int, dev_off: int, nbytes: int,
-                           csums: bytes) -> bytes | memoryview:
+                           csums: bytes | None) -> bytes | memoryview:
         if self.reader is not None and self.reader.uses_ring:
             # Read without a worker thread; verify here (C, ~0.1 ms per MiB).
             try:
@@ -724,7 +740,7 @@ class DataPath:
         return data
 
     def _read_verify(self, ino: int, fblock: int, dev_off: int, nbytes: int,
-                     csums: bytes) -> bytes:
+                     csums: bytes | None) -> bytes:
         """Worker thread: read device blocks and check every checksum."""
         try:
             data = self.dev.read(dev_off, nbytes)
@@ -738,16 +754,17 @@ class DataPath:
                   fblock * self.bs, exc)
         raise errors.IOFailure(f"device read failed: {exc}") from exc
 
-    def _verify(self, ino: int, fblock: int, dev_off: int, data: Data, csums: bytes) -> None:
+    def _verify(self, ino: int, fblock: int, dev_off: int, data: Data,
+                csums: bytes | None) -> None:
         """Check every block of `data` against `csums`; a mismatch (or a mapping whose
         checksums do not cover its blocks) is an `IOFailure` for this file alone."""
         nblocks = len(data) // self.bs
-        if len(csums) != nblocks * 4:
+        if csums is None or len(csums) != nblocks * 4:
             # An inconsistency of this file's mapping, not of the device or the
             # metadata as a whole: EIO for this read, the mount stays writable.
             log.error("internal error in %s at file offset %d: %d checksums for %d blocks "
                       "(device offset %d); the read fails with EIO", self.path_of(ino),
-                      fblock * self.bs, len(csums) // 4, nblocks, dev_off)
+                      fblock * self.bs, len(csums or b"") // 4, nblocks, dev_off)
             raise errors.IOFailure(f"inconsistent mapping at file offset {fblock * self.bs}")
         bad = first_bad_block(data, self.bs, csums)
         if bad is not None:

@@ -105,7 +105,8 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         self.alloc.current_txn = lambda: self.journal.added_txn  # type: ignore[method-assign]
         self.state.on_zone_emptied = self.alloc.zone_emptied
         self.data = DataPath(dev, self.state, self.journal, self.alloc, self.limiter,
-                             self.path_of, read_limiter=self.read_limiter)
+                             self.path_of, read_limiter=self.read_limiter,
+                             cache_bytes=options.cache_mb << 20)
         self.data.qos = ReadLatencyController(options.read_latency_ms / 1e3)
         self.inline = InlineData(self.state, self.data, self.journal,
                                  inline_threshold(self.bs, options.inline_max_bytes))
@@ -114,7 +115,9 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
             self.data.enable_prefetch(options.prefetch_mb << 20)
         if options.io_uring:
             self.data.reader = AsyncReader(dev, self.read_limiter, options.sqpoll_ms)
-        self.reclaim = SpaceReclaim(dev, self.state, self.journal, self.alloc, self.limiter)
+            self.data.sums.reader = self.data.reader
+        self.reclaim = SpaceReclaim(dev, self.state, self.journal, self.alloc, self.limiter,
+                                    self.data.sealer, self.data.sums)
         self.cleaner = Cleaner(self.reclaim, options.cleaner_policy, options.cleaner_rate_mb_s)
         self.quota = QuotaTracker(self.state)
         self._meta_base = self.state.counters.get(C_META_BYTES, 0)
@@ -239,6 +242,8 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
                           if i.nlink == 0 and i.ino != ROOT_INO]:
                 inode.lookups = inode.opens = 0
                 self._free_if_unused(inode)
+            # Zones filled or closed meanwhile: their seals go into this commit.
+            await self.data.sealer.wait_idle()
             if self._checkpoint_holds_everything():
                 log.info("unmount: nothing changed since the checkpoint loaded at mount; "
                          "no checkpoint written")
@@ -356,11 +361,8 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
             self._finish_later(to_finish)
 
     def _finish_later(self, zones: list[int]) -> None:
-        for z in zones:
-            try:
-                self.dev.finish_zone(z)  # cheap metadata command; no data moves
-            except OSError as exc:
-                log.error("finishing zone %d failed: %s", z, exc)
+        """Seal and finish zones the allocator stopped writing, from a system task."""
+        self.data.sealer.close_zones_later(zones)
 
     # -- lookups and attributes ------------------------------------------------------
     async def lookup(self, parent_ino: int, name: bytes) -> Attr:
@@ -565,7 +567,10 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
                 to_finish: list[int] = []
                 self.alloc.release_owner(ino, to_finish)
                 if to_finish:
-                    await trio.to_thread.run_sync(self._finish_later, to_finish)
+                    try:
+                        await self.data.sealer.close_zones(to_finish)
+                    except OSError as exc:
+                        log.error("finishing zones %s failed: %s", to_finish, exc)
                 self.drain.on_release(inode)
             self._free_if_unused(inode)
 

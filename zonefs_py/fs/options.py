@@ -49,6 +49,9 @@ class FsOptions:
     #: Sequential read-ahead in the engine: MiB of device reads kept in flight ahead
     #: of a file read sequentially (fs/prefetch.py); 0 disables it.
     prefetch_mb: int = 8
+    #: MiB of memory for the checksums of sealed zones read from their summaries
+    #: (fs/zonesums.py; at 4 KiB blocks, 1 MiB of cache covers ~1 GiB of data).
+    cache_mb: int = 256
     #: Files of at most this many bytes keep their bytes in the metadata (fs/inline.py;
     #: at most 2048 and half a block; 0 disables it).
     inline_max_bytes: int = 512
@@ -84,6 +87,7 @@ class FsOptions:
         "sqpoll_ms": ("sqpoll_ms", int),
         "read_latency_ms": ("read_latency_ms", float),
         "prefetch_mb": ("prefetch_mb", int),
+        "cache_mb": ("cache_mb", int),
         "inline_max": ("inline_max_bytes", int),
         "zone_append": ("zone_append", lambda v: {"1": "on", "0": "off"}.get(v, v)),
         "drain_endpoint": ("drain_endpoint", str),
@@ -136,6 +140,8 @@ class FsOptions:
             raise ValueError(f"inline_max must be 0 (off) .. {INLINE_MAX_BYTES} bytes")
         if result.prefetch_mb < 0:
             raise ValueError("prefetch_mb must be 0 (off) or a number of MiB")
+        if result.cache_mb < 1:
+            raise ValueError("cache_mb must be at least 1 (MiB of checksums kept in memory)")
         if not result.read_latency_ms >= 0:
             raise ValueError("read_latency_ms must be 0 (off) or a positive number of ms")
         if not 5 <= result.drain_part_mb <= 5120 or not 1 <= result.drain_parts <= 64:

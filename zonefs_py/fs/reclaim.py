@@ -22,10 +22,11 @@ from zonefs_py import errors
 from zonefs_py.alloc.allocator import Allocator
 from zonefs_py.cleaner.host import LivePiece, ZoneUsage
 from zonefs_py.device.base import ZonedDevice
-from zonefs_py.format.checksum import first_bad_block
+from zonefs_py.format.checksum import block_checksums, first_bad_block
 from zonefs_py.format.constants import OpType, Stream
 from zonefs_py.format.ops import Op
 from zonefs_py.fs.datapath import C_CLEANER_BYTES
+from zonefs_py.fs.zonesums import SumCache, ZoneSealer
 from zonefs_py.journal.journal import Journal
 from zonefs_py.model.state import State
 
@@ -36,8 +37,10 @@ class SpaceReclaim:
     """Zone resets and the cleaner's host, over one mounted filesystem's parts."""
 
     def __init__(self, dev: ZonedDevice, state: State, journal: Journal, alloc: Allocator,
-                 limiter: trio.CapacityLimiter) -> None:
+                 limiter: trio.CapacityLimiter, sealer: ZoneSealer, sums: SumCache) -> None:
         self.dev = dev
+        self.sealer = sealer
+        self.sums = sums
         self.state = state
         self.journal = journal
         self.alloc = alloc
@@ -109,8 +112,9 @@ class SpaceReclaim:
                 if e.dev // zsize == zone_idx:
                     for off in range(0, e.nblocks, unit):
                         n = min(unit, e.nblocks - off)
-                        pieces.append(LivePiece(e.dev + off * bs, ino, e.fblock + off, n,
-                                                e.csums[off * 4:(off + n) * 4]))
+                        pieces.append(LivePiece(
+                            e.dev + off * bs, ino, e.fblock + off, n,
+                            None if e.csums is None else e.csums[off * 4:(off + n) * 4]))
         return pieces
 
     def pin_zone(self, zone_idx: int) -> None:
@@ -120,18 +124,27 @@ class SpaceReclaim:
         self.alloc.unpin_read(zone_idx)
 
     async def read_verified(self, piece: LivePiece) -> bytes | None:
-        return await trio.to_thread.run_sync(self._read_verified, piece,
+        csums = piece.csums
+        if csums is None:  # a sealed zone (pinned by the cleaner): from its summary
+            try:
+                csums = await self.sums.checksums(piece.ino, piece.fblock,
+                                                  piece.dev_offset_bytes, piece.nblocks)
+            except errors.IOFailure:
+                return None
+        return await trio.to_thread.run_sync(self._read_verified, piece, csums,
                                              limiter=self.cleaner_limiter)
 
-    def _read_verified(self, piece: LivePiece) -> bytes | None:
+    def _read_verified(self, piece: LivePiece, csums: bytes) -> bytes | None:
         try:
             data = self.dev.read(piece.dev_offset_bytes, piece.nblocks * self.block_size)
         except OSError:
             return None
-        return None if first_bad_block(data, self.block_size, piece.csums) is not None else data
+        return None if first_bad_block(data, self.block_size, csums) is not None else data
 
     async def relocate(self, piece: LivePiece, data: bytes) -> int:
         bs = self.block_size
+        # `data` passed `read_verified`: its checksums are the piece's.
+        all_csums = piece.csums if piece.csums is not None else block_checksums(data, bs)
         pos = 0
         copied = 0
         while pos < len(data):
@@ -142,9 +155,7 @@ class SpaceReclaim:
             if zone_ops:
                 self.journal.add(zone_ops)
             try:
-                for z in to_finish:
-                    await trio.to_thread.run_sync(self.dev.finish_zone, z,
-                                                  limiter=self.cleaner_limiter)
+                await self.sealer.close_zones(to_finish, self.cleaner_limiter)
                 new_dev = await trio.to_thread.run_sync(
                     self.dev.append, zone, memoryview(data)[pos:pos + granted],
                     limiter=self.cleaner_limiter)
@@ -155,7 +166,7 @@ class SpaceReclaim:
             first = piece.fblock + pos // bs
             count = granted // bs
             ops = self._repoint(piece.ino, first, count, piece.dev_offset_bytes + pos, new_dev,
-                                piece.csums[pos // bs * 4:(pos // bs + count) * 4])
+                                all_csums[pos // bs * 4:(pos // bs + count) * 4])
             for op in ops:
                 self.state.apply(op)
             self.alloc.append_done(zone, ok=True)

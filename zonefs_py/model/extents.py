@@ -8,6 +8,9 @@ extents. Adjacent extents that are contiguous both in the file and on the
 device, inside one zone, are merged to keep memory small for large sequential
 files (a 1 GiB checkpoint in its own zone is one extent).
 
+`csums` is None for an extent in a *sealed* zone: its checksums are then in
+the zone's summary blocks on the device (format/zonesum.py), not in memory.
+
 Extents are changed in place (split, trimmed, merged) without an await in
 between, so an extent and its checksums always change together (INV-5).
 Code that awaits while using a mapping holds `Piece` copies from `lookup`.
@@ -24,7 +27,7 @@ from typing import NamedTuple
 class Extent:
     __slots__ = ("csums", "dev", "fblock", "nblocks")
 
-    def __init__(self, fblock: int, nblocks: int, dev: int, csums: bytes) -> None:
+    def __init__(self, fblock: int, nblocks: int, dev: int, csums: bytes | None) -> None:
         self.fblock = fblock
         self.nblocks = nblocks
         self.dev = dev
@@ -49,14 +52,22 @@ class Piece(NamedTuple):
     """A copy of part of a file's mapping, as `ExtentMap.lookup` saw it.
 
     `dev` is the device byte offset of file block `fblock`, or None for a
-    hole; `csums` holds exactly `nblocks` checksums (empty for a hole). It
-    stays true to the moment of the lookup whatever happens to the map later.
+    hole; `csums` holds exactly `nblocks` checksums (empty for a hole), or is
+    None when they are in the summary of the (sealed) zone. It stays true to
+    the moment of the lookup whatever happens to the map later.
     """
 
     fblock: int
     nblocks: int
     dev: int | None
-    csums: bytes
+    csums: bytes | None
+
+
+def _part(csums: bytes | None, lo: int, hi: int | None = None) -> bytes | None:
+    """csums[lo*4:hi*4] (None stays None: the checksums are in a zone summary)."""
+    if csums is None:
+        return None
+    return csums[lo * 4:] if hi is None else csums[lo * 4:hi * 4]
 
 
 class ExtentMap:
@@ -93,19 +104,19 @@ class ExtentMap:
             right_n = e.fend - cut_hi
             if left_n and right_n:
                 right = Extent(cut_hi, right_n, e.dev + (cut_hi - e.fblock) * block_size,
-                               e.csums[(cut_hi - e.fblock) * 4:])
+                               _part(e.csums, cut_hi - e.fblock))
                 e.nblocks = left_n
-                e.csums = e.csums[:left_n * 4]
+                e.csums = _part(e.csums, 0, left_n)
                 self.exts.insert(i + 1, right)
                 return i + 1
             if left_n:
                 e.nblocks = left_n
-                e.csums = e.csums[:left_n * 4]
+                e.csums = _part(e.csums, 0, left_n)
                 i += 1
             elif right_n:
                 skip = cut_hi - e.fblock
                 e.dev += skip * block_size
-                e.csums = e.csums[skip * 4:]
+                e.csums = _part(e.csums, skip)
                 e.fblock = cut_hi
                 e.nblocks = right_n
                 return i
@@ -113,7 +124,7 @@ class ExtentMap:
                 del self.exts[i]
         return i
 
-    def insert(self, fblock: int, nblocks: int, dev: int, csums: bytes, block_size: int,
+    def insert(self, fblock: int, nblocks: int, dev: int, csums: bytes | None, block_size: int,
                zone_size: int) -> list[Freed]:
         """Map [fblock, fblock+nblocks) to dev; return the device pieces it replaced."""
         if not self.exts:
@@ -128,9 +139,12 @@ class ExtentMap:
         if i > 0:
             prev = self.exts[i - 1]
             if (prev.fend == fblock and prev.dev + prev.nblocks * block_size == dev
-                    and prev.dev // zone_size == dev // zone_size):
+                    and prev.dev // zone_size == dev // zone_size
+                    and (prev.csums is None) == (csums is None)):
                 prev.nblocks += nblocks
-                prev.csums = prev.csums + csums
+                if prev.csums is not None:
+                    assert csums is not None
+                    prev.csums = prev.csums + csums
                 return freed
         self.exts.insert(i, Extent(fblock, nblocks, dev, csums))
         return freed
@@ -149,6 +163,13 @@ class ExtentMap:
         self.exts.clear()
         self.mapped_blocks = 0
         return freed
+
+    def drop_csums(self, lo: int, hi: int) -> None:
+        """Forget the checksums of the extents at device bytes [lo, hi) (a sealed
+        zone: its summary blocks hold them now)."""
+        for e in self.exts:
+            if lo <= e.dev < hi:
+                e.csums = None
 
     def is_shared_empty(self) -> bool:
         return self is EMPTY_EXTENTS
@@ -179,7 +200,7 @@ class ExtentMap:
             hi = min(end, e.fend)
             rel = pos - e.fblock
             out.append(Piece(pos, hi - pos, e.dev + rel * block_size,
-                             e.csums[rel * 4:(hi - e.fblock) * 4]))
+                             _part(e.csums, rel, hi - e.fblock)))
             pos = hi
             i += 1
         return out

@@ -176,6 +176,9 @@ class State:
         self.next_ino = 2
         #: zone -> (stream, flags, reset_count) as last recorded.
         self.zone_info: dict[int, tuple[int, int, int]] = {}
+        #: Sealed zones: zone -> (reset count, data blocks) of its summary
+        #: (ZONE_SEAL ops, format/zonesum.py); their extents keep no checksums.
+        self.zone_seals: dict[int, tuple[int, int]] = {}
         #: zone -> device blocks referenced by some extent (INV-6).
         self.zone_live_blocks: dict[int, int] = {}
         #: Sum of zone_live_blocks, kept alongside it (read on every growing write).
@@ -220,6 +223,7 @@ class State:
             OpType.TENANT_BYTES: self._apply_tenant_bytes,
             OpType.DRAIN: self._apply_drain,
             OpType.INLINE: self._apply_inline,
+            OpType.ZONE_SEAL: self._apply_zone_seal,
         }
 
     # -- applying ops --------------------------------------------------------
@@ -322,6 +326,17 @@ class State:
         zone = dev // self.zone_size
         if (dev + nblocks * self.block_size - 1) // self.zone_size != zone:
             raise StateError(f"EXTENT of inode {ino} spans zones at {dev}")
+        seal = self.zone_seals.get(zone)
+        if seal is not None:
+            # The zone's summary holds these blocks' checksums (an op journaled
+            # before the seal, replayed after a checkpoint that has the seal).
+            if (dev - zone * self.zone_size) // self.block_size + nblocks > seal[1]:
+                raise StateError(f"EXTENT of inode {ino} at {dev} past the summary of "
+                                 f"sealed zone {zone}")
+            csums = None
+        elif csums is None:
+            raise StateError(f"EXTENT of inode {ino} at {dev} without checksums in "
+                             f"zone {zone}, which is not sealed")
         if inode.extents is EMPTY_EXTENTS:
             inode.extents = ExtentMap()
         # A file's bytes are inline or in blocks, never both: the writer that
@@ -365,6 +380,32 @@ class State:
     def _apply_zone_state(self, op: Op) -> None:
         _, zone, stream, flags, resets = op
         self.zone_info[zone] = (stream, flags, resets)
+        # The log writes ZONE_STATE when a zone is reset or opened empty: either
+        # way a summary it had is gone. (A checkpoint lists ZONE_SEAL after it.)
+        self.zone_seals.pop(zone, None)
+
+    def _apply_zone_seal(self, op: Op) -> None:
+        _, zone, resets, data_blocks = op
+        info = self.zone_info.get(zone)
+        if info is not None and info[2] != resets:
+            raise StateError(f"ZONE_SEAL of zone {zone} for reset {resets}, "
+                             f"the zone is at reset {info[2]}")
+        self.zone_seals[zone] = (resets, data_blocks)
+        lo = zone * self.zone_size
+        hi = lo + data_blocks * self.block_size
+        for ino in self.zone_owners.get(zone, ()):
+            inode = self.inodes.get(ino)
+            if inode is None or inode.extents is None:
+                continue
+            if self.snapshot is not None:
+                # The checkpoint being encoded describes the zone as unsealed:
+                # it must take this file with its checksums (copy-on-write).
+                self.snapshot.before_change(inode)
+            for e in inode.extents:
+                if lo <= e.dev < lo + self.zone_size and e.dev + e.nblocks * self.block_size > hi:
+                    raise StateError(f"ZONE_SEAL of zone {zone} after {data_blocks} blocks, "
+                                     f"but inode {ino} maps blocks past them")
+            inode.extents.drop_csums(lo, hi)
 
     def _apply_counters(self, op: Op) -> None:
         self.counters.update(op[1])
@@ -434,6 +475,8 @@ class State:
             yield (OpType.TENANT_BYTES, dir_ino, written)
         for zone, (stream, flags, resets) in sorted(self.zone_info.items()):
             yield (OpType.ZONE_STATE, zone, stream, flags, resets)
+        for zone, (resets, data_blocks) in sorted(self.zone_seals.items()):
+            yield (OpType.ZONE_SEAL, zone, resets, data_blocks)
 
     def inode_body_ops(self, inode: Inode, max_csum_blocks: int = 65536) -> Iterator[Op]:
         """The snapshot's ops of one inode after its INODE op: names (of a
@@ -454,6 +497,9 @@ class State:
         if inode.extents is not None:
             bs = self.block_size
             for e in inode.extents:
+                if e.csums is None:  # sealed zone: no checksums to carry
+                    yield (OpType.EXTENT, inode.ino, e.fblock, e.nblocks, e.dev, None)
+                    continue
                 # Split huge extents so one op stays well under a record's size.
                 for off in range(0, e.nblocks, max_csum_blocks):
                     n = min(max_csum_blocks, e.nblocks - off)
@@ -521,9 +567,14 @@ class Snapshot:
     def before_apply(self, op: Op) -> None:
         if op[0] in _CHANGES_INODE:
             inode = self.state.inodes.get(op[1])
-            if inode is not None and inode.ckpt_gen != self.gen:
-                self._take(inode)
-                self.copied += 1
+            if inode is not None:
+                self.before_change(inode)
+
+    def before_change(self, inode: Inode) -> None:
+        """Encode `inode` now if it is not encoded yet: it is about to change."""
+        if inode.ckpt_gen != self.gen:
+            self._take(inode)
+            self.copied += 1
 
     def step(self, max_inodes: int) -> bool:
         """Encode up to `max_inodes` more inodes; True once every one is encoded."""
