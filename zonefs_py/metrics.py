@@ -207,6 +207,19 @@ def _cleaner_journal_families(doc: dict[str, Any]) -> Iterator[Metric]:
                             value=_num(journal.get("pending_bytes")))
     yield GaugeMetricFamily("zonefs_journal_meta_zones_free", "Free metadata-log zones.",
                             value=_num(journal.get("meta_zones_free")))
+    sums = doc.get("zone_summaries") or {}
+    yield GaugeMetricFamily("zonefs_sealed_zones",
+                            "Data zones whose checksums are in their summary blocks.",
+                            value=_num(sums.get("sealed_zones")))
+    yield GaugeMetricFamily("zonefs_summary_cache_bytes",
+                            "Memory held by checksums read from zone summaries.",
+                            value=_num(sums.get("cache_bytes")))
+    lookups = CounterMetricFamily("zonefs_summary_cache_lookups",
+                                  "Reads needing summary checksums (since mount).",
+                                  labels=["result"])
+    lookups.add_metric(["hit"], _num(sums.get("cache_hits")))
+    lookups.add_metric(["miss"], _num(sums.get("cache_misses")))
+    yield lookups
 
 
 def registry_for(status: StatusFn) -> CollectorRegistry:

@@ -224,6 +224,8 @@ class SumCache:
         self.reader: AsyncReader | None = None
         #: (zone, resets, summary block) -> its checksums, least recently used first.
         self._lru: OrderedDict[tuple[int, int, int], bytes] = OrderedDict()
+        #: Summary blocks being read now -> set when that read ends (either way).
+        self._loading: dict[tuple[int, int, int], trio.Event] = {}
         self.used_bytes = 0
         self.hits = 0
         self.misses = 0
@@ -266,24 +268,42 @@ class SumCache:
         k0, k1 = rel // p, (rel + nblocks - 1) // p
         got: dict[int, bytes | None] = {}
         missing: list[int] = []
-        for k in range(k0, k1 + 1):
-            cached = self._lru.get((zone, resets, k))
-            if cached is None:
-                missing.append(k)
-            else:
-                self._lru.move_to_end((zone, resets, k))
-                got[k] = cached
+        while True:
+            got.clear()
+            missing.clear()
+            for k in range(k0, k1 + 1):
+                cached = self._lru.get((zone, resets, k))
+                if cached is None:
+                    missing.append(k)
+                else:
+                    self._lru.move_to_end((zone, resets, k))
+                    got[k] = cached
+            # Another read is loading the first block this one misses (read-ahead
+            # segments of one file run concurrently): wait for it, then look again.
+            pending = self._loading.get((zone, resets, missing[0])) if missing else None
+            if pending is None:
+                break
+            await pending.wait()
         if missing:
             self.misses += 1
             first = missing[0]
             last = min(missing[-1] + READ_AHEAD_BLOCKS, zonesum.sum_blocks(data_blocks, bs) - 1)
             base = zone * zsize + data_blocks * bs
+            loading = trio.Event()
+            keys = [(zone, resets, k) for k in range(first, last + 1)
+                    if (zone, resets, k) not in self._loading]
+            for key in keys:
+                self._loading[key] = loading
             try:
                 raw = await self._read(base + first * bs, (last - first + 1) * bs)
             except OSError as exc:
                 log.error("read error in the summary of zone %d (for %s at file offset %d): %s",
                           zone, self.path_of(ino), fblock * bs, exc)
                 raise errors.IOFailure(f"device read failed: {exc}") from exc
+            finally:
+                for key in keys:
+                    del self._loading[key]
+                loading.set()
             self.blocks_read += last - first + 1
             mv = memoryview(raw)
             for k in range(first, last + 1):
