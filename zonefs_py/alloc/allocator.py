@@ -112,11 +112,18 @@ class Allocator:
             seal = state.zone_seals.get(z.index)
             if seal is not None and z.written_bytes < (
                     seal[1] + sum_blocks(seal[1], bs)) * bs:
-                # Reset after its seal, and the reset's record was lost in a crash
-                # (resets are journaled, not waited for): nothing of it is live
-                # (INV-4 says so otherwise), and the summary is gone.
-                del state.zone_seals[z.index]
-                seal = None
+                if not state.zone_live_blocks.get(z.index):
+                    # Reset after its seal, and the reset's record was lost in a
+                    # crash (resets are journaled, not waited for): nothing of it
+                    # is live, and the summary is gone.
+                    del state.zone_seals[z.index]
+                    seal = None
+                else:
+                    # Damaged metadata (fsck: INV-23): keep the seal, so reads of
+                    # its blocks fail as unverifiable (EIO), never as unmapped.
+                    log.error("data zone %d is sealed after %d blocks, but its write "
+                              "pointer is below the summary; its data cannot be "
+                              "verified (run fsck)", z.index, seal[1])
             dz.sealed = seal is not None
             if z.cond in (ZoneCond.READONLY, ZoneCond.OFFLINE):
                 dz.unusable = True
