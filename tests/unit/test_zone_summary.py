@@ -238,3 +238,34 @@ async def test_cache_eviction_under_readers_writers_and_the_cleaner(tmp_path: Pa
         assert fs.data.sums.misses > 10
         for path, data in files.items():
             assert await read_file(fs, path) == data
+
+
+async def test_a_zone_written_into_the_summary_room_is_finished_at_mount_unsealed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An image of format 3 or older used whole zones: a zone it wrote past today's
+    data room can never be sealed. The mount finishes it (its active-zone token
+    back), keeps its checksums in memory, and it reads and checks clean."""
+    from zonefs_py.alloc import allocator as allocator_mod
+    from zonefs_py.device.base import ZoneCond
+
+    image = tmp_path / "fs.img"
+    files = {f"/s{i}": pattern(60 + i, 73 * BS) for i in range(7)}  # 511 blocks
+    with monkeypatch.context() as m:
+        m.setattr(allocator_mod, "room_blocks", lambda _zone_blocks, _bs: 0)
+        async with mounted(image, create=True) as fs:
+            fs.data.sealer.enabled = False  # the old layout had no summaries
+            for path, data in files.items():
+                await write_file(fs, path, data)
+            zone = next(iter(fs.state.inodes[await resolve(fs, "/s0")].extents or ())).dev // ZONE
+            assert fs.alloc.zones[zone].reserved == 511 * BS  # the old layout's head
+    async with mounted(image) as fs:
+        dz = fs.alloc.zones[zone]
+        assert dz.reserved == dz.capacity
+        assert not dz.sealed
+        assert zone not in fs.state.zone_seals
+        assert next(z for z in fs.dev.report_zones() if z.index == zone).cond == ZoneCond.FULL
+        for path, data in files.items():
+            assert await read_file(fs, path) == data
+        await write_file(fs, "/new", pattern(70, 5000))  # lands in another zone
+        assert await resolve(fs, "/new")
+    assert fsck(image).clean
