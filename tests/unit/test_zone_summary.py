@@ -269,3 +269,33 @@ async def test_a_zone_written_into_the_summary_room_is_finished_at_mount_unseale
         await write_file(fs, "/new", pattern(70, 5000))  # lands in another zone
         assert await resolve(fs, "/new")
     assert fsck(image).clean
+
+
+async def test_a_sealed_zone_whose_summary_leaves_room_is_finished(tmp_path: Path) -> None:
+    """Zone capacity 1,018 blocks: 2 blocks kept, 1,016 of data need one summary
+    block, so the summary leaves the zone one block short of FULL; the sealer
+    finishes it (an open zone would hold an active-zone token for good)."""
+    from zonefs_py.device.base import ZoneCond
+    from zonefs_py.device.emulated import EmulatedZonedDevice
+    from zonefs_py.fs.mkfs import make_filesystem
+
+    image = tmp_path / "fs.img"
+    dev = EmulatedZonedDevice.create(image, size_bytes=128 * MiB, zone_size_bytes=8 * MiB,
+                                     zone_capacity_bytes=1018 * BS, max_active=8)
+    try:
+        make_filesystem(dev)
+    finally:
+        dev.close()
+    assert zonesum.room_blocks(1018, BS) == 2
+    assert zonesum.sum_blocks(1016, BS) == 1
+    data = pattern(80, 9 * MiB)
+    async with mounted(image) as fs:
+        await write_file(fs, "/big", data)
+        await fs.data.sealer.wait_idle()
+        assert len(fs.state.zone_seals) >= 2
+        conds = {z.index: z.cond for z in fs.dev.report_zones()}
+        for zone in fs.state.zone_seals:
+            assert conds[zone] == ZoneCond.FULL, zone
+        assert await read_file(fs, "/big") == data
+    async with mounted(image) as fs:
+        assert await read_file(fs, "/big") == data

@@ -77,6 +77,8 @@ class DataZone:
     sealed: bool = False
     #: Data bytes of a seal decided and not written yet (it counts in `inflight`).
     seal_at: int | None = None
+    #: The zone's whole capacity on the device (data room plus summary room).
+    zone_capacity: int = 0
 
     @property
     def remaining(self) -> int:
@@ -108,7 +110,7 @@ class Allocator:
             cap_blocks = z.capacity_bytes // bs
             data_cap = (cap_blocks - room_blocks(cap_blocks, bs)) * bs
             dz = DataZone(z.index, z.start_bytes, data_cap, min(z.written_bytes, data_cap),
-                          stream=stream, resets=resets)
+                          stream=stream, resets=resets, zone_capacity=z.capacity_bytes)
             seal = state.zone_seals.get(z.index)
             if seal is not None and z.written_bytes < (
                     seal[1] + sum_blocks(seal[1], bs)) * bs:

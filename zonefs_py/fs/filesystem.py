@@ -667,6 +667,9 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
             return
         self._writable()
         await self._flush_all()
+        # Zones that filled up are being sealed: their ZONE_SEAL ops go into this
+        # commit too (a sync leaves nothing of what came before it in flight).
+        await self.data.sealer.wait_idle()
         await self.journal.commit()
 
     def status(self) -> dict[str, object]:

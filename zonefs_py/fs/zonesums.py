@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from zonefs_py import errors
-from zonefs_py.alloc.allocator import Allocator
+from zonefs_py.alloc.allocator import Allocator, DataZone
 from zonefs_py.device.aread import AsyncReader
 from zonefs_py.device.base import ZonedDevice
 from zonefs_py.format import zonesum
@@ -124,7 +124,11 @@ class ZoneSealer:
         """System task: seal the queued zones. Never raises."""
         try:
             while self.alloc.seal_queue:
-                await self.seal(self.alloc.seal_queue.pop(0))
+                zone = self.alloc.seal_queue.pop(0)
+                try:
+                    await self.seal(zone, finish=True)
+                except OSError as exc:
+                    log.error("finishing data zone %d failed: %s", zone, exc)
         except BaseException as exc:  # a system task must not raise
             if not isinstance(exc, trio.Cancelled):
                 log.exception("sealing zones failed")
@@ -146,9 +150,10 @@ class ZoneSealer:
         (`to_finish`). Raises OSError if a finish fails (as finishing did)."""
         for z in zones:
             if self.alloc.zones[z].seal_at is not None:
-                await self.seal(z)
-            await trio.to_thread.run_sync(self.dev.finish_zone, z,
-                                          limiter=limiter or self.limiter)
+                await self.seal(z, finish=True, limiter=limiter)
+            else:
+                await trio.to_thread.run_sync(self.dev.finish_zone, z,
+                                              limiter=limiter or self.limiter)
 
     def close_zones_later(self, zones: list[int]) -> None:
         """`close_zones` from a system task (callers that cannot await); errors logged."""
@@ -170,42 +175,58 @@ class ZoneSealer:
         self._spawn(run, "zonefs-close-zones")
 
     # -- one seal -------------------------------------------------------------------
-    async def seal(self, zone: int) -> None:
-        """Write the zone's summary and record the seal (never raises OSError)."""
+    async def seal(self, zone: int, finish: bool = False,
+                   limiter: trio.CapacityLimiter | None = None) -> None:
+        """Write the zone's summary and record the seal; then, with `finish`, finish
+        the zone if the summary did not fill it (its active-zone token back),
+        while the seal still holds the zone (no reset can come between).
+
+        A failed summary write is logged, not raised (the zone stays unsealed);
+        a failed finish raises OSError."""
         dz = self.alloc.zones[zone]
         data_bytes = dz.seal_at
         if data_bytes is None:
             return
         ok = False
+        end = data_bytes
         try:
-            if not self.enabled or self.state.zone_seals.get(zone) is not None:
-                return
-            data_blocks = data_bytes // self.bs
-            resets = self.state.zone_info.get(zone, (0, 0, dz.resets))[2]
-            try:
-                csums = zone_checksums(self.state, zone, data_blocks)
-            except errors.CorruptionError as exc:
-                log.error("data zone %d not sealed: %s", zone, exc)
-                return
-            blob = zonesum.encode(zone, resets, csums, self.bs)
-            try:
-                await trio.to_thread.run_sync(self.dev.write, dz.start + data_bytes, blob,
-                                              limiter=self.limiter)
-            except OSError as exc:
-                log.error("writing the summary of data zone %d failed (%s); its checksums "
-                          "stay in the metadata", zone, exc)
-                return
-            if self.state.zone_info.get(zone, (0, 0, resets))[2] != resets:
-                return  # cannot happen: the seal holds the zone like an append
-            op = (OpType.ZONE_SEAL, zone, resets, data_blocks)
-            self.state.apply(op)
-            self.journal.add([op])
-            self.journal.data_dirty = True  # the summary is flushed before the op
-            self.sealed += 1
-            self.summary_bytes += len(blob)
-            ok = True
+            ok = await self._seal(zone, dz, data_bytes)
+            if ok:
+                end = data_bytes + zonesum.sum_blocks(data_bytes // self.bs, self.bs) * self.bs
+            if finish and end < dz.zone_capacity:
+                await trio.to_thread.run_sync(self.dev.finish_zone, zone,
+                                              limiter=limiter or self.limiter)
         finally:
             self.alloc.seal_written(zone, ok)
+
+    async def _seal(self, zone: int, dz: DataZone, data_bytes: int) -> bool:
+        """Write the summary and apply ZONE_SEAL; False if the zone stays unsealed."""
+        if not self.enabled or self.state.zone_seals.get(zone) is not None:
+            return False
+        data_blocks = data_bytes // self.bs
+        resets = self.state.zone_info.get(zone, (0, 0, dz.resets))[2]
+        try:
+            csums = zone_checksums(self.state, zone, data_blocks)
+        except errors.CorruptionError as exc:
+            log.error("data zone %d not sealed: %s", zone, exc)
+            return False
+        blob = zonesum.encode(zone, resets, csums, self.bs)
+        try:
+            await trio.to_thread.run_sync(self.dev.write, dz.start + data_bytes, blob,
+                                          limiter=self.limiter)
+        except OSError as exc:
+            log.error("writing the summary of data zone %d failed (%s); its checksums "
+                      "stay in the metadata", zone, exc)
+            return False
+        if self.state.zone_info.get(zone, (0, 0, resets))[2] != resets:
+            return False  # cannot happen: the seal holds the zone like an append
+        op = (OpType.ZONE_SEAL, zone, resets, data_blocks)
+        self.state.apply(op)
+        self.journal.add([op])
+        self.journal.data_dirty = True  # the summary is flushed before the op
+        self.sealed += 1
+        self.summary_bytes += len(blob)
+        return True
 
 
 class SumCache:
