@@ -156,3 +156,35 @@ async def test_checkpoint_lets_requests_run_and_recovers_exactly(
         dev.close()
     async with mounted(image) as fs:
         assert await read_tree(fs) == expected
+
+
+async def test_a_zone_sealed_while_the_snapshot_is_encoded(tmp_path: Path) -> None:
+    """The snapshot's head says the zone is unsealed; a ZONE_SEAL applied before the
+    cursor reaches the zone's files must not let them be encoded without their
+    checksums (EXTENT_SEALED in an unsealed zone is refused at recovery)."""
+    async with mounted(tmp_path / "fs.img", create=True) as fs:
+        fs.alloc.on_seal_ready = lambda: None  # the test seals by hand, mid-snapshot
+        data = pattern(7, 3 * (1 << 20))
+        await write_file(fs, "/big", data)
+        state = fs.state
+        ino = (await fs.lookup(ROOT_INO, b"big")).ino
+        inode = state.inodes[ino]
+        assert inode.extents is not None
+        zone = inode.extents.exts[0].dev // state.zone_size
+        assert fs.alloc.seal_queue == [zone]  # full, its seal decided, not written
+        assert zone not in state.zone_seals
+        expected = canonical(list(state.snapshot_ops()))
+        snap = Snapshot(state, encode_op)
+        try:
+            assert snap.step(1) is False  # the root only: "big" is not encoded yet
+            await fs.data.sealer.seal(fs.alloc.seal_queue.pop(0), finish=True)
+            assert zone in state.zone_seals
+            assert any(e.csums is None for e in inode.extents)
+            while not snap.step(3):
+                pass
+        finally:
+            snap.close()
+        got = load(snap.encoded_ops(), state.block_size, state.zone_size)  # no StateError
+        assert canonical(list(got.snapshot_ops())) == expected
+        assert zone not in got.zone_seals
+        await fs.sync()

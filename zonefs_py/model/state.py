@@ -395,21 +395,23 @@ class State:
         if info is not None and info[2] != resets:
             raise StateError(f"ZONE_SEAL of zone {zone} for reset {resets}, "
                              f"the zone is at reset {info[2]}")
-        self.zone_seals[zone] = (resets, data_blocks)
         lo = zone * self.zone_size
         hi = lo + data_blocks * self.block_size
-        for ino in self.zone_owners.get(zone, ()):
-            inode = self.inodes.get(ino)
-            if inode is None or inode.extents is None:
-                continue
+        owners = [inode for inode in map(self.inodes.get, self.zone_owners.get(zone, ()))
+                  if inode is not None and inode.extents is not None]
+        for inode in owners:  # check everything before changing anything
+            assert inode.extents is not None
+            for e in inode.extents:
+                if lo <= e.dev < lo + self.zone_size and e.dev + e.nblocks * self.block_size > hi:
+                    raise StateError(f"ZONE_SEAL of zone {zone} after {data_blocks} blocks, "
+                                     f"but inode {inode.ino} maps blocks past them")
+        self.zone_seals[zone] = (resets, data_blocks)
+        for inode in owners:
+            assert inode.extents is not None
             if self.snapshot is not None:
                 # The checkpoint being encoded describes the zone as unsealed:
                 # it must take this file with its checksums (copy-on-write).
                 self.snapshot.before_change(inode)
-            for e in inode.extents:
-                if lo <= e.dev < lo + self.zone_size and e.dev + e.nblocks * self.block_size > hi:
-                    raise StateError(f"ZONE_SEAL of zone {zone} after {data_blocks} blocks, "
-                                     f"but inode {ino} maps blocks past them")
             inode.extents.drop_csums(lo, hi)
 
     def _apply_counters(self, op: Op) -> None:
