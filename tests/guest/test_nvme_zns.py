@@ -70,7 +70,13 @@ async def test_mkfs_write_remount_fsck_on_nvme(nvme_factory: NvmeFactory) -> Non
     if nvme_factory.zone_append == "on":
         # The data path sent its 1 MiB chunks as 128 KiB Zone Appends (append_scattered).
         assert _appender(dev).appends >= 30 * MiB // (128 * KiB)
+    # The zones the big file filled are sealed (their checksums written after their
+    # data, format/zonesum.py), FULL on the drive, and read through the summaries.
+    assert len(fs.state.zone_seals) >= 2, fs.state.zone_seals
+    conds = {z.index: z.cond for z in dev.report_zones()}
+    assert all(conds[z] == ZoneCond.FULL for z in fs.state.zone_seals), conds
     assert await _read(fs, b"step-1.pt", ckdir) == big
+    assert fs.data.sums.misses > 0
     await assert_reads_use_ring(fs, b"step-1.pt", ckdir)
     await fs.close()
     report = check_filesystem(dev)
