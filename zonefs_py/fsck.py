@@ -341,7 +341,7 @@ def check_inv23_zone_summaries(dev: ZonedDevice, state: State, zones: dict[int, 
                        f"but is at reset {info[2] if info else 'unknown'}")
             continue
         z = zones.get(zone)
-        end = (data_blocks + zonesum.sum_blocks(data_blocks, bs)) * bs
+        end = zonesum.summary_end(data_blocks, bs)
         if not state.zone_live_blocks.get(zone):
             # Nothing reads it. (It may be stale: the zone reset, maybe written
             # again, and the records of that lost in a crash; the mount resets it.)
@@ -382,7 +382,6 @@ def check_inv12_data_checksums(dev: ZonedDevice, rec: Recovered, report: Report,
     total = sum(e.nblocks for exts in by_zone.values() for _, e in exts)
     done = 0
     step = 1 << 24
-    per = zonesum.per_block(bs)
     for zone in sorted(by_zone):
         summary: list[bytes | None] | None = None
         if zone in state.zone_seals:
@@ -396,7 +395,7 @@ def check_inv12_data_checksums(dev: ZonedDevice, rec: Recovered, report: Report,
                     csums: bytes | None = e.csums[first * 4:(first + nb) * 4]
                 else:
                     rel = (e.dev - zone * zsize) // bs + first
-                    csums = _summary_checksums(summary, per, rel, nb)
+                    csums = _summary_checksums(summary, bs, rel, nb)
                 if csums is None:
                     report.add("INV-12", f"inode {ino}: no intact summary checksums for "
                                f"file offsets {(e.fblock + first) * bs} to "
@@ -419,21 +418,16 @@ def check_inv12_data_checksums(dev: ZonedDevice, rec: Recovered, report: Report,
                     progress("data", done, total)
 
 
-def _summary_checksums(summary: list[bytes | None] | None, per: int, rel: int,
+def _summary_checksums(summary: list[bytes | None] | None, block_size: int, rel: int,
                        nblocks: int) -> bytes | None:
     """Checksums of zone blocks [rel, rel+nblocks) from a summary, None if any of
     the summary blocks holding them is damaged or missing."""
     if summary is None:
         return None
     out = bytearray()
-    for k in range(rel // per, (rel + nblocks - 1) // per + 1):
-        if k >= len(summary) or summary[k] is None:
-            return None
-        block = summary[k]
-        assert block is not None
-        a = max(rel, k * per) - k * per
-        b = min(rel + nblocks, (k + 1) * per) - k * per
-        if len(block) < b * 4:
+    for k, a, b in zonesum.covering(rel, nblocks, block_size):
+        block = summary[k] if k < len(summary) else None
+        if block is None or len(block) < b * 4:
             return None
         out += block[a * 4:b * 4]
     return bytes(out)

@@ -108,6 +108,7 @@ def families(doc: dict[str, Any]) -> Iterator[Metric]:
     yield from _zone_families(doc)
     yield from _stream_families(doc)
     yield from _cleaner_journal_families(doc)
+    yield from _zone_summary_families(doc)
     for op in ("read", "write"):
         summary = doc.get("latency", {}).get(op, {})
         hist = summary.get("histogram")
@@ -207,6 +208,9 @@ def _cleaner_journal_families(doc: dict[str, Any]) -> Iterator[Metric]:
                             value=_num(journal.get("pending_bytes")))
     yield GaugeMetricFamily("zonefs_journal_meta_zones_free", "Free metadata-log zones.",
                             value=_num(journal.get("meta_zones_free")))
+
+
+def _zone_summary_families(doc: dict[str, Any]) -> Iterator[Metric]:
     sums = doc.get("zone_summaries") or {}
     yield GaugeMetricFamily("zonefs_sealed_zones",
                             "Data zones whose checksums are in their summary blocks.",

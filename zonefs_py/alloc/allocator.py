@@ -45,7 +45,7 @@ from zonefs_py.device.base import DeviceInfo, Zone, ZoneCond
 from zonefs_py.format.constants import OpType, Stream
 from zonefs_py.format.ops import Op
 from zonefs_py.format.superblock import Superblock
-from zonefs_py.format.zonesum import room_blocks, sum_blocks
+from zonefs_py.format.zonesum import room_blocks, summary_end
 from zonefs_py.model.state import State
 
 log = logging.getLogger(__name__)
@@ -112,8 +112,7 @@ class Allocator:
             dz = DataZone(z.index, z.start_bytes, data_cap, min(z.written_bytes, data_cap),
                           stream=stream, resets=resets, zone_capacity=z.capacity_bytes)
             seal = state.zone_seals.get(z.index)
-            if seal is not None and z.written_bytes < (
-                    seal[1] + sum_blocks(seal[1], bs)) * bs:
+            if seal is not None and z.written_bytes < summary_end(seal[1], bs):
                 if not state.zone_live_blocks.get(z.index):
                     # Reset after its seal, and the reset's record was lost in a
                     # crash (resets are journaled, not waited for): nothing of it

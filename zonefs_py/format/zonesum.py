@@ -52,6 +52,20 @@ def sum_blocks(data_blocks: int, block_size: int) -> int:
     return -(-data_blocks // p)
 
 
+def summary_end(data_blocks: int, block_size: int) -> int:
+    """Bytes from the zone's start to the end of the summary of a zone sealed
+    after `data_blocks` data blocks (the write pointer the seal leaves)."""
+    return (data_blocks + sum_blocks(data_blocks, block_size)) * block_size
+
+
+def covering(rel: int, nblocks: int, block_size: int) -> list[tuple[int, int, int]]:
+    """The summary blocks holding the checksums of zone blocks [rel, rel+nblocks):
+    (summary block k, first and end entry in k), in order."""
+    p = per_block(block_size)
+    return [(k, max(rel, k * p) - k * p, min(rel + nblocks, (k + 1) * p) - k * p)
+            for k in range(rel // p, (rel + nblocks - 1) // p + 1)]
+
+
 def room_blocks(zone_blocks: int, block_size: int) -> int:
     """Blocks of a zone of `zone_blocks` kept for its summary: enough for a zone
     whose every other block is data (the most a seal can need)."""

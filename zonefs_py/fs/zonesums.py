@@ -192,7 +192,7 @@ class ZoneSealer:
         try:
             ok = await self._seal(zone, dz, data_bytes)
             if ok:
-                end = data_bytes + zonesum.sum_blocks(data_bytes // self.bs, self.bs) * self.bs
+                end = zonesum.summary_end(data_bytes // self.bs, self.bs)
             if finish and end < dz.zone_capacity:
                 await trio.to_thread.run_sync(self.dev.finish_zone, zone,
                                               limiter=limiter or self.limiter)
@@ -218,8 +218,6 @@ class ZoneSealer:
             log.error("writing the summary of data zone %d failed (%s); its checksums "
                       "stay in the metadata", zone, exc)
             return False
-        if self.state.zone_info.get(zone, (0, 0, resets))[2] != resets:
-            return False  # cannot happen: the seal holds the zone like an append
         op = (OpType.ZONE_SEAL, zone, resets, data_blocks)
         self.state.apply(op)
         self.journal.add([op])
@@ -337,18 +335,15 @@ class SumCache:
         else:
             self.hits += 1
         parts: list[bytes] = []
-        for k in range(k0, k1 + 1):
+        for k, a, b in zonesum.covering(rel, nblocks, bs):
             csums = got.get(k)
             if csums is None:
                 self.damaged += 1
-                lo, hi = max(rel, k * p), min(rel + nblocks, (k + 1) * p)
-                file_off = (fblock + lo - rel) * bs
+                file_off = (fblock + k * p + a - rel) * bs
                 log.error("damaged checksum block in %s: file offsets %d to %d cannot be "
                           "verified (summary block %d of zone %d, device offset %d)",
-                          self.path_of(ino), file_off, (fblock + hi - rel) * bs, k, zone,
-                          zone * zsize + (data_blocks + k) * bs)
+                          self.path_of(ino), file_off, (fblock + k * p + b - rel) * bs, k,
+                          zone, zone * zsize + (data_blocks + k) * bs)
                 raise SummaryDamaged(f"damaged checksum block for file offset {file_off}")
-            a = max(rel, k * p) - k * p
-            b = min(rel + nblocks, (k + 1) * p) - k * p
             parts.append(csums[a * 4:b * 4])
         return parts[0] if len(parts) == 1 else b"".join(parts)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 
 from zonefs_py.format.constants import OpType
 from zonefs_py.format.ops import Op
-from zonefs_py.format.zonesum import sum_blocks
+from zonefs_py.format.zonesum import summary_end
 from zonefs_py.model.drain import DrainRecord
 from zonefs_py.model.extents import EMPTY_EXTENTS, ExtentMap, Freed
 
@@ -387,8 +387,7 @@ class State:
 
     def _apply_zone_seal(self, op: Op) -> None:
         _, zone, resets, data_blocks = op
-        if (data_blocks + sum_blocks(data_blocks, self.block_size)) * self.block_size \
-                > self.zone_size or data_blocks <= 0:
+        if data_blocks <= 0 or summary_end(data_blocks, self.block_size) > self.zone_size:
             raise StateError(f"ZONE_SEAL of zone {zone} after {data_blocks} blocks: "
                              "its summary would not fit in the zone")
         info = self.zone_info.get(zone)
