@@ -194,6 +194,22 @@ def _fuse_conn(mountpoint: Path) -> Path:
     raise AssertionError(f"{mountpoint} is not mounted")
 
 
+def _wait_knobs(conn: Path, limit: str, threshold: str, m: Mount) -> None:
+    """The daemon writes the two knobs one after the other, after INIT: poll
+    until both hold (CI once read the threshold between the two writes)."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            seen = ((conn / "max_background").read_text().strip(),
+                    (conn / "congestion_threshold").read_text().strip())
+        except FileNotFoundError:
+            seen = ("", "")
+        if seen == (limit, threshold):
+            return
+        assert time.monotonic() < deadline, (seen, m.log_text())
+        time.sleep(0.05)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="fusectl and bdi knobs need root")
 def test_connection_is_tuned_after_init(image: Path, mount_factory: Mount) -> None:
     """Readahead 4 MiB and 64 background requests: O_DIRECT readers must not
@@ -201,21 +217,12 @@ def test_connection_is_tuned_after_init(image: Path, mount_factory: Mount) -> No
     m = mount_factory.start("io_uring=on,sqpoll_ms=0")
     (m.path / "f").write_bytes(b"y" * 4096)  # the tuning runs after INIT
     conn = _fuse_conn(m.path)
-    deadline = time.monotonic() + 10
-    while (not (conn / "max_background").exists()
-           or (conn / "max_background").read_text().strip() != "64"):
-        assert time.monotonic() < deadline, m.log_text()
-        time.sleep(0.05)
-    assert (conn / "congestion_threshold").read_text().strip() == "48"
+    _wait_knobs(conn, "64", "48", m)
     m.unmount()
     m.start("max_background=20,readahead_kb=1024")
     (m.path / "f").read_bytes()
     conn = _fuse_conn(m.path)
-    deadline = time.monotonic() + 10
-    while (conn / "max_background").read_text().strip() != "20":
-        assert time.monotonic() < deadline, m.log_text()
-        time.sleep(0.05)
-    assert (conn / "congestion_threshold").read_text().strip() == "15"
+    _wait_knobs(conn, "20", "15", m)
 
 
 def test_read_only_mount(image: Path, mount_factory: Mount) -> None:

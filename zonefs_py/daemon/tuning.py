@@ -83,10 +83,12 @@ def set_max_background(mountpoint: str, limit: int) -> None:
         if not os.path.isdir(conn):
             raise OSError(f"{conn} is missing (fusectl not mounted, or not root)")
         threshold = max(1, limit * 3 // 4)
-        with open(os.path.join(conn, "max_background"), "w") as f:
-            f.write(str(limit))
+        # The threshold first: the kernel bounds it by its own ceiling, not by
+        # max_background, so whoever sees the new limit sees the new threshold.
         with open(os.path.join(conn, "congestion_threshold"), "w") as f:
             f.write(str(threshold))
+        with open(os.path.join(conn, "max_background"), "w") as f:
+            f.write(str(limit))
         log.info("FUSE background limit %d, congestion threshold %d", limit, threshold)
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("could not raise the FUSE background limit of %s: %s (O_DIRECT "
