@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
-from helpers import OPTIONS, KiB, MiB, fsck_findings, new_image, read_file, write_file
+from helpers import CTX, OPTIONS, KiB, MiB, fsck_findings, new_image, read_file, write_file
 
 from zonefs_py import errors
 from zonefs_py.device.emulated import EmulatedZonedDevice
@@ -81,6 +81,38 @@ async def test_write_error_moves_the_writer_to_another_zone(image: Path) -> None
     assert fsck_findings(image) == []
     async with engine(image) as (fs, _dev):
         assert await read_file(fs, b"a.log") == a1 + a2
+
+
+@pytest.mark.parametrize("failing", ["first", "second"])
+async def test_write_error_in_either_piece_of_a_straddling_chunk(image: Path,
+                                                                 failing: str) -> None:
+    """A chunk crossing the end of a zone's data room is two pieces, both reserved
+    before either is appended: whichever fails, its bytes go to another zone and
+    the other piece stays where it landed."""
+    async with engine(image) as (fs, dev):
+        room = fs.alloc.zones[fs.sb.data_first_zone].capacity
+        head, tail = data(20, room - 64 * KiB), data(21, MiB)
+        fh, attr = await fs.create(ROOT_INO, b"ckpt.pt", 0o644, os.O_WRONLY, CTX)
+        try:
+            await fs.write(fh, 0, head)
+            await fs.fsync(fh, False)
+            (zone,) = zones_of(fs, attr.ino)
+            assert fs.alloc.zones[zone].remaining == 64 * KiB
+            if failing == "first":
+                dev.faults.fail_writes(zone, times=1)
+            else:  # the zone the allocator opens next
+                nxt = min(fs.alloc.empty_zones(), key=lambda z: (z.resets, z.idx)).idx
+                dev.faults.fail_writes(nxt, times=1)
+            await fs.write(fh, len(head), tail)
+            await fs.fsync(fh, False)  # retried elsewhere: acknowledged
+        finally:
+            await fs.release(fh)
+        assert not dev.faults.io_armed  # the armed write failed (and only once)
+        assert await read_file(fs, b"ckpt.pt") == head + tail
+        dev.faults.clear()
+    assert fsck_findings(image) == []
+    async with engine(image) as (fs, _dev):
+        assert await read_file(fs, b"ckpt.pt") == head + tail
 
 
 async def test_every_zone_failing_writes_is_eio_and_consistent(image: Path) -> None:

@@ -78,11 +78,11 @@ async def test_a_sequential_file_is_one_extent_per_zone(tmp_path: Path) -> None:
         inode = fs.state.inodes[attr.ino]
         assert inode.extents is not None
         zones = {e.dev // geo.zone_size_bytes for e in inode.extents}
-        # One extent per zone, but for the chunk that straddles the end of a zone's
-        # data room (zones keep room for their summary, so 1 MiB chunks do not
-        # divide it): its second piece is reserved after its first one landed, so
-        # the next chunks may reach the next zone first. That is a few extents per
-        # zone at most, never one per chunk.
-        assert len(inode.extents) <= 3 * len(zones), (len(inode.extents), len(zones))
+        # One extent per zone. Zones keep room for their summary, so 1 MiB chunks
+        # straddle each zone's end; both pieces of such a chunk are reserved before
+        # either is appended, so its second piece opens the next zone ahead of the
+        # later chunks (reserved one after the other, it gave up to 3 per zone).
+        assert len(inode.extents) == len(zones), [
+            (e.fblock, e.dev // 4096, e.nblocks) for e in inode.extents]
         assert await read_file(fs, "/ckpt.pt") == data
         fs.forget([(attr.ino, 1)])

@@ -53,7 +53,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from typing import NoReturn
+from typing import NamedTuple, NoReturn
 
 import trio
 
@@ -104,6 +104,15 @@ class WriteBuffer:
 MAX_INFLIGHT = 4
 #: Zone of a placed EXTENT op that is not its append's first slice (no in-flight mark).
 NO_ZONE = -1
+
+
+class _Reserved(NamedTuple):
+    """A piece of a chunk reserved in a zone and not yet appended."""
+
+    zone: int
+    granted: int
+    #: `AppendOrder` ticket, -1 without (zone append devices).
+    ticket: int
 
 
 class Chunk:
@@ -479,77 +488,163 @@ class DataPath:
 
     async def _place_pieces(self, inode: Inode, fblock: int, data: bytes,
                             stream: int, owner: int, placed: list[tuple[Op, int]]) -> None:
-        """Reserve, append and describe each piece of `data` (appended to `placed`)."""
-        pos = 0
+        """Reserve, append and describe each piece of `data` (appended to `placed`).
+
+        Every piece of the chunk is reserved (and ticketed, `AppendOrder`) before
+        any is appended, and one worker thread appends them in order: a chunk
+        that straddles the end of a zone's data room keeps its place at the start
+        of the next zone, ahead of the file's later chunks, and a sequential file
+        stays one extent per zone. (Reserved one after the other, the second
+        piece came after later chunks' pieces: up to 3 extents per zone.) The
+        byte ranges a failed append leaves are reserved again in another zone.
+        """
+        todo: list[tuple[int, int]] = [(0, len(data))]  # byte ranges not yet written
         failures = 0
-        while pos < len(data):
-            to_finish: list[int] = []
-            zone_ops: list[Op] = []
+        view = memoryview(data)
+        while todo:
             try:
-                zone, granted = self.alloc.reserve(stream, owner, len(data) - pos, zone_ops,
-                                                   to_finish)
-            except NeedCleaning:
-                if self.on_need_space is not None and await self.on_need_space():
-                    continue
-                raise errors.NoSpace("no space left on the device") from None
-            if zone_ops:
-                self.journal.add(zone_ops)
-            piece = memoryview(data)[pos:pos + granted]
-            ticket = -1
-            try:
-                await self.sealer.close_zones(to_finish)
-                if self.append_order is not None:
-                    ticket = self.append_order.ticket(zone)
-                landed, csums = await trio.to_thread.run_sync(self._checksum_and_append,
-                                                              zone, piece, ticket,
-                                                              limiter=self.limiter)
+                jobs, todo = await self._reserve_pieces(stream, owner, todo)
             except OSError as exc:
-                self.alloc.append_done(zone, ok=False)
+                # Finishing a zone to free its token failed (the zones just
+                # reserved were given up, as a failed append's zone is).
                 failures += 1
-                log.error("write of %d bytes to zone %d failed (%s); %s", granted, zone, exc,
-                          "retrying in another zone" if failures < 3 else "giving up")
-                if failures >= 3:
-                    raise errors.IOFailure(
-                        f"cannot write data of {self.path_of(inode.ino)}: {exc}") from exc
+                self._write_failed(inode, "finishing a zone for its token", exc, failures)
                 continue
+            try:
+                results = await trio.to_thread.run_sync(
+                    self._checksum_and_append,
+                    [(r.zone, view[lo:lo + r.granted], r.ticket) for lo, r in jobs],
+                    limiter=self.limiter)
+            except BaseException:
+                self._give_up([r for _, r in jobs])
+                raise
             finally:
-                if ticket >= 0:
-                    # A no-op when the worker marked it; else (the thread never ran,
-                    # or failed first) the next appends of the zone need not wait.
-                    assert self.append_order is not None
-                    self.append_order.done(zone, ticket)
-            # One EXTENT op per slice, at the address the device returned for it
-            # (zone append: slices land anywhere in the zone, in any order; DESIGN
-            # "Zone append"). Only the first carries the zone's in-flight mark.
-            first = fblock + pos // self.bs
-            for dev_off, b0, nb in self._slices(landed):
-                op = (OpType.EXTENT, inode.ino, first + b0, nb, dev_off,
-                      csums[b0 * 4:(b0 + nb) * 4])
-                placed.append((op, zone if b0 == 0 else NO_ZONE))
-            self._count(C_DATA_BYTES, granted)
-            self._count(C_STREAM_BASE + stream, granted)
-            pos += granted
+                if self.append_order is not None:
+                    # A no-op when the worker marked it; else (the thread failed
+                    # first) the next appends of the zone need not wait.
+                    for _, r in jobs:
+                        self.append_order.done(r.zone, r.ticket)
+            error: OSError | None = None
+            for (lo, r), result in zip(jobs, results, strict=True):
+                if isinstance(result, OSError):
+                    self.alloc.append_done(r.zone, ok=False)
+                    failures += 1
+                    error = result
+                    todo.append((lo, lo + r.granted))
+                    log.error("write of %d bytes to zone %d failed (%s); %s", r.granted,
+                              r.zone, result, "retrying in another zone" if failures < 3
+                              else "giving up")
+                    continue
+                landed, csums = result
+                # One EXTENT op per slice, at the address the device returned for
+                # it (zone append: slices land anywhere in the zone, in any order;
+                # DESIGN "Zone append"). Only the first carries the zone's
+                # in-flight mark.
+                first = fblock + lo // self.bs
+                for dev_off, b0, nb in self._slices(landed):
+                    op = (OpType.EXTENT, inode.ino, first + b0, nb, dev_off,
+                          csums[b0 * 4:(b0 + nb) * 4])
+                    placed.append((op, r.zone if b0 == 0 else NO_ZONE))
+                self._count(C_DATA_BYTES, r.granted)
+                self._count(C_STREAM_BASE + stream, r.granted)
+            if error is not None and failures >= 3:
+                raise errors.IOFailure(
+                    f"cannot write data of {self.path_of(inode.ino)}: {error}") from error
+            todo.sort()
 
-    def _checksum_and_append(self, zone: int, piece: memoryview,
-                             ticket: int) -> tuple[list[tuple[int, int]], bytes]:
-        """Worker thread: checksum the blocks, then append them (one thread hop);
-        return [(device offset, bytes)] of consecutive slices, and the checksums.
+    def _write_failed(self, inode: Inode, what: str, exc: OSError, failures: int) -> None:
+        """Log a failed write or finish; raise IOFailure at the third."""
+        log.error("%s failed (%s); %s", what, exc,
+                  "retrying in another zone" if failures < 3 else "giving up")
+        if failures >= 3:
+            raise errors.IOFailure(
+                f"cannot write data of {self.path_of(inode.ino)}: {exc}") from exc
 
-        With a `ticket` (>= 0) the append waits for the zone's earlier ones
+    def _give_up(self, pending: list[_Reserved]) -> None:
+        """Account reservations that will never be appended as failed appends (their
+        zones' write pointers would trail their reservations: stop using them)."""
+        for r in pending:
+            if r.ticket >= 0:
+                assert self.append_order is not None
+                self.append_order.done(r.zone, r.ticket)
+            self.alloc.append_done(r.zone, ok=False)
+
+    async def _reserve_pieces(self, stream: int, owner: int, todo: list[tuple[int, int]]
+                              ) -> tuple[list[tuple[int, _Reserved]], list[tuple[int, int]]]:
+        """Reserve the byte ranges `todo` for (stream, owner), one piece per zone;
+        then finish the zones the allocator gave up for their tokens.
+
+        Returns the pieces as (offset in the chunk, reservation), and the ranges
+        left for later. With no space for the first piece: ask for cleaning, then
+        NoSpace. With no space for a later one: stop there; the pieces reserved
+        are appended first (waiting for the cleaner while holding them could wait
+        on their own zones). Raises OSError if a zone cannot be finished (the
+        pieces are given up).
+        """
+        jobs: list[tuple[int, _Reserved]] = []
+        rest = list(todo)
+        to_finish: list[int] = []
+        try:
+            while rest:
+                lo, hi = rest[0]
+                zone_ops: list[Op] = []
+                try:
+                    zone, granted = self.alloc.reserve(stream, owner, hi - lo, zone_ops,
+                                                       to_finish)
+                except (NeedCleaning, errors.NoSpace) as exc:
+                    if jobs:
+                        break
+                    if (isinstance(exc, NeedCleaning) and self.on_need_space is not None
+                            and await self.on_need_space()):
+                        continue
+                    self.sealer.close_zones_later(to_finish)
+                    to_finish = []
+                    if isinstance(exc, errors.NoSpace):
+                        raise
+                    raise errors.NoSpace("no space left on the device") from None
+                if zone_ops:
+                    self.journal.add(zone_ops)
+                order = self.append_order
+                ticket = order.ticket(zone) if order is not None else -1
+                jobs.append((lo, _Reserved(zone, granted, ticket)))
+                if lo + granted < hi:
+                    rest[0] = (lo + granted, hi)
+                else:
+                    rest.pop(0)
+            await self.sealer.close_zones(to_finish)
+        except BaseException:
+            self._give_up([r for _, r in jobs])
+            raise
+        return jobs, rest
+
+    def _checksum_and_append(self, jobs: list[tuple[int, memoryview, int]]
+                             ) -> list[tuple[list[tuple[int, int]], bytes] | OSError]:
+        """Worker thread: for each (zone, piece, ticket) in order, checksum the
+        blocks, then append them (one thread hop for the chunk's pieces); return
+        per piece [(device offset, bytes)] of consecutive slices and the
+        checksums, or the OSError its append failed with.
+
+        With a `ticket` (>= 0) an append waits for the zone's earlier ones
         (`fs/append_order.py`): a file's chunks then land in file order.
         """
-        csums = block_checksums(piece, self.bs)
+        out: list[tuple[list[tuple[int, int]], bytes] | OSError] = []
         order = self.append_order
-        if ticket >= 0 and order is not None:
-            order.wait(zone, ticket)
-        try:
-            scattered = getattr(self.dev, "append_scattered", None)
-            if scattered is not None:
-                return scattered(zone, piece), csums
-            return [(self.dev.append(zone, piece), piece.nbytes)], csums
-        finally:
-            if ticket >= 0 and order is not None:
-                order.done(zone, ticket)
+        scattered = getattr(self.dev, "append_scattered", None)
+        for zone, piece, ticket in jobs:
+            try:
+                csums = block_checksums(piece, self.bs)
+                if ticket >= 0 and order is not None:
+                    order.wait(zone, ticket)
+                if scattered is not None:
+                    out.append((scattered(zone, piece), csums))
+                else:
+                    out.append(([(self.dev.append(zone, piece), piece.nbytes)], csums))
+            except OSError as exc:
+                out.append(exc)
+            finally:
+                if ticket >= 0 and order is not None:
+                    order.done(zone, ticket)
+        return out
 
     def _slices(self, landed: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
         """(device offset, first block, blocks) per slice, device-contiguous ones merged."""
