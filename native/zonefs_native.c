@@ -743,11 +743,20 @@ int zn_batch(struct zn_ring *ring, int fd, struct zn_pool *pool, uint32_t block_
 
 /* ------------------------------------------------------------ completion-driven reads */
 
+/* What a slot's read is checked against when it completes (zn_aring_reap). */
+struct zn_aslot {
+    const uint8_t *csums;  /* NULL: not verified; else length / block_size checksums */
+    uint32_t length;
+    uint32_t block_size;
+    const void *buf;
+};
+
 struct zn_aring {
     struct io_uring ring;
     int efd;
-    uint32_t entries;
+    uint32_t entries;      /* slots: reads in flight at most (<= CQ entries) */
     uint32_t inflight;
+    struct zn_aslot *slots;
 };
 
 struct zn_aring *zn_aring_new(uint32_t entries, uint32_t sqpoll_idle_ms, int *err)
@@ -761,6 +770,12 @@ struct zn_aring *zn_aring_new(uint32_t entries, uint32_t sqpoll_idle_ms, int *er
     }
     r = calloc(1, sizeof(*r));
     if (!r) {
+        *err = -ENOMEM;
+        return NULL;
+    }
+    r->slots = calloc(entries, sizeof(*r->slots));
+    if (!r->slots) {
+        free(r);
         *err = -ENOMEM;
         return NULL;
     }
@@ -778,6 +793,7 @@ struct zn_aring *zn_aring_new(uint32_t entries, uint32_t sqpoll_idle_ms, int *er
         rc = io_uring_queue_init(entries, &r->ring, 0);
     }
     if (rc < 0) {
+        free(r->slots);
         free(r);
         *err = rc;
         return NULL;
@@ -786,6 +802,7 @@ struct zn_aring *zn_aring_new(uint32_t entries, uint32_t sqpoll_idle_ms, int *er
     if (r->efd < 0) {
         rc = -errno;
         io_uring_queue_exit(&r->ring);
+        free(r->slots);
         free(r);
         *err = rc;
         return NULL;
@@ -794,11 +811,13 @@ struct zn_aring *zn_aring_new(uint32_t entries, uint32_t sqpoll_idle_ms, int *er
     if (rc < 0) {
         close(r->efd);
         io_uring_queue_exit(&r->ring);
+        free(r->slots);
         free(r);
         *err = rc;
         return NULL;
     }
-    r->entries = r->ring.cq.ring_entries;
+    /* Never more reads in flight than CQ entries: no completion is ever dropped. */
+    r->entries = entries < r->ring.cq.ring_entries ? entries : r->ring.cq.ring_entries;
     *err = 0;
     return r;
 }
@@ -809,6 +828,7 @@ void zn_aring_free(struct zn_aring *ring)
         return;
     io_uring_queue_exit(&ring->ring);
     close(ring->efd);
+    free(ring->slots);
     free(ring);
 }
 
@@ -817,22 +837,42 @@ int zn_aring_eventfd(struct zn_aring *ring)
     return ring->efd;
 }
 
-int zn_aring_read(struct zn_aring *ring, int fd, void *buf, uint64_t length,
-                  uint64_t offset, uint64_t tag)
+static inline uint32_t block_csum(const uint8_t *p, uint32_t block_size);
+
+static int block_csum_ok(const uint8_t *p, uint32_t length, uint32_t block_size,
+                         const uint8_t *csums)
+{
+    for (uint32_t i = 0; i < length / block_size; i++) {
+        const uint8_t *e = csums + (uint64_t)i * 4;
+        uint32_t want = (uint32_t)e[0] | (uint32_t)e[1] << 8 | (uint32_t)e[2] << 16
+                        | (uint32_t)e[3] << 24;
+        if (block_csum(p + (uint64_t)i * block_size, block_size) != want)
+            return (int)i;
+    }
+    return -1;
+}
+
+int zn_aring_read(struct zn_aring *ring, int fd, void *buf, uint32_t length,
+                  uint64_t offset, uint32_t slot, const uint8_t *csums,
+                  uint32_t block_size)
 {
     struct io_uring_sqe *sqe;
     int rc;
 
-    if (length == 0 || length > UINT32_MAX)
+    if (length == 0 || slot >= ring->entries || (csums && (block_size == 0
+            || length % block_size)))
         return -EINVAL;
-    /* Never more reads in flight than CQ entries: no completion is ever dropped. */
     if (ring->inflight >= ring->entries)
         return -EBUSY;
     sqe = io_uring_get_sqe(&ring->ring);
     if (!sqe)
         return -EBUSY;
-    io_uring_prep_read(sqe, fd, buf, (unsigned)length, offset);
-    io_uring_sqe_set_data64(sqe, tag);
+    io_uring_prep_read(sqe, fd, buf, length, offset);
+    io_uring_sqe_set_data64(sqe, slot);
+    ring->slots[slot].csums = csums;
+    ring->slots[slot].length = length;
+    ring->slots[slot].block_size = block_size;
+    ring->slots[slot].buf = buf;
     do {
         rc = io_uring_submit(&ring->ring);
     } while (rc == -EINTR);
@@ -842,7 +882,8 @@ int zn_aring_read(struct zn_aring *ring, int fd, void *buf, uint64_t length,
     return 0;
 }
 
-int zn_aring_reap(struct zn_aring *ring, uint64_t *tags, int32_t *results, uint32_t max)
+int zn_aring_reap(struct zn_aring *ring, uint32_t *slots, int32_t *results, int32_t *bad,
+                  uint32_t max, int clear)
 {
     struct io_uring_cqe *cqe;
     unsigned head;
@@ -850,17 +891,28 @@ int zn_aring_reap(struct zn_aring *ring, uint64_t *tags, int32_t *results, uint3
     uint64_t count;
 
     /* Clear first: a completion posted after this read signals again. */
-    if (read(ring->efd, &count, sizeof(count)) < 0 && errno != EAGAIN)
+    if (clear && read(ring->efd, &count, sizeof(count)) < 0 && errno != EAGAIN)
         return -errno;
     io_uring_for_each_cqe(&ring->ring, head, cqe) {
         if (n == max)
             break;
-        tags[n] = io_uring_cqe_get_data64(cqe);
+        slots[n] = (uint32_t)io_uring_cqe_get_data64(cqe);
         results[n] = cqe->res;
+        bad[n] = -1;
         n++;
     }
     io_uring_cq_advance(&ring->ring, n);
     ring->inflight -= n;
+    /* Verify after advancing: the slots' buffers are the caller's now, the CQ is free. */
+    for (uint32_t i = 0; i < n; i++) {
+        struct zn_aslot *s = &ring->slots[slots[i] < ring->entries ? slots[i] : 0];
+        if (slots[i] >= ring->entries || !s->csums || results[i] != (int32_t)s->length)
+            continue;
+        bad[i] = block_csum_ok(s->buf, s->length, s->block_size, s->csums);
+        if (bad[i] >= 0)
+            results[i] = ZN_AR_BADSUM;
+        s->csums = NULL;
+    }
     return (int)n;
 }
 

@@ -124,12 +124,23 @@ struct zn_aring;
 struct zn_aring *zn_aring_new(uint32_t entries, uint32_t sqpoll_idle_ms, int *err);
 void zn_aring_free(struct zn_aring *ring);
 int zn_aring_eventfd(struct zn_aring *ring);
-/* Queue and submit one read; 0, -EBUSY when the ring is full, or -errno. */
-int zn_aring_read(struct zn_aring *ring, int fd, void *buf, uint64_t length,
-                  uint64_t offset, uint64_t tag);
-/* Clear the eventfd, then return up to `max` completions: tags[i] and
- * results[i] (bytes read, or -errno). */
-int zn_aring_reap(struct zn_aring *ring, uint64_t *tags, int32_t *results, uint32_t max);
+/* zn_aring_reap result of a read whose data failed its checksums. */
+#define ZN_AR_BADSUM -100000
+/* Queue and submit one read into `slot` (< entries, the caller's own slot
+ * number, free until reaped). csums: NULL, or length / block_size
+ * little-endian u32 block checksums (docs/SPEC.md) that the completed data is
+ * verified against in zn_aring_reap; the caller keeps them alive until then.
+ * 0, -EBUSY when the ring is full, or -errno. */
+int zn_aring_read(struct zn_aring *ring, int fd, void *buf, uint32_t length,
+                  uint64_t offset, uint32_t slot, const uint8_t *csums,
+                  uint32_t block_size);
+/* Return up to `max` completions, without blocking: slots[i] and results[i]
+ * (bytes read; ZN_AR_BADSUM with bad[i] the first block that failed its
+ * checksum; or -errno), each read of a slot with checksums verified here
+ * (C, GIL released). clear: read the eventfd first (a completion posted
+ * after that signals again); 0 peeks at the completion queue only. */
+int zn_aring_reap(struct zn_aring *ring, uint32_t *slots, int32_t *results, int32_t *bad,
+                  uint32_t max, int clear);
 void *zn_aligned_alloc(uint64_t size);
 void zn_aligned_free(void *ptr);
 

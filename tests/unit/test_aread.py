@@ -110,18 +110,13 @@ async def test_queued_small_reads_use_the_polled_ring_others_the_plain_ring(
         assert await reader.read(at, 4096) == blob[:4096]
         assert reader._ring.reaper_started
         assert not reader._polled.reaper_started
-        # A queue of small reads: those behind SQPOLL_MIN_INFLIGHT go to the polled ring.
-        got: dict[int, bytes] = {}
-
-        async def one(i: int) -> None:
-            got[i] = bytes(await reader.read(at + i * 4096, 4096))
-
-        async with trio.open_nursery() as nursery:
-            for i in range(2 * SQPOLL_MIN_INFLIGHT):
-                nursery.start_soon(one, i)
+        # A queue of small reads: those behind SQPOLL_MIN_INFLIGHT go to the polled ring
+        # (read_many submits them all before it waits for any).
+        spans = [(at + i * 4096, 4096) for i in range(2 * SQPOLL_MIN_INFLIGHT)]
+        got = await reader.read_many(spans)
         assert reader._polled.reaper_started
-        assert all(got[i] == blob[i * 4096:(i + 1) * 4096] for i in got)
-        assert len(got) == 2 * SQPOLL_MIN_INFLIGHT
+        assert [bytes(g) for g in got] == [blob[i * 4096:(i + 1) * 4096]
+                                           for i in range(2 * SQPOLL_MIN_INFLIGHT)]
         # Large reads never go to the polled ring.
         assert await reader.read(at, MiB) == blob
     assert not reader.uses_ring

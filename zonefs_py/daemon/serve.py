@@ -274,7 +274,7 @@ async def _serve_mounted(cfg: MountConfig, fs: Any, ops: Any, signals: Any,
 
 def _write_activity(fs: Any) -> int:
     """Bytes written by users, appended as data and copied by the cleaner (a moving sum)."""
-    from zonefs_py.fs.datapath import C_CLEANER_BYTES, C_DATA_BYTES, C_USER_BYTES
+    from zonefs_py.format.constants import C_CLEANER_BYTES, C_DATA_BYTES, C_USER_BYTES
 
     counters = fs.state.counters
     return sum(counters.get(c, 0) for c in (C_USER_BYTES, C_DATA_BYTES, C_CLEANER_BYTES))

@@ -93,3 +93,15 @@ class ZoneRole(enum.IntEnum):
     SUPERBLOCK = 1
     META = 2
     DATA = 3
+
+
+#: Inode flag: the stream in the low byte of the flags has been decided.
+FLAG_STREAM_SET = 0x100
+
+# Counter ids (persisted in COUNTERS ops; docs/SPEC.md "Counters").
+C_USER_BYTES = 1
+C_DATA_BYTES = 2
+C_META_BYTES = 3
+C_CLEANER_BYTES = 4
+C_PAD_BYTES = 5
+C_STREAM_BASE = 100  # + stream id: device data bytes per stream

@@ -39,7 +39,7 @@ from zonefs_py.alloc.allocator import Allocator
 from zonefs_py.cleaner.cleaner import Cleaner
 from zonefs_py.device.aread import AsyncReader
 from zonefs_py.device.base import ZonedDevice
-from zonefs_py.format.constants import OpType
+from zonefs_py.format.constants import C_META_BYTES, OpType
 from zonefs_py.format.ops import Op
 from zonefs_py.fs.after_recovery import finish_recovery, refuse_non_tree
 from zonefs_py.fs.api import (
@@ -53,7 +53,7 @@ from zonefs_py.fs.api import (
     SetAttrRequest,
     StatFs,
 )
-from zonefs_py.fs.datapath import C_META_BYTES, DataPath
+from zonefs_py.fs.datapath import DataPath
 from zonefs_py.fs.inline import InlineData, drop_idle_lock, inline_threshold
 from zonefs_py.fs.latency import Histogram
 from zonefs_py.fs.namespace import NamespaceOps
@@ -115,7 +115,7 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
             self.data.enable_prefetch(options.prefetch_mb << 20)
         if options.io_uring:
             self.data.reader = AsyncReader(dev, self.read_limiter, options.sqpoll_ms)
-            self.data.sums.reader = self.data.reader
+        self.data.reads.fast = options.fast_read
         self.reclaim = SpaceReclaim(dev, self.state, self.journal, self.alloc, self.limiter,
                                     self.data.sealer, self.data.sums)
         self.cleaner = Cleaner(self.reclaim, options.cleaner_policy, options.cleaner_rate_mb_s)
@@ -513,7 +513,7 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
             await self.data.after_earlier_writes(inode.ino)
         if inode.inline:
             return self.inline.read(inode, self.data.visible_size(inode), offset, length)
-        data = await self.data.read(inode, offset, length)
+        data = await self.data.reads.read(inode, offset, length)
         self.read_latency.record(time.perf_counter_ns() - t0)
         return data
 

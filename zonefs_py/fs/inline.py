@@ -38,9 +38,9 @@ with inline data is never evicted (there is no block to free).
 
 from __future__ import annotations
 
-from zonefs_py.format.constants import INLINE_MAX_BYTES
+from zonefs_py.format.constants import C_USER_BYTES, INLINE_MAX_BYTES
 from zonefs_py.format.ops import Op
-from zonefs_py.fs.datapath import C_USER_BYTES, DataPath
+from zonefs_py.fs.datapath import DataPath
 from zonefs_py.journal.journal import Journal
 from zonefs_py.model.state import Inode, State, inline_op
 
@@ -73,7 +73,7 @@ class InlineData:
         if buf is None or buf.start != 0 or inode.inline or not inode.is_reg:
             return False
         if inode.extents is None or len(inode.extents) or ino in data.inflight \
-                or ino in data.write_errors:
+                or ino in data.writes.write_errors:
             return False
         size = max(inode.size, buf.end)
         return size <= self.threshold and inode.ino in self.state.inodes
@@ -91,7 +91,8 @@ class InlineData:
         lk = self.data.locks.get(inode.ino)
         if lk is not None and lk.locked():
             return False
-        buf = self.data.buffers.pop(inode.ino)
+        buf = self.data.writes.drop_buffer(inode.ino)
+        assert buf is not None  # _eligible: the file has a buffer
         mtime = buf.mtime  # 0: no write since a SETATTR set the times (DataPath.times_set)
         body = bytes(buf.data).rstrip(b"\0")  # trailing zeros read back as the hole
         # One op: the INLINE op carries the size and times (no INODE op, 73 bytes less).

@@ -43,6 +43,10 @@ class FsOptions:
     #: With io_uring: a kernel thread polls submissions, sleeping after this many
     #: ms without reads; 0 submits from the event loop (see device/aread.py).
     sqpoll_ms: int = 2
+    #: The read fast path (fs/readpath.py): a read of one mapped piece is one C call
+    #: submitting it with its checksums, verified in C at completion; False: every
+    #: read takes the general path (for A/B comparison and tests).
+    fast_read: bool = True
     #: Read QoS: p90 latency (ms) reads may see in the engine before file-data appends
     #: are slowed down (fs/qos.py); 0 disables the controller.
     read_latency_ms: float = 2.0
@@ -85,6 +89,7 @@ class FsOptions:
         "cleaner_policy": ("cleaner_policy", str),
         "io_uring": ("io_uring", _flag),
         "sqpoll_ms": ("sqpoll_ms", int),
+        "fast_read": ("fast_read", _flag),
         "read_latency_ms": ("read_latency_ms", float),
         "prefetch_mb": ("prefetch_mb", int),
         "cache_mb": ("cache_mb", int),

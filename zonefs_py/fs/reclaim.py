@@ -23,9 +23,8 @@ from zonefs_py.alloc.allocator import Allocator
 from zonefs_py.cleaner.host import LivePiece, ZoneUsage
 from zonefs_py.device.base import ZonedDevice
 from zonefs_py.format.checksum import block_checksums, first_bad_block
-from zonefs_py.format.constants import OpType, Stream
+from zonefs_py.format.constants import C_CLEANER_BYTES, OpType, Stream
 from zonefs_py.format.ops import Op
-from zonefs_py.fs.datapath import C_CLEANER_BYTES
 from zonefs_py.fs.zonesums import SumCache, ZoneSealer
 from zonefs_py.journal.journal import Journal
 from zonefs_py.model.state import State

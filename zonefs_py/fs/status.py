@@ -14,16 +14,17 @@ from typing import Protocol
 from zonefs_py.alloc.allocator import Allocator
 from zonefs_py.cleaner.cleaner import Cleaner
 from zonefs_py.device.base import Zone, ZoneCond, ZonedDevice
-from zonefs_py.format.constants import Stream, ZoneRole
-from zonefs_py.format.superblock import Superblock
-from zonefs_py.fs.datapath import (
+from zonefs_py.format.constants import (
     C_CLEANER_BYTES,
     C_DATA_BYTES,
     C_PAD_BYTES,
     C_STREAM_BASE,
     C_USER_BYTES,
-    DataPath,
+    Stream,
+    ZoneRole,
 )
+from zonefs_py.format.superblock import Superblock
+from zonefs_py.fs.datapath import DataPath
 from zonefs_py.fs.latency import Histogram
 from zonefs_py.fs.options import FsOptions
 from zonefs_py.fs.quota import QuotaTracker

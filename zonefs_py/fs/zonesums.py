@@ -269,6 +269,40 @@ class SumCache:
             return await self.reader.read(off, nbytes)
         return await trio.to_thread.run_sync(self.dev.read, off, nbytes, limiter=self.limiter)
 
+    def cached(self, dev_off: int, nblocks: int) -> bytes | None:
+        """The checksums of `nblocks` blocks at `dev_off` in a sealed zone when every
+        summary block holding them is cached, else None (no await, no log line: the
+        caller then takes `checksums`, which reads, reports and counts)."""
+        bs = self.bs
+        zsize = self.state.zone_size
+        zone = dev_off // zsize
+        seal = self.state.zone_seals.get(zone)
+        rel = (dev_off - zone * zsize) // bs
+        if seal is None or rel + nblocks > seal[1]:
+            return None
+        resets = seal[0]
+        p = self.per_block
+        k0 = rel // p
+        if (rel + nblocks - 1) // p == k0:
+            key = (zone, resets, k0)
+            csums = self._lru.get(key)
+            if csums is None:
+                return None
+            self._lru.move_to_end(key)
+            self.hits += 1
+            a = rel - k0 * p
+            return csums[a * 4:(a + nblocks) * 4]
+        parts: list[bytes] = []
+        for k, a, b in zonesum.covering(rel, nblocks, bs):
+            csums = self._lru.get((zone, resets, k))
+            if csums is None:
+                return None
+            parts.append(csums[a * 4:b * 4])
+        for k in range(k0, (rel + nblocks - 1) // p + 1):
+            self._lru.move_to_end((zone, resets, k))
+        self.hits += 1
+        return b"".join(parts)
+
     async def checksums(self, ino: int, fblock: int, dev_off: int, nblocks: int) -> bytes:
         """The checksums of `nblocks` blocks at `dev_off`, in a sealed zone the caller
         has pinned. Raises SummaryDamaged (a log line names the file and offset) if
