@@ -77,6 +77,28 @@ async def test_random_reads_do_not_read_ahead(fs: ZoneFS) -> None:
     await fs.release(fh)
 
 
+async def test_a_short_run_reads_ahead_a_little_not_the_window(fs: ZoneFS) -> None:
+    """Three 128 KiB reads that happen to follow each other, then random ones (fio's
+    random map picks the next free block when it draws a taken one): read-ahead
+    starts at a few requests' worth and grows only as it is used (the window
+    was read whole for every such run: 2x the device bytes of a random 128 KiB
+    run)."""
+    fh, _ino, model = await streamed_file(fs)
+    pf = prefetcher(fs)
+    step = 128 << 10
+    for off in (0, step, 2 * step):
+        await read_and_check(fs, fh, model, off, off + 1, step=step)
+    await settle()
+    first = pf.segments_read
+    assert 1 <= first <= 2  # 4 x 128 KiB ahead: at most two segments, not the window
+    await read_and_check(fs, fh, model, 3 * step, 3 * step + 1, step=step)  # served: a hit
+    assert pf.hits == 2  # the third read (it started the stream) and this one
+    await read_and_check(fs, fh, model, 9 * MiB, 9 * MiB + 1, step=step)  # random: reset
+    await settle()
+    assert pf.segments_read <= first + 2
+    await fs.release(fh)
+
+
 async def test_overwrite_ahead_of_a_stream(fs: ZoneFS) -> None:
     fh, _ino, model = await streamed_file(fs)
     await read_and_check(fs, fh, model, 0, 3 * MiB)

@@ -56,6 +56,8 @@ import trio
 SEGMENT_BYTES = 1 << 20
 #: How far ahead of the newest request segments are kept in flight (default).
 WINDOW_BYTES = 8 << 20
+#: A new stream reads ahead this many of its requests' length (then doubles).
+START_REQUESTS = 4
 #: Reads in a row continuing a stream before it reads ahead.
 TRIGGER_READS = 3
 #: Request ends remembered per stream (out-of-order arrival of readahead requests).
@@ -79,13 +81,16 @@ class _Segment:
 
 
 class _Stream:
-    __slots__ = ("ends", "reach", "run", "segments")
+    __slots__ = ("ahead", "ends", "reach", "run", "segments")
 
     def __init__(self, end: int) -> None:
         self.reach = end  # end of the furthest request so far
         self.ends: deque[int] = deque((end,), maxlen=RECENT_ENDS)
         self.run = 1  # reads in a row continuing the stream
         self.segments: list[_Segment] = []  # by offset, not overlapping
+        #: How far ahead of `reach` this stream reads now (0: not started); grows
+        #: with every request served from read-ahead, up to the window.
+        self.ahead = 0
 
     def continues(self, offset: int) -> bool:
         if offset in self.ends:
@@ -131,8 +136,11 @@ class Prefetcher:
         if st is None:
             return None
         if st.run >= TRIGGER_READS:
-            self._top_up(ino, st, offset, size)
-        return await self._serve(st, offset, length)
+            self._top_up(ino, st, offset, length, size)
+        out = await self._serve(st, offset, length)
+        if out is not None:
+            st.ahead = min(self.window, 2 * st.ahead)
+        return out
 
     def _track(self, ino: int, offset: int, length: int) -> _Stream | None:
         st = self._streams.get(ino)
@@ -147,18 +155,29 @@ class Prefetcher:
         else:
             st.run = 1
             st.reach = 0
+            st.ahead = 0
             self.segments_dropped += len(st.segments)
             st.segments = []
         st.ends.append(offset + length)
         st.reach = max(st.reach, offset + length)
         return st
 
-    def _top_up(self, ino: int, st: _Stream, offset: int, size: int) -> None:
-        """Drop the segments behind the request; read ahead up to the window."""
+    def _top_up(self, ino: int, st: _Stream, offset: int, length: int, size: int) -> None:
+        """Drop the segments behind the request; read ahead up to the stream's reach.
+
+        The reach ramps up as the kernel's readahead does: a stream that just
+        started reads ahead `START_REQUESTS` of its requests, and twice as far
+        after every request read-ahead served, up to the window. A run of a few
+        requests that happen to follow each other (random 128 KiB reads: fio's
+        random map picks the next free block when it draws a taken one) then
+        costs a few hundred KiB of device reads, not the whole window.
+        """
         keep = [seg for seg in st.segments if seg.end > offset]
         st.segments = keep
+        if st.ahead == 0:
+            st.ahead = min(self.window, START_REQUESTS * length)
         start = keep[-1].end if keep else offset
-        limit = min(size, st.reach + self.window)
+        limit = min(size, st.reach + st.ahead)
         while start < limit:
             end = min(start + SEGMENT_BYTES, limit)
             seg = _Segment(start, end)
