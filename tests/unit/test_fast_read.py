@@ -86,8 +86,9 @@ async def _run_ops(fs: ZoneFS, seed: int, nops: int) -> tuple[int, int]:
             log.append(f"{step} concurrent write f{i} {off} + reads")
             got: list[tuple[int, int, int, bytes]] = []
 
-            async def reader(j: int, lo: int, n: int) -> None:
-                got.append((j, lo, n, bytes(await fs.read(files[j][0], lo, n))))
+            async def reader(j: int, lo: int, n: int,
+                             out: list[tuple[int, int, int, bytes]] = got) -> None:
+                out.append((j, lo, n, bytes(await fs.read(files[j][0], lo, n))))
 
             other = 1 - i
             omodel = files[other][1]
