@@ -258,7 +258,9 @@ class DataPath:
                 self.writes.buffered_delta(len(rest.data))
         if not data:
             return
-        await self.pipe.queue_chunk(inode, buf.start // bs, bytes(data), logical_end,
+        # The buffer's bytearray is the chunk's data as it is (no copy): nothing
+        # holds the buffer any more (dropped, or its tail moved to `rest`).
+        await self.pipe.queue_chunk(inode, buf.start // bs, data, logical_end,
                                     buf.mtime, final)
 
 

@@ -98,8 +98,8 @@ class WritePipeline:
     def _count(self, key: int, n: int) -> None:
         self.counters[key] = self.counters.get(key, 0) + n
 
-    async def queue_chunk(self, inode: Inode, fblock: int, data: bytes, logical_end: int,
-                           mtime: int, final: bool) -> None:
+    async def queue_chunk(self, inode: Inode, fblock: int, data: bytes | bytearray,
+                          logical_end: int, mtime: int, final: bool) -> None:
         """Send one chunk: written before returning if `final`, else by a system task
         (returning once at most MAX_INFLIGHT chunks of the file are in flight)."""
         chunk, chunks = self.writes.add_chunk(inode.ino, fblock, data, logical_end, mtime)
@@ -160,7 +160,7 @@ class WritePipeline:
         return self.apply_placed(inode, await self.place_file_data(inode, fblock, data))
 
     async def place_file_data(self, inode: Inode, fblock: int,
-                               data: bytes) -> list[tuple[Op, int]]:
+                              data: bytes | bytearray) -> list[tuple[Op, int]]:
         """Append data to zones; return (EXTENT op, zone) pairs not yet applied.
 
         ZONE_STATE ops of newly opened zones are applied and journaled here.
@@ -181,7 +181,7 @@ class WritePipeline:
         self.journal.data_dirty = True
         return placed
 
-    async def _place_pieces(self, inode: Inode, fblock: int, data: bytes,
+    async def _place_pieces(self, inode: Inode, fblock: int, data: bytes | bytearray,
                             stream: int, owner: int, placed: list[tuple[Op, int]]) -> None:
         """Reserve, append and describe each piece of `data` (appended to `placed`).
 

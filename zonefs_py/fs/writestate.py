@@ -53,7 +53,7 @@ class Chunk:
 
     __slots__ = ("applied", "data", "fblock", "logical_end", "mtime", "prev")
 
-    def __init__(self, fblock: int, data: bytes, logical_end: int, mtime: int,
+    def __init__(self, fblock: int, data: bytes | bytearray, logical_end: int, mtime: int,
                  prev: Chunk | None) -> None:
         self.fblock = fblock
         self.data = data
@@ -167,7 +167,7 @@ class FileWrites:
             size = max(size, chunk.logical_end)
         return size
 
-    def add_chunk(self, ino: int, fblock: int, data: bytes, logical_end: int,
+    def add_chunk(self, ino: int, fblock: int, data: bytes | bytearray, logical_end: int,
                   mtime: int) -> tuple[Chunk, list[Chunk]]:
         """Append a new chunk to the file's in-flight list; return it and the list."""
         chunks = self.inflight.setdefault(ino, [])
