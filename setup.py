@@ -26,7 +26,9 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=7", "pytest-trio>=0.8", "hypothesis>=6", "pytest-timeout>=2.1"],
-        "bench": ["matplotlib>=3.6"],
+        # bench/run --profile records flame graphs with py-spy (it samples the
+        # daemon from outside; nothing to import).
+        "bench": ["matplotlib>=3.6", "py-spy>=0.3.14"],
         # `zonefs-py stat --zone-map FILE.png`
         "plot": ["matplotlib>=3.6"],
         # Drain to an S3 object store (zonefs_py/drain). 1.36 is the first boto3

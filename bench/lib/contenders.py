@@ -195,6 +195,12 @@ class _Served(Contender):
         live = self._server.cpu_served_s() if self._server is not None else 0.0
         return self._cpu_retired + live
 
+    def daemon_pid(self) -> int | None:
+        """Return the pid of the running FUSE server process, if any."""
+        if self._server is None or self._server.proc is None:
+            return None
+        return self._server.proc.pid
+
 
 class NoopCeiling(_Served):
     """The no-op pyfuse3 filesystem (bench/noopfs.py): accepts writes, reads zeros."""
@@ -352,12 +358,6 @@ class ZonefsPy(_Served):
         start = time.perf_counter()
         self._start(self._new_server())
         return dropped, time.perf_counter() - start
-
-    def daemon_pid(self) -> int | None:
-        """Return the pid of the running `zonefs-py mount -f` process, if any."""
-        if self._server is None or self._server.proc is None:
-            return None
-        return self._server.proc.pid
 
     def fs_stats(self) -> dict[str, object] | None:
         try:

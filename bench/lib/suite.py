@@ -13,10 +13,12 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from . import torch_jobs, workloads
+from . import profile, torch_jobs, workloads
 from .contenders import Contender
 from .util import BenchError, summarize
 from .workloads import Config, SkipWorkload
@@ -108,7 +110,10 @@ def _run_one(workload: Workload, contender: Contender, cfg: Config) -> dict[str,
     cpu_before = contender.daemon_cpu_s()
     started = time.perf_counter()
     try:
-        figures = workload.func(contender, cfg)
+        with _profiled(workload, contender, cfg) as graphs:
+            figures = workload.func(contender, cfg)
+        if graphs:
+            figures["_profiles"] = [str(g) for g in graphs]
     except SkipWorkload as exc:
         return {"_skipped": str(exc)}
     except (BenchError, OSError, RuntimeError, ValueError) as exc:
@@ -124,6 +129,21 @@ def _run_one(workload: Workload, contender: Contender, cfg: Config) -> dict[str,
         figures["_fs_stats"] = {"after": stats_after,
                                 "delta": _numeric_delta(stats_before, stats_after)}
     return figures
+
+
+#: The contenders `--profile` records: the subject and the ceiling it is judged by.
+PROFILED = ("ceiling", "zonefs", "zonefs-b")
+
+
+def _profiled(workload: Workload, contender: Contender, cfg: Config
+              ) -> AbstractContextManager[list[Path]]:
+    """py-spy recordings of the contender's servers during the workload (`--profile`)."""
+    pid_of = getattr(contender, "daemon_pid", None)
+    if not cfg.profile_dir or contender.key not in PROFILED or pid_of is None:
+        return nullcontext([])
+    out = Path(cfg.profile_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return profile.recording(pid_of, out / f"{workload.name}-{contender.key}")
 
 
 def _add_cpu_figures(figures: dict[str, object], cpu_s: float) -> None:

@@ -55,6 +55,8 @@ class Config:
     #: contention_paced's read rate: half of zonefs-py's randread_4k_qd16 IOPS in this
     #: run (calibrated at its start) or --paced-iops; 0 = not known.
     paced_read_iops: int = 0
+    #: `--profile DIR`: py-spy flame graphs of the FUSE servers per workload (bench/lib/profile.py).
+    profile_dir: str = ""
 
     @classmethod
     def full(cls) -> Config:

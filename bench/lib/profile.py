@@ -1,0 +1,83 @@
+"""`bench/run --profile`: a py-spy flame graph of each FUSE server per workload.
+
+Every change to the request path is judged by where the daemon's time goes:
+with `--profile DIR` the suite records zonefs-py and the no-op ceiling with
+py-spy (`pip install py-spy`; it needs root or ptrace rights) for the whole
+of each workload and writes `DIR/<workload>-<contender>[-N].svg`. A workload
+that remounts (cold reads) gets one graph per server process: a thread
+follows the contender's daemon pid and starts a new recording when it
+changes. Sampling costs the daemon a little (py-spy reads its memory from
+outside, `--nonblocking`: the daemon is never paused), so figures of a
+profiled run are not compared with an unprofiled one.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+#: Samples per second.
+RATE_HZ = 250
+#: How often the daemon's pid is checked (a remount starts a new recording).
+POLL_S = 0.1
+
+
+def py_spy() -> str | None:
+    """The py-spy executable (beside this interpreter, as pip installs it, or on PATH)."""
+    beside = Path(sys.executable).parent / "py-spy"
+    return str(beside) if beside.exists() else shutil.which("py-spy")
+
+
+@contextmanager
+def recording(pid_of: Callable[[], int | None], out_stem: Path) -> Iterator[list[Path]]:
+    """Record every server process `pid_of()` names while the block runs; yield the
+    list of SVG files written (filled in when the block ends)."""
+    exe = py_spy()
+    written: list[Path] = []
+    if exe is None:
+        yield written
+        return
+    stop = threading.Event()
+    procs: list[tuple[subprocess.Popen[bytes], Path]] = []
+
+    def start(pid: int) -> None:
+        n = len(procs)
+        out = out_stem.with_name(out_stem.name + (f"-{n}" if n else "") + ".svg")
+        proc = subprocess.Popen([exe, "record", "-p", str(pid), "-r", str(RATE_HZ),
+                                 "--nonblocking", "-f", "flamegraph", "-o", str(out)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        procs.append((proc, out))
+
+    def follow(current: int | None) -> None:
+        while not stop.wait(POLL_S):
+            pid = pid_of()
+            if pid is not None and pid != current:
+                current = pid
+                start(pid)
+
+    pid = pid_of()
+    if pid is not None:
+        start(pid)
+    watcher = threading.Thread(target=follow, args=(pid,), daemon=True)
+    watcher.start()
+    try:
+        yield written
+    finally:
+        stop.set()
+        watcher.join()
+        for proc, out in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)  # py-spy writes its graph on SIGINT
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            if out.exists():
+                written.append(out)
