@@ -374,7 +374,7 @@ def test_progress_only_on_a_tty(image: Path, mnt: Path, workdir: Path) -> None:
     on_tty = subprocess.run(["script", "-qec", cmd, "/dev/null"], env=env(), text=True,
                             capture_output=True, timeout=300, stdin=subprocess.DEVNULL)
     assert on_tty.returncode == 0, on_tty.stdout
-    assert "replaying the log: " in on_tty.stdout and "(100%)" in on_tty.stdout  # noqa: PT018
+    assert "replaying the log: " in on_tty.stdout and "100%|" in on_tty.stdout  # noqa: PT018
     cmd = " ".join(shlex.quote(a) for a in [*ZONEFS, "mount", str(image), str(mnt),
                                              "--log-file", str(workdir / "daemon.log")])
     on_tty = subprocess.run(["script", "-qec", cmd, "/dev/null"], env=env(), text=True,
@@ -383,3 +383,13 @@ def test_progress_only_on_a_tty(image: Path, mnt: Path, workdir: Path) -> None:
         assert "mount: replaying the metadata log: " in on_tty.stdout, on_tty.stdout
     finally:
         daemon_unmount(image, mnt)
+    # mkfs: its zone resets, on a terminal only.
+    other = workdir / "other.img"
+    zonefs("emu", "create", str(other), "--size", "256M", "--zone-size", "16M")
+    quiet = zonefs("mkfs", str(other))
+    assert "resetting zones" not in quiet.stderr + quiet.stdout
+    cmd = " ".join(shlex.quote(a) for a in [*ZONEFS, "mkfs", "--force", str(other)])
+    on_tty = subprocess.run(["script", "-qec", cmd, "/dev/null"], env=env(), text=True,
+                            capture_output=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert on_tty.returncode == 0, on_tty.stdout
+    assert "resetting zones: 100%|" in on_tty.stdout, on_tty.stdout

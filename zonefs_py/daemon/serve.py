@@ -196,7 +196,7 @@ async def serve(cfg: MountConfig, report: Reporter, state: RunState,
                 # On a terminal (the caller's, until ready) the replay shows progress.
                 with gc_loading():
                     fs = await ZoneFS.load(device, cfg.fs_options, progress=progress_printer(
-                        "mount: replaying the metadata log"))
+                        "mount: replaying the metadata log", "B"))
                 ops = Operations(fs, writeback_cache=cfg.writeback_cache,
                                  attr_timeout_s=cfg.attr_timeout_s,
                                  entry_timeout_s=cfg.attr_timeout_s,
