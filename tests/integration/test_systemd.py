@@ -141,6 +141,21 @@ def test_sigterm_leaves_a_clean_image(image: Path, mount_factory: Mount) -> None
     assert (m.path / "ckpt").read_bytes() == data
 
 
+def test_sigterm_while_closing_does_not_stop_the_close(image: Path, mount_factory: Mount) -> None:
+    """`umount` then SIGTERM (systemd stopping an fstab mount unit): the close goes on."""
+    m = mount_factory.start()
+    with open(m.path / "big", "wb") as f:
+        for _ in range(100):
+            f.write(os.urandom(1 << 20))
+    fusermount_u(m.path, check=True)
+    assert m.proc is not None
+    for _ in range(2):
+        m.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.05)
+    assert m.wait_exit() == 0, m.log_text()
+    assert "clean shutdown" in m.log_text()
+
+
 def test_journal_stream_logs_without_timestamps(image: Path, workdir: Path) -> None:
     """With $JOURNAL_STREAM naming its stderr, `-f` logs `<prio>logger: message` lines."""
     mnt = workdir / "mnt"

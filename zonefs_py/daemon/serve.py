@@ -118,6 +118,10 @@ def serve_reporting(cfg: MountConfig, report: Reporter | None) -> int:
     state = RunState(cfg.device, cfg.mountpoint, cfg.log_file)
     state.fields["journal"] = logs_to_journal(cfg.log_file)
     notifier = Notifier()  # systemd's NOTIFY_SOCKET, if set (daemon/sdnotify.py)
+    # trio's signal receiver (serve) restores this handler when it closes: a SIGTERM
+    # after that (systemd stopping a unit whose umount came first) finds the
+    # shutdown done and must not turn the exit into a death by signal.
+    signal.signal(signal.SIGTERM, _signal_after_shutdown)
     try:
         status = trio.run(serve, cfg, report or (lambda _err: None), state, notifier)
     except KeyboardInterrupt:
@@ -148,6 +152,21 @@ def serve_reporting(cfg: MountConfig, report: Reporter | None) -> int:
     notifier.status("stopped" if status == 0 else "stopped: closing the filesystem failed")
     notifier.close()
     return status
+
+
+#: Set once `serve` let go of the device lock (all durable that could be): from then
+#: on a SIGTERM no longer matters.
+_SHUTDOWN_DONE: list[bool] = []
+
+
+def _signal_after_shutdown(signum: int, _frame: object) -> None:
+    """SIGTERM outside trio's receiver: after the shutdown, let the exit finish; before
+    the receiver opened (the first instants), die of it as without a handler."""
+    if _SHUTDOWN_DONE:
+        log.info("%s received after the shutdown: exiting anyway", signal.Signals(signum).name)
+        return
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -223,6 +242,7 @@ async def serve(cfg: MountConfig, report: Reporter, state: RunState,
             if clean:
                 state.remove()
             lock.release(remove=True)
+            _SHUTDOWN_DONE.append(True)  # still inside the signal receiver
 
 
 async def _become_ready(cfg: MountConfig, report: Reporter, state: RunState,
@@ -270,7 +290,8 @@ async def _serve_mounted(cfg: MountConfig, fs: Any, ops: Any, signals: Any,
             from zonefs_py.drain.drainer import Drainer
 
             nursery.start_soon(Drainer(fs.drain).run)
-        nursery.start_soon(_watch_signals, signals)
+        closing = trio.Event()  # set once the FUSE session is being closed
+        nursery.start_soon(_watch_signals, signals, closing)
         nursery.start_soon(_become_ready, cfg, report, state, failed, notifier, serving,
                            status_line)
         nursery.start_soon(notifier.run, serving, status_line)
@@ -300,6 +321,7 @@ async def _serve_mounted(cfg: MountConfig, fs: Any, ops: Any, signals: Any,
                     notifier.send("STOPPING=1", f"STATUS=unmounting {cfg.mountpoint}: writing "
                                   "buffered data, checkpoint, device flush")
                     state.update(state="stopping")
+                closing.set()
                 pyfuse3.close(unmount=True)
                 log.info("unmounted %s; closing the filesystem", cfg.mountpoint)
                 try:
@@ -339,13 +361,23 @@ async def _run_background(fs: Any, ops: Any) -> None:
         ops.failsafe(f"background task failed: {type(exc).__name__}: {exc}", exc)
 
 
-async def _watch_signals(signals: Any) -> None:
-    """SIGTERM / SIGINT end the FUSE loop (then the clean shutdown runs); SIGHUP is ignored."""
+async def _watch_signals(signals: Any, closing: trio.Event) -> None:
+    """SIGTERM / SIGINT end the FUSE loop (then the clean shutdown runs); SIGHUP is ignored.
+
+    Once the session is being closed (`closing`: after an unmount, or a first
+    SIGTERM) a signal is only logged: the shutdown is under way, and
+    `pyfuse3.terminate()` on a closed session crashed the daemon (SIGSEGV,
+    seen with systemd's SIGTERM after `umount` of an fstab mount).
+    """
     import pyfuse3
 
     async for signum in signals:
+        name = signal.Signals(signum).name
         if signum == signal.SIGHUP:
             log.info("SIGHUP ignored (the daemon has no terminal)")
-            continue
-        log.info("%s received: unmounting", signal.Signals(signum).name)
-        pyfuse3.terminate()
+        elif closing.is_set():
+            log.info("%s received while closing the filesystem: the clean shutdown goes on",
+                     name)
+        else:
+            log.info("%s received: unmounting", name)
+            pyfuse3.terminate()
