@@ -91,6 +91,26 @@ def test_ready_only_once_statfs_works_and_stopping_at_unmount(
     assert m.wait_exit() == 0
 
 
+def test_daemonizing_mount_notifies_with_its_pid(image: Path, workdir: Path,
+                                                 notify: NotifySocket) -> None:
+    """Without -f, READY=1 comes from the daemon before `mount` exits 0, naming MAINPID."""
+    mnt = workdir / "mnt"
+    mnt.mkdir()
+    daemon_mount(image, mnt, log=workdir / "daemon.log")
+    try:
+        ready: dict[str, str] = {}
+        while "READY" not in ready:  # already queued: sent before the mount command returned
+            blob = notify.sock.recv(4096, socket.MSG_DONTWAIT)
+            ready = dict(line.split("=", 1) for line in blob.decode().split("\n") if line)
+            notify.messages.append(ready)
+        pid = json.loads(zonefs("stat", str(mnt), "--json").stdout)["daemon"]["pid"]
+        assert ready["MAINPID"] == str(pid)
+    finally:
+        daemon_unmount(image, mnt)
+    assert any("STOPPING" in msg for msg in notify.messages) or \
+        notify.receive("STOPPING", timeout_s=10)
+
+
 def test_abstract_socket_and_watchdog(image: Path, mount_factory: Mount, workdir: Path,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     ns = NotifySocket(f"@zonefs-it-{os.getpid()}-{time.monotonic_ns()}")

@@ -263,9 +263,16 @@ async def _become_ready(cfg: MountConfig, report: Reporter, state: RunState,
         return
     log.info("%s is serving", cfg.mountpoint)
     state.update(state="serving")
+    # systemd first: whoever sees `mount` exit 0 finds READY=1 already sent.
+    if notifier.enabled:
+        try:
+            line = status_line()
+        except Exception:  # noqa: BLE001 - a status line must never fail the mount
+            log.exception("building the systemd status line failed")
+            line = f"serving {cfg.mountpoint}"
+        notifier.send("READY=1", *([] if cfg.foreground else [f"MAINPID={os.getpid()}"]),
+                      "STATUS=" + " ".join(line.split()))
     report(None)
-    notifier.send("READY=1", *([] if cfg.foreground else [f"MAINPID={os.getpid()}"]),
-                  "STATUS=" + " ".join(status_line().split()))
     serving.set()
 
 
