@@ -161,3 +161,19 @@ def test_good_flags() -> None:
                  ("--watch", "--json"), ("--format", "prometheus")):
         assert stat_cli.check_flags(_args(*argv)) is None, argv
     assert _args("--watch").watch == 1.0
+
+
+def test_watch_repeats_the_header_every_screenful(monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    import os
+
+    doc = sample_doc()
+    monkeypatch.setattr(stat_cli, "read_status", lambda _mnt: doc)
+    monkeypatch.setattr(stat_cli.time, "sleep", lambda _s: None)
+    monkeypatch.setattr(stat_cli.shutil, "get_terminal_size",
+                        lambda _fallback=None: os.terminal_size((100, 7)))
+    assert stat_cli.watch("/mnt", doc, 1.0, 12) == 0
+    lines = capsys.readouterr().out.splitlines()
+    headers = [i for i, line in enumerate(lines) if line.split()[0] == "time"]
+    assert headers == [0, 6, 12]  # 5 rows a screen of 7 lines (a header, a prompt)
+    assert len(lines) == 15
