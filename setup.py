@@ -20,6 +20,9 @@ setup(
     install_requires=[
         "cffi>=1.15.1",  # the first with Python 3.11 wheels
         "prometheus-client>=0.17",
+        # Progress bars on a terminal (mkfs, fsck, the replay at mount, fetch):
+        # small, pure Python, no dependencies of its own (zonefs_py/progress.py).
+        "tqdm>=4.64.1",
         "pyfuse3>=3.2.3",
         "trio>=0.23",  # to_thread.run_sync(abandon_on_cancel=) is new in 0.23
         "xxhash>=3.2",  # the first with Python 3.11 wheels

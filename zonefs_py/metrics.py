@@ -65,6 +65,8 @@ BYTE_COUNTERS = {
                              "All bytes written to the device (data + metadata + cleaner)."),
     "padding_bytes": ("zonefs_padding_bytes_total",
                       "Bytes of padding written to keep appends block-aligned."),
+    "user_bytes_read": ("zonefs_user_read_bytes_total",
+                        "Bytes answered to read requests (since mount)."),
 }
 #: The `space` section -> gauge name.
 SPACE_GAUGES = {

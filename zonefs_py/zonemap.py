@@ -103,6 +103,15 @@ def title(doc: dict[str, Any]) -> str:
             f"write amplification {wa if wa is not None else '-'}")
 
 
+def require_matplotlib() -> None:
+    """Raise MissingExtra unless matplotlib can be imported (checked before any output)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise MissingExtra("--zone-map needs matplotlib: pip install 'zonefs-py[plot]'") \
+            from None
+
+
 def save_png(doc: dict[str, Any], path: str) -> None:
     """Draw the zone map into `path` (PNG). Raises MissingExtra, ValueError, OSError."""
     try:

@@ -264,10 +264,13 @@ def test_enospc_when_full(workdir: Path, mount_factory: Mount) -> None:
 def test_stat_cli(mounted: Mount) -> None:
     (mounted.path / "f").write_bytes(rand_bytes(2 << 20, seed=1))
     os.sync()
-    human = zonefs("stat", str(mounted.path)).stdout
+    human = zonefs("stat", "--all", str(mounted.path)).stdout
     assert "Zones by condition" in human
     assert "Space" in human
     assert "write_amplification" in human
+    summary = zonefs("stat", str(mounted.path)).stdout
+    assert "write amplification" in summary
+    assert "Zones by condition" not in summary
     doc = json.loads(zonefs("stat", "--json", str(mounted.path)).stdout)
     assert mounted.proc is not None
     assert doc["daemon"]["pid"] == mounted.proc.pid

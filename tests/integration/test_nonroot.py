@@ -92,8 +92,9 @@ def test_user_makes_mounts_writes_stats_unmounts(user: pwd.struct_passwd,
         log = home / ".local" / "state" / "zonefs-py" / "z.img.log"
         assert doc["daemon"]["log_file"] == str(log)
         assert doc["user_bytes_written"] >= 6
-        text = as_user(user, home, *z, "stat", str(mnt)).stdout
+        text = as_user(user, home, *z, "stat", "--all", str(mnt)).stdout
         assert "Zone map" in text
+        assert "write amplification" in as_user(user, home, *z, "stat", str(mnt)).stdout
         prom = as_user(user, home, *z, "stat", str(mnt), "--format", "prometheus").stdout
         assert "zonefs_user_written_bytes_total" in prom
         # Commands stay root-only (the kernel keeps trusted.* for CAP_SYS_ADMIN).

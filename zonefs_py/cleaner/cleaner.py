@@ -72,6 +72,11 @@ class Cleaner:
         self.low_watermark = host.reserve_zones + max(2, host.data_zone_count() // 10)
 
     # -- choosing ---------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        """True while a pass (background or foreground) is cleaning."""
+        return self._lock.locked()
+
     def candidates(self) -> list[ZoneUsage]:
         """Zones worth cleaning: the host's candidates less the ones given up on."""
         return [z for z in self.host.candidate_zones() if z.zone_idx not in self.skip]

@@ -56,11 +56,18 @@ def run_drain(args: argparse.Namespace) -> int:
 
 
 def run_state(args: argparse.Namespace) -> int:
+    from zonefs_py.progress import FileProgress
+
     status = 0
-    for path in args.paths:
-        try:
-            os.setxattr(path, STATE_XATTR, args.word.encode())
-        except OSError as exc:
-            print(f"zonefs-py {args.cmd}: {path}: {exc.strerror}", file=sys.stderr)
-            status = 1
+    # A fetch waits for the store: a bar on a terminal (zonefs_py/progress.py).
+    bar = FileProgress("fetching", args.paths if args.cmd == "fetch" else [])
+    try:
+        for path in args.paths:
+            try:
+                bar.run(path, os.setxattr, path, STATE_XATTR, args.word.encode())
+            except OSError as exc:
+                print(f"zonefs-py {args.cmd}: {path}: {exc.strerror}", file=sys.stderr)
+                status = 1
+    finally:
+        bar.close()
     return status

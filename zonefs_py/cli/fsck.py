@@ -41,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
     def show(what: str, done: int, total: int) -> None:
         """One progress line per phase ("replaying the log", "checking data")."""
         if what not in bars:
-            bars[what] = progress_printer(what)
+            bars[what] = (progress_printer("checking data", "blocks") if what == "data"
+                          else progress_printer(what, "B"))
         bar = bars[what]
         if bar is not None:
             bar(done, total)

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         sb = make_filesystem(dev, args.label.encode(), meta_zones=args.meta_zones,
                              reserve_percent=args.reserve, force=args.force,
-                             progress=progress_printer("resetting zones"),
+                             progress=progress_printer("resetting zones", "zones"),
                              root_uid=uid, root_gid=gid)
     except errors.InvalidArgument as exc:
         print(f"zonefs-py mkfs: {exc}", file=sys.stderr)

@@ -1,19 +1,23 @@
-"""`zonefs-py stat MOUNTPOINT [--json | --format F] [--zone-map FILE.png]`: live figures.
+"""`zonefs-py stat MOUNTPOINT [--all | --json | --format F | --watch [S]] [--zone-map FILE.png]`.
 
 Reads the virtual xattr `trusted.zonefs.status` (root) or `user.zonefs.status`
-(the user who mounted) of the mount root (see `zonefs_py.control`): zones by
-condition, capacity, used and free space, user bytes vs device bytes (write
-amplification), per-stream figures, journal and cleaner state, and the
-daemon's own state (pid, failsafe, log file). `--format prometheus` prints
-the same figures in Prometheus's text format (`zonefs_py.metrics`);
-`--zone-map FILE.png` draws the zone map (`zonefs_py.zonemap`). When the
-mount is gone or its daemon died, the daemon's state record says why and
-where its log is.
+(the user who mounted) of the mount root (see `zonefs_py.control`). The
+default is one screen for people (`statusview.summary_lines`: device and
+size, used / free / reserve, write amplification, zones by role and
+condition, cleaner, journal, latency, drain queue and lag, failsafe and last
+error, log file); `--all` lists every figure of the document; `--json` and
+`--format prometheus` print it for programs (`zonefs_py.metrics`);
+`--watch [SECONDS]` prints one line of rates per interval (read and write
+MiB/s and IOPS, read p99, write amplification, cleaner and drain MiB/s,
+drain queue, free space) until Ctrl-C or `--count` lines; `--zone-map
+FILE.png` draws the zone map (`zonefs_py.zonemap`). When the mount is gone
+or its daemon died, the daemon's state record says why and where its log
+is. Every `stat` sweeps stale lock and state files (`runstate.sweep_stale`).
 
-Human output is plain text: one section per top-level object, aligned
-`key  value` lines, lists of objects as tables, byte counts humanised.
-The layout follows whatever `fs.status()` returns, so new engine figures
-show up without changes here.
+Flags are checked before anything is read or printed. The `--all` layout
+follows whatever `fs.status()` returns, so new engine figures show up
+without changes here: one section per top-level object, aligned `key
+value` lines, lists of objects as tables, byte counts humanised.
 """
 
 from __future__ import annotations
@@ -22,10 +26,13 @@ import argparse
 import errno
 import json
 import os
+import shutil
 import sys
+import time
 from typing import Any
 
-from zonefs_py import zonemap
+from zonefs_py import statusview, zonemap
+from zonefs_py.statusview import human_bytes
 
 STATUS_XATTR = "trusted.zonefs.status"
 USER_STATUS_XATTR = "user.zonefs.status"
@@ -38,13 +45,47 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("stat", help="show live figures of a mounted filesystem",
                               description=__doc__.split("\n\n")[1] if __doc__ else None)
     p.add_argument("mountpoint", metavar="MOUNTPOINT")
+    p.add_argument("--all", action="store_true",
+                   help="every figure, section by section (the default is one screen)")
     p.add_argument("--json", action="store_true", help="print the raw JSON document "
-                   "(same as --format json)")
+                   "(same as --format json); with --watch, one JSON object per interval")
     p.add_argument("--format", choices=("text", "json", "prometheus"), default="text",
                    help="text (default), json, or prometheus (text exposition format)")
+    p.add_argument("--watch", nargs="?", type=float, const=1.0, metavar="SECONDS",
+                   help="print a line of rates every SECONDS (default 1) until Ctrl-C")
+    p.add_argument("--count", type=int, metavar="N",
+                   help="with --watch: stop after N lines")
     p.add_argument("--zone-map", metavar="FILE.png",
                    help="also draw the zone map into FILE.png (needs zonefs-py[plot])")
     p.set_defaults(func=run)
+
+
+def check_flags(args: argparse.Namespace) -> str | None:
+    """Return why the flags cannot work together (or None): checked before any output."""
+    fmt = "json" if args.json else args.format
+    if args.json and args.format not in ("text", "json"):
+        return "--json and --format prometheus exclude each other"
+    if args.all and fmt != "text":
+        return "--all is a text listing; --json and --format prometheus print every figure"
+    if args.count is not None and args.watch is None:
+        return "--count needs --watch"
+    if args.watch is not None:
+        if not args.watch > 0:
+            return "--watch SECONDS must be positive"
+        if args.count is not None and args.count < 1:
+            return "--count must be at least 1"
+        if fmt == "prometheus" or args.all or args.zone_map:
+            return "--watch prints rates (text, or JSON lines with --json); it takes no " \
+                   "--all, --format prometheus or --zone-map"
+    if args.zone_map:
+        try:
+            zonemap.require_matplotlib()
+        except zonemap.MissingExtra as exc:
+            return str(exc)
+        directory = os.path.dirname(os.path.abspath(args.zone_map))
+        if not os.path.isdir(directory):
+            return f"{args.zone_map}: no such directory {directory}"
+    return None
 
 
 def read_status(mountpoint: str) -> dict[str, Any]:
@@ -77,6 +118,13 @@ def read_status(mountpoint: str) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of `zonefs-py stat`."""
+    problem = check_flags(args)
+    if problem:
+        print(f"zonefs-py stat: {problem}", file=sys.stderr)
+        return 2
+    from zonefs_py.daemon.runstate import sweep_stale
+
+    sweep_stale()
     try:
         doc = read_status(args.mountpoint)
     except RuntimeError as exc:
@@ -85,14 +133,18 @@ def run(args: argparse.Namespace) -> int:
             print(f"zonefs-py stat: {line}", file=sys.stderr)
         return 1
     fmt = "json" if args.json else args.format
+    if args.watch is not None:
+        return watch(args.mountpoint, doc, args.watch, args.count, as_json=fmt == "json")
     if fmt == "json":
         print(json.dumps(doc, indent=2, sort_keys=True))
     elif fmt == "prometheus":
         from zonefs_py.metrics import render as render_prometheus
 
         print(render_prometheus(doc), end="")
-    else:
+    elif args.all:
         print(render(doc, colour=zonemap.use_colour(sys.stdout)), end="")
+    else:
+        print("\n".join(statusview.summary_lines(doc)))
     if args.zone_map:
         try:
             zonemap.save_png(doc, args.zone_map)
@@ -102,6 +154,38 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             print(f"zonefs-py stat: {args.zone_map}: {exc.strerror}", file=sys.stderr)
             return 1
+    return 0
+
+
+def watch(mountpoint: str, doc: dict[str, Any], interval_s: float, count: int | None,
+          as_json: bool = False) -> int:
+    """Print a line of rates every `interval_s` (a header every screenful) until Ctrl-C,
+    `count` lines, or the mount goes away (exit 1)."""
+    rows = max(5, shutil.get_terminal_size((100, 24)).lines - 2)
+    prev, prev_t = doc, time.monotonic()
+    printed = 0
+    try:
+        while count is None or printed < count:
+            if not as_json and printed % rows == 0:
+                print(statusview.watch_header(), flush=True)
+            time.sleep(max(0.0, prev_t + interval_s - time.monotonic()))
+            try:
+                cur = read_status(mountpoint)
+            except RuntimeError as exc:
+                print(f"zonefs-py stat: {exc}", file=sys.stderr)
+                return 1
+            now = time.monotonic()
+            figures = statusview.interval_figures(prev, cur, now - prev_t)
+            figures["time"] = time.strftime("%H:%M:%S")
+            print(json.dumps(figures, sort_keys=True) if as_json
+                  else statusview.watch_line(figures), flush=True)
+            prev, prev_t = cur, now
+            printed += 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)  # end the line the ^C was echoed on
+    except BrokenPipeError:  # `stat --watch | head`
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), sys.stdout.fileno())
     return 0
 
 
@@ -119,8 +203,10 @@ def last_daemon_lines(mountpoint: str) -> list[str]:
         how = f"exited, {phase}"
     else:
         how = f"exited while {phase}, without shutting down (killed?)"
+    log_to = state.get("log_file") or ("the systemd journal" if state.get("journal")
+                                       else "stderr")
     lines = [f"last daemon on {mountpoint}: pid {state.get('pid')} ({how}), "
-             f"device {state.get('device')}, log {state.get('log_file') or 'stderr'}"]
+             f"device {state.get('device')}, log {log_to}"]
     if state.get("last_error"):
         lines.append(f"its last error: {state['last_error']}")
     return lines
@@ -135,16 +221,6 @@ SECTION_ORDER = ("device", "filesystem", "zones_by_condition", "zones_by_role", 
 ZONE_MAP_LEGEND = ("S superblock, M/m metadata (used/empty), . empty data, d/D data "
                    "(partly/fully written), x dead awaiting reset, ! read-only/offline, "
                    "c conventional")
-
-
-def human_bytes(n: int) -> str:
-    """Format a byte count as '1.5 GiB'."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 def format_value(key: str, value: Any) -> str:

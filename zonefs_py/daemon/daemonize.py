@@ -7,6 +7,11 @@ log file. The daemon writes `OK` only once the mount is serving (see
 `serve.serve`). Until then it keeps the caller's stderr, so libfuse's own
 messages are seen; then stdio goes to /dev/null and everything goes to the
 log file: `--log-file`, else `default_log_file()` (never nowhere).
+
+Under systemd (`$JOURNAL_STREAM` names our stderr) a foreground daemon
+without `--log-file` logs to stderr without timestamps or pids (journald
+adds them) and with a `<N>` syslog priority prefix per record, so
+`journalctl -p warning` works (`logs_to_journal`, `JournalFormatter`).
 """
 
 from __future__ import annotations
@@ -40,8 +45,43 @@ def default_log_file(device: str) -> str:
     return os.path.join(base, name + ".log")
 
 
+def logs_to_journal(log_file: str | None) -> bool:
+    """True when logging goes to stderr and stderr is systemd's journal stream.
+
+    systemd sets `$JOURNAL_STREAM=DEV:INODE` for a service whose stderr (or
+    stdout) is connected to the journal; it only counts if fd 2 is that file
+    (a child whose stderr was redirected inherits the variable too).
+    """
+    if log_file:
+        return False
+    dev, sep, ino = os.environ.get("JOURNAL_STREAM", "").partition(":")
+    if not (sep and dev.isdigit() and ino.isdigit()):
+        return False
+    try:
+        st = os.fstat(2)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (int(dev), int(ino))
+
+
+class JournalFormatter(logging.Formatter):
+    """`<priority>logger: message`, the form journald reads from a service's stderr."""
+
+    PRIORITIES = ((logging.CRITICAL, 2), (logging.ERROR, 3), (logging.WARNING, 4),
+                  (logging.INFO, 6))
+
+    def __init__(self) -> None:
+        super().__init__("%(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        prio = next((p for level, p in self.PRIORITIES if record.levelno >= level), 7)
+        # Each line of a traceback is its own journal entry: give them all the priority.
+        return f"<{prio}>" + super().format(record).replace("\n", f"\n<{prio}>")
+
+
 def setup_logging(level: str, log_file: str | None) -> None:
-    """Send the root logger to `log_file` (created with its directory), or stderr if None.
+    """Send the root logger to `log_file` (created with its directory), or stderr if None
+    (in journald's form when stderr is the journal: `logs_to_journal`).
 
     Raises MountError for an unknown level or a log file that cannot be opened.
     """
@@ -58,7 +98,7 @@ def setup_logging(level: str, log_file: str | None) -> None:
                              "(choose one with --log-file)") from None
     else:
         handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(
+    handler.setFormatter(JournalFormatter() if logs_to_journal(log_file) else logging.Formatter(
         "%(asctime)s.%(msecs)03d %(levelname)s %(name)s[%(process)d]: %(message)s",
         datefmt="%Y-%m-%d %H:%M:%S"))
     root = logging.getLogger()

@@ -9,6 +9,14 @@ or /tmp/zonefs-py-UID otherwise), named after the device's identity:
     it to say where the log is and why a mount is gone (a dead daemon can no
     longer answer the status xattr).
 
+Tidy: a clean unmount removes both. A daemon that failed or was killed
+leaves its record (that is how `stat` can say why) but not a held lock.
+`sweep_stale`, run by every mount and every `stat`, removes what no live
+daemon holds and nothing needs: lock files nobody has locked, records of
+daemons that stopped cleanly, records whose device is gone (a deleted
+image) and temporary files of dead writers. A failed or killed daemon's
+record stays until the next mount of its device replaces it.
+
 Light on imports on purpose: `zonefs-py stat` uses it.
 """
 
@@ -56,27 +64,49 @@ class DeviceLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        """Take the lock or raise LockHeld naming the holder."""
+        """Take the lock or raise LockHeld naming the holder.
+
+        A clean unmount unlinks the file while holding it (`release(remove=True)`)
+        and so may a sweep of stale files (`sweep_stale`): a lock taken on a file
+        that is no longer the one at `path` is dropped and taken again.
+        """
         os.makedirs(os.path.dirname(self.path), mode=0o755, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise LockHeld(f"{self.device} is already mounted by zonefs-py "
-                           f"(daemon pid {holder})") from None
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise LockHeld(f"{self.device} is already mounted by zonefs-py "
+                               f"(daemon pid {holder})") from None
+            if _same_file(fd, self.path):
+                break
+            os.close(fd)  # unlinked after we opened it: take the one there now
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
 
-    def release(self) -> None:
-        """Drop the lock (the file stays; its content is only a hint)."""
+    def release(self, remove: bool = False) -> None:
+        """Drop the lock; with `remove` (a clean unmount) unlink the file first."""
         if self._fd is not None:
             with contextlib.suppress(OSError):
-                os.ftruncate(self._fd, 0)
+                if remove and _same_file(self._fd, self.path):
+                    os.unlink(self.path)
+                else:
+                    os.ftruncate(self._fd, 0)
             os.close(self._fd)
             self._fd = None
+
+
+def _same_file(fd: int, path: str) -> bool:
+    """True if `path` names the file open as `fd`."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    fst = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
 
 
 class RunState:
@@ -102,6 +132,13 @@ class RunState:
             with open(tmp, "w") as f:
                 json.dump(self.fields, f, sort_keys=True)
             os.replace(tmp, self.path)
+
+    def remove(self) -> None:
+        """Delete the record (a clean unmount: nothing is left to explain)."""
+        if self.path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+            self.path = None
 
 
 def find_state(mountpoint: str) -> dict[str, Any] | None:
@@ -137,3 +174,76 @@ def pid_alive(pid: object) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def sweep_stale(directory: str | None = None) -> list[str]:
+    """Remove stale entries of `directory` (default `lock_dir()`); return their names.
+
+    Stale: a `.lock` no process holds (checked by taking it; unlinked while
+    held, so a daemon that opened it meanwhile retries, `DeviceLock.acquire`),
+    a `.json` record whose daemon is dead and that stopped cleanly or whose
+    device no longer exists (or is another file now), a `.tmp` of a dead
+    pid. Never raises: a sweep is housekeeping.
+    """
+    directory = directory or lock_dir()
+    removed: list[str] = []
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            if name.endswith(".lock"):
+                stale = _sweep_lock(path)  # unlinks it itself, under the lock
+            elif name.endswith((".json", ".tmp")):
+                stale = (_record_stale(path, name[:-len(".json")]) if name.endswith(".json")
+                         else not pid_alive(_tmp_pid(name)))
+                if stale:
+                    os.unlink(path)
+            else:
+                stale = False
+            if stale:
+                removed.append(name)
+        except OSError:
+            continue
+    return removed
+
+
+def _sweep_lock(path: str) -> bool:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # a live daemon holds it
+        if not _same_file(fd, path):
+            return False
+        os.unlink(path)
+        return True
+    finally:
+        os.close(fd)
+
+
+def _record_stale(path: str, key: str) -> bool:
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except ValueError:
+        doc = {}
+    if not isinstance(doc, dict):
+        doc = {}
+    if pid_alive(doc.get("pid")) and doc.get("state") not in ("stopped", "failed"):
+        return False
+    if doc.get("state") == "stopped" and not doc.get("last_error"):
+        return True
+    device = doc.get("device")
+    try:
+        return not isinstance(device, str) or device_key(device) != key
+    except OSError:
+        return True  # the device (an image, most often) is gone
+
+
+def _tmp_pid(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[-2]) if len(parts) >= 3 and parts[-2].isdigit() else None

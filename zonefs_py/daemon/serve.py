@@ -17,7 +17,13 @@ in the foreground with `-f`):
      filesystem and is reported as one line (traceback in the log);
   3. on `fusermount3 -u` / `umount` (the session ends) or SIGTERM / SIGINT
      (we call `pyfuse3.terminate`): unmount, then `fs.close()` (buffered data
-     written, journal checkpointed, device flushed), release the lock, exit 0.
+     written, journal checkpointed, device flushed), remove the state record
+     and release (and remove) the lock, exit 0.
+
+Under systemd (`$NOTIFY_SOCKET`, daemon/sdnotify.py) the daemon says
+STATUS= while loading, READY=1 at the moment `report(None)` is called,
+WATCHDOG=1 and a fresh STATUS= while serving, STOPPING=1 when step 3
+begins.
 
 A `kill -9` skips step 3; the next mount's `ZoneFS.load` recovers. Any
 fatal error is written to the log and to the state record, where
@@ -44,17 +50,19 @@ import logging
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 import trio
 
 from zonefs_py import control, errors
-from zonefs_py.daemon.daemonize import Reporter
+from zonefs_py.daemon.daemonize import Reporter, logs_to_journal
 from zonefs_py.daemon.gcpolicy import GcFreezer
 from zonefs_py.daemon.gcpolicy import loading as gc_loading
 from zonefs_py.daemon.memtrim import MemoryTrimmer
 from zonefs_py.daemon.options import MountConfig, MountError
-from zonefs_py.daemon.runstate import DeviceLock, LockHeld, RunState
+from zonefs_py.daemon.runstate import DeviceLock, LockHeld, RunState, sweep_stale
+from zonefs_py.daemon.sdnotify import Notifier
 from zonefs_py.daemon.tuning import tune_after_init, wait_serving
 from zonefs_py.progress import progress_printer
 
@@ -108,10 +116,17 @@ def serve_reporting(cfg: MountConfig, report: Reporter | None) -> int:
     if not keep_buffers_warm():
         log.debug("mallopt unavailable: request buffers use the C library's defaults")
     state = RunState(cfg.device, cfg.mountpoint, cfg.log_file)
+    state.fields["journal"] = logs_to_journal(cfg.log_file)
+    notifier = Notifier()  # systemd's NOTIFY_SOCKET, if set (daemon/sdnotify.py)
+    # trio's signal receiver (serve) restores this handler when it closes: a SIGTERM
+    # after that (systemd stopping a unit whose umount came first) finds the
+    # shutdown done and must not turn the exit into a death by signal.
+    signal.signal(signal.SIGTERM, _signal_after_shutdown)
     try:
-        status = trio.run(serve, cfg, report or (lambda _err: None), state)
+        status = trio.run(serve, cfg, report or (lambda _err: None), state, notifier)
     except KeyboardInterrupt:
         state.update(state="stopped", last_error="interrupted")
+        notifier.status("stopped: interrupted")
         return 130
     except BaseException as exc:  # noqa: BLE001 - every failure is reported, then exits 1
         exc = _unwrap(exc)
@@ -127,13 +142,31 @@ def serve_reporting(cfg: MountConfig, report: Reporter | None) -> int:
             # an expected failure in the foreground without a log file is just one line.
             log.error("mount failed: %s", msg, exc_info=None if expected else exc)
         state.update(state="failed", last_error=msg)
+        notifier.status(f"failed: {msg}")
         if report is not None:
             report(msg)
         else:
             print(f"zonefs-py: {msg}", file=sys.stderr)
         return 1
-    state.update(state="stopped" if status == 0 else "failed")
+    state.update(state="stopped" if status == 0 else "failed")  # no-op once removed (clean)
+    notifier.status("stopped" if status == 0 else "stopped: closing the filesystem failed")
+    notifier.close()
     return status
+
+
+#: Set once `serve` let go of the device lock (all durable that could be): from then
+#: on a SIGTERM no longer matters.
+_SHUTDOWN_DONE: list[bool] = []
+
+
+def _signal_after_shutdown(signum: int, _frame: object) -> None:
+    """SIGTERM outside trio's receiver: after the shutdown, let the exit finish; before
+    the receiver opened (the first instants), die of it as without a handler."""
+    if _SHUTDOWN_DONE:
+        log.info("%s received after the shutdown: exiting anyway", signal.Signals(signum).name)
+        return
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -149,12 +182,16 @@ def _test_hook(point: str) -> None:
         raise RuntimeError(f"injected failure ({TEST_HOOK_ENV}={point})")
 
 
-async def serve(cfg: MountConfig, report: Reporter, state: RunState) -> int:
+async def serve(cfg: MountConfig, report: Reporter, state: RunState,
+                notifier: Notifier | None = None) -> int:
     """Lock, open, recover, mount and serve until unmounted; return the exit status.
 
     Setup failures raise (MountError, LockHeld, a ZoneFSError, OSError,
-    RuntimeError); `report(None)` is called once the mount serves.
+    RuntimeError); `report(None)` is called once the mount serves (and
+    systemd told READY=1). A clean exit removes the state record; the lock
+    file is removed whenever the lock is let go (daemon/runstate.py, "Tidy").
     """
+    notifier = notifier or Notifier({})
     import pyfuse3
 
     from zonefs_py.device import open_device
@@ -162,10 +199,14 @@ async def serve(cfg: MountConfig, report: Reporter, state: RunState) -> int:
     from zonefs_py.fuse_ops import Operations
 
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        sweep_stale()
         lock = DeviceLock(cfg.device)
         lock.acquire()
         state.claim(lock)
+        clean = False
         try:
+            notifier.status(f"loading {cfg.device} (recovery replays the metadata log if the "
+                            "last unmount was not clean)")
             device = open_device(cfg.device, read_only=cfg.fs_options.read_only,
                                  zone_append=cfg.fs_options.zone_append)
             try:
@@ -174,13 +215,14 @@ async def serve(cfg: MountConfig, report: Reporter, state: RunState) -> int:
                 # On a terminal (the caller's, until ready) the replay shows progress.
                 with gc_loading():
                     fs = await ZoneFS.load(device, cfg.fs_options, progress=progress_printer(
-                        "mount: replaying the metadata log"))
+                        "mount: replaying the metadata log", "B"))
                 ops = Operations(fs, writeback_cache=cfg.writeback_cache,
                                  attr_timeout_s=cfg.attr_timeout_s,
                                  entry_timeout_s=cfg.attr_timeout_s,
                                  negative_timeout_s=cfg.attr_timeout_s)
                 control.DAEMON_INFO.update(log_file=cfg.log_file, mountpoint=cfg.mountpoint,
-                                           uid=os.getuid())
+                                           uid=os.getuid(), started=time.time(),
+                                           journal=logs_to_journal(cfg.log_file))
                 try:
                     pyfuse3.init(ops, cfg.mountpoint, cfg.fuse_options)
                 except RuntimeError:
@@ -191,16 +233,23 @@ async def serve(cfg: MountConfig, report: Reporter, state: RunState) -> int:
                          "min_tasks=%d)",
                          cfg.device, cfg.mountpoint, ",".join(sorted(cfg.fuse_options)),
                          cfg.writeback_cache, cfg.max_tasks, cfg.min_tasks)
-                return await _serve_mounted(cfg, fs, ops, signals, report, state)
+                status = await _serve_mounted(cfg, fs, ops, signals, report, state, notifier)
+                clean = status == 0
+                return status
             finally:
                 device.close()
         finally:
-            lock.release()
+            if clean:
+                state.remove()
+            lock.release(remove=True)
+            _SHUTDOWN_DONE.append(True)  # still inside the signal receiver
 
 
 async def _become_ready(cfg: MountConfig, report: Reporter, state: RunState,
-                        failed: list[BaseException]) -> None:
-    """Wait until the mount serves, tune it, then report ready; on failure end the loop."""
+                        failed: list[BaseException], notifier: Notifier, serving: trio.Event,
+                        status_line: Any) -> None:
+    """Wait until the mount serves, tune it, then report ready (the caller of a
+    daemonizing mount and systemd at the same moment); on failure end the loop."""
     import pyfuse3
 
     try:
@@ -214,26 +263,45 @@ async def _become_ready(cfg: MountConfig, report: Reporter, state: RunState,
         return
     log.info("%s is serving", cfg.mountpoint)
     state.update(state="serving")
+    # systemd first: whoever sees `mount` exit 0 finds READY=1 already sent.
+    if notifier.enabled:
+        try:
+            line = status_line()
+        except Exception:  # noqa: BLE001 - a status line must never fail the mount
+            log.exception("building the systemd status line failed")
+            line = f"serving {cfg.mountpoint}"
+        notifier.send("READY=1", *([] if cfg.foreground else [f"MAINPID={os.getpid()}"]),
+                      "STATUS=" + " ".join(line.split()))
     report(None)
+    serving.set()
 
 
 async def _serve_mounted(cfg: MountConfig, fs: Any, ops: Any, signals: Any,
-                         report: Reporter, state: RunState) -> int:
+                         report: Reporter, state: RunState, notifier: Notifier) -> int:
     """Run the FUSE loop, the engine's background work and the signal watcher; shut down."""
     import pyfuse3
 
     from zonefs_py.metrics import start_exporters
+    from zonefs_py.statusview import serving_line
 
     status = 0
     failed: list[BaseException] = []
+    serving = trio.Event()
+
+    def status_line() -> str:
+        return serving_line(control.status_document(fs, ops.failsafe_reason))
+
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_run_background, fs, ops)
         if getattr(fs, "drain", None) is not None:  # uploads to an object store (drain/)
             from zonefs_py.drain.drainer import Drainer
 
             nursery.start_soon(Drainer(fs.drain).run)
-        nursery.start_soon(_watch_signals, signals)
-        nursery.start_soon(_become_ready, cfg, report, state, failed)
+        closing = trio.Event()  # set once the FUSE session is being closed
+        nursery.start_soon(_watch_signals, signals, closing)
+        nursery.start_soon(_become_ready, cfg, report, state, failed, notifier, serving,
+                           status_line)
+        nursery.start_soon(notifier.run, serving, status_line)
         nursery.start_soon(MemoryTrimmer(lambda: _write_activity(fs)).run)
         nursery.start_soon(GcFreezer().run)
         await start_exporters(
@@ -256,6 +324,11 @@ async def _serve_mounted(cfg: MountConfig, fs: Any, ops: Any, signals: Any,
         finally:
             # Unmount first so no request can arrive, then make everything durable.
             with trio.CancelScope(shield=True):
+                if serving.is_set():
+                    notifier.send("STOPPING=1", f"STATUS=unmounting {cfg.mountpoint}: writing "
+                                  "buffered data, checkpoint, device flush")
+                    state.update(state="stopping")
+                closing.set()
                 pyfuse3.close(unmount=True)
                 log.info("unmounted %s; closing the filesystem", cfg.mountpoint)
                 try:
@@ -295,13 +368,23 @@ async def _run_background(fs: Any, ops: Any) -> None:
         ops.failsafe(f"background task failed: {type(exc).__name__}: {exc}", exc)
 
 
-async def _watch_signals(signals: Any) -> None:
-    """SIGTERM / SIGINT end the FUSE loop (then the clean shutdown runs); SIGHUP is ignored."""
+async def _watch_signals(signals: Any, closing: trio.Event) -> None:
+    """SIGTERM / SIGINT end the FUSE loop (then the clean shutdown runs); SIGHUP is ignored.
+
+    Once the session is being closed (`closing`: after an unmount, or a first
+    SIGTERM) a signal is only logged: the shutdown is under way, and
+    `pyfuse3.terminate()` on a closed session crashed the daemon (SIGSEGV,
+    seen with systemd's SIGTERM after `umount` of an fstab mount).
+    """
     import pyfuse3
 
     async for signum in signals:
+        name = signal.Signals(signum).name
         if signum == signal.SIGHUP:
             log.info("SIGHUP ignored (the daemon has no terminal)")
-            continue
-        log.info("%s received: unmounting", signal.Signals(signum).name)
-        pyfuse3.terminate()
+        elif closing.is_set():
+            log.info("%s received while closing the filesystem: the clean shutdown goes on",
+                     name)
+        else:
+            log.info("%s received: unmounting", name)
+            pyfuse3.terminate()

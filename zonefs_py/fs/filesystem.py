@@ -130,6 +130,8 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         #: Time spent in read/write requests by the engine (not FUSE queueing).
         self.read_latency = Histogram()
         self.write_latency = Histogram()
+        #: Bytes answered to read requests since mount (`stat`: user_bytes_read).
+        self.bytes_read = 0
         self.dirs: dict[int, _DirHandle] = {}
         self._next_fh = 1
         self.failsafe: str | None = None
@@ -154,8 +156,9 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         rec = await trio.to_thread.run_sync(functools.partial(recover, dev, progress=progress))
         refuse_non_tree(rec.state, dev.info.path)
         fs = cls(dev, rec, options)
-        log.info("recovered %s: %d records, %d ops in %.2f s (torn tail: %s)", dev.info.path,
-                 rec.records, rec.ops, rec.seconds, rec.scan.torn_tail)
+        log.info("recovered %s: %d records, %d ops in %.2f s (torn tail: %s; journal "
+                 "replayed after the checkpoint: %d bytes)", dev.info.path, rec.records,
+                 rec.ops, rec.seconds, rec.scan.torn_tail, rec.journal_bytes)
         if not options.read_only:
             await fs._after_recovery()
         return fs
@@ -512,9 +515,12 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
             # Served after the writes that reached us first (DataPath.write_arriving).
             await self.data.after_earlier_writes(inode.ino)
         if inode.inline:
-            return self.inline.read(inode, self.data.visible_size(inode), offset, length)
+            small = self.inline.read(inode, self.data.visible_size(inode), offset, length)
+            self.bytes_read += len(small)
+            return small
         data = await self.data.reads.read(inode, offset, length)
         self.read_latency.record(time.perf_counter_ns() - t0)
+        self.bytes_read += len(data)
         return data
 
     async def write(self, fh: int, offset: int, data: bytes) -> int:

@@ -72,9 +72,14 @@ class Histogram:
 
     def summary(self) -> dict[str, object]:
         """count, mean and p50/p99/p99.9/max in microseconds (since mount), and
-        `histogram`: cumulative counts at PROM_BOUNDS_S and the sum in seconds."""
+        `histogram`: cumulative counts at PROM_BOUNDS_S, the sum in seconds and
+        `log_linear` (upper edge in ns -> count, non-empty buckets only)."""
         histogram = {"le_seconds": list(PROM_BOUNDS_S), "cumulative": self.cumulative(),
-                     "sum_seconds": self.total_ns / 1e9}
+                     "sum_seconds": self.total_ns / 1e9,
+                     # The non-empty log-linear buckets, keyed by upper edge in ns:
+                     # `stat --watch` takes percentiles of an interval from two of these.
+                     "log_linear": {str(_upper_ns(i)): c for i, c in enumerate(self.counts)
+                                    if c}}
         if not self.count:
             return {"count": 0, "histogram": histogram}
         return {"count": self.count,

@@ -55,6 +55,8 @@ class StatusSource(Protocol):
     read_latency: Histogram
     write_latency: Histogram
     data: DataPath
+    #: Bytes answered to read requests since mount.
+    bytes_read: int
 
     @property
     def drain(self) -> DrainFigures: ...
@@ -124,6 +126,7 @@ def build_status(fs: StatusSource) -> dict[str, object]:
                   "wasted_by_finish_bytes": fs.alloc.wasted_bytes,
                   "dead_zones": _dead_zones(fs)},
         "user_bytes_written": user,
+        "user_bytes_read": fs.bytes_read,
         "device_bytes_written": device_total,
         "data_bytes_written": data,
         "metadata_bytes_written": meta,
@@ -135,6 +138,8 @@ def build_status(fs: StatusSource) -> dict[str, object]:
         "tenants": fs.quota.tenant_report(),
         "cleaner": {"policy": fs.cleaner.policy,
                     "rate_mb_s": fs.options.cleaner_rate_mb_s,
+                    "running": fs.cleaner.busy,
+                    "low_watermark_zones": fs.cleaner.low_watermark,
                     "zones_cleaned": fs.cleaner.stats.zones_cleaned,
                     "bytes_copied_this_mount": fs.cleaner.stats.bytes_copied,
                     "background_passes": fs.cleaner.stats.passes,
