@@ -269,18 +269,25 @@ class SumCache:
             return await self.reader.read(off, nbytes)
         return await trio.to_thread.run_sync(self.dev.read, off, nbytes, limiter=self.limiter)
 
+    def _sealed(self, dev_off: int, nblocks: int) -> tuple[int, int, int, int] | None:
+        """(zone, resets, data blocks, first block in the zone) of `nblocks` blocks at
+        `dev_off`, or None when no summary of their zone holds them."""
+        zsize = self.state.zone_size
+        zone = dev_off // zsize
+        seal = self.state.zone_seals.get(zone)
+        rel = (dev_off - zone * zsize) // self.bs
+        if seal is None or rel + nblocks > seal[1]:
+            return None
+        return zone, seal[0], seal[1], rel
+
     def cached(self, dev_off: int, nblocks: int) -> bytes | None:
         """The checksums of `nblocks` blocks at `dev_off` in a sealed zone when every
         summary block holding them is cached, else None (no await, no log line: the
         caller then takes `checksums`, which reads, reports and counts)."""
-        bs = self.bs
-        zsize = self.state.zone_size
-        zone = dev_off // zsize
-        seal = self.state.zone_seals.get(zone)
-        rel = (dev_off - zone * zsize) // bs
-        if seal is None or rel + nblocks > seal[1]:
+        where = self._sealed(dev_off, nblocks)
+        if where is None:
             return None
-        resets = seal[0]
+        zone, resets, _data_blocks, rel = where
         p = self.per_block
         k0 = rel // p
         if (rel + nblocks - 1) // p == k0:
@@ -293,7 +300,7 @@ class SumCache:
             a = rel - k0 * p
             return csums[a * 4:(a + nblocks) * 4]
         parts: list[bytes] = []
-        for k, a, b in zonesum.covering(rel, nblocks, bs):
+        for k, a, b in zonesum.covering(rel, nblocks, self.bs):
             csums = self._lru.get((zone, resets, k))
             if csums is None:
                 return None
@@ -309,14 +316,12 @@ class SumCache:
         a summary block they need is damaged, errors.IOFailure on a read error."""
         bs = self.bs
         zsize = self.state.zone_size
-        zone = dev_off // zsize
-        seal = self.state.zone_seals.get(zone)
-        rel = (dev_off - zone * zsize) // bs
-        if seal is None or rel + nblocks > seal[1]:
+        where = self._sealed(dev_off, nblocks)
+        if where is None:
             log.error("internal error in %s at file offset %d: no summary holds the "
                       "checksums of device offset %d", self.path_of(ino), fblock * bs, dev_off)
             raise errors.IOFailure(f"inconsistent mapping at file offset {fblock * bs}")
-        resets, data_blocks = seal
+        zone, resets, data_blocks, rel = where
         p = self.per_block
         k0, k1 = rel // p, (rel + nblocks - 1) // p
         got: dict[int, bytes | None] = {}
