@@ -293,11 +293,17 @@ class ZonefsPy(_Served):
 
     def __init__(self, work_dir: Path, zoned_dev: str | None = None,
                  zone_size: str = "64M", mount_opts: str | None = None,
-                 variant: str | None = None) -> None:
+                 variant: str | None = None, repo: Path | None = None) -> None:
+        #: The checkout whose zonefs-py this contender runs (an A/B twin may run
+        #: another one: `--zonefs-b-repo`, e.g. a worktree of the previous release).
+        self.repo = repo or REPO_DIR
         if variant:
             # An A/B twin with other mount options, measured right after zonefs-py.
             self.key = f"zonefs-{variant}"
-            self.label = f"zonefs-py -o {mount_opts} (A/B)"
+            what = [f"-o {mount_opts}"] if mount_opts else []
+            if repo is not None:
+                what.append(f"code of {repo}")
+            self.label = f"zonefs-py {', '.join(what)} (A/B)"
         super().__init__(work_dir)
         self.zoned_dev = zoned_dev
         self.zone_size = zone_size
@@ -311,14 +317,14 @@ class ZonefsPy(_Served):
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_DIR),
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.repo),
                                                           env.get("PYTHONPATH")]))
         return env
 
     def unavailable_reason(self) -> str | None:
         try:
             for sub in ("emu", "mkfs", "mount", "stat"):
-                run(self._cli(sub, "--help"), timeout_s=60, env=self._env(), cwd=REPO_DIR)
+                run(self._cli(sub, "--help"), timeout_s=60, env=self._env(), cwd=self.repo)
         except BenchError as exc:
             return _short_reason(str(exc))
         return None
@@ -327,7 +333,7 @@ class ZonefsPy(_Served):
         cmd = self._cli("mount", str(self.image), str(self.root), "-f")
         if self.mount_opts:
             cmd += ["-o", self.mount_opts]
-        return FuseServer(cmd, self.root, self.work_dir / "zonefs-py.log", cwd=REPO_DIR,
+        return FuseServer(cmd, self.root, self.work_dir / "zonefs-py.log", cwd=self.repo,
                           env=self._env())
 
     @contextmanager
@@ -336,8 +342,8 @@ class ZonefsPy(_Served):
         env = self._env()
         if not self.zoned_dev:
             run(self._cli("emu", "create", str(self.image), "--size", f"{size_bytes // MiB}M",
-                          "--zone-size", self.zone_size), env=env, cwd=REPO_DIR)
-        run(self._cli("mkfs", str(self.image), "--force"), env=env, cwd=REPO_DIR)
+                          "--zone-size", self.zone_size), env=env, cwd=self.repo)
+        run(self._cli("mkfs", str(self.image), "--force"), env=env, cwd=self.repo)
         self._start(self._new_server())
         try:
             yield
@@ -362,7 +368,7 @@ class ZonefsPy(_Served):
     def fs_stats(self) -> dict[str, object] | None:
         try:
             out = run(self._cli("stat", str(self.root), "--json"), timeout_s=120,
-                      env=self._env(), cwd=REPO_DIR)
+                      env=self._env(), cwd=self.repo)
             data = json.loads(out)
         except (BenchError, json.JSONDecodeError) as exc:
             return {"error": str(exc)[:300]}
@@ -376,13 +382,14 @@ def _short_reason(message: str) -> str:
 
 def all_contenders(work_dir: Path, zoned_dev: str | None = None,
                    zonefs_mount_opts: str | None = None,
-                   zonefs_b_mount_opts: str | None = None) -> list[Contender]:
+                   zonefs_b_mount_opts: str | None = None,
+                   zonefs_b_repo: Path | None = None) -> list[Contender]:
     """Return the contenders in report order: references first, zonefs-py last (then its
-    A/B twin `zonefs-b` when `zonefs_b_mount_opts` is given)."""
+    A/B twin `zonefs-b` when `zonefs_b_mount_opts` or `zonefs_b_repo` is given)."""
     contenders: list[Contender] = [
         PhysicalLimit(work_dir), NoopCeiling(work_dir), PassthroughPeer(work_dir),
         Ext4Loop(work_dir), ZonefsPy(work_dir, zoned_dev, mount_opts=zonefs_mount_opts)]
-    if zonefs_b_mount_opts:
+    if zonefs_b_mount_opts is not None or zonefs_b_repo is not None:
         contenders.append(ZonefsPy(work_dir, zoned_dev, mount_opts=zonefs_b_mount_opts,
-                                   variant="b"))
+                                   variant="b", repo=zonefs_b_repo))
     return contenders
