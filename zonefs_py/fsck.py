@@ -26,6 +26,7 @@ from zonefs_py.format.superblock import Superblock
 from zonefs_py.fs.api import ROOT_INO
 from zonefs_py.journal.recovery import Recovered, read_superblock, recover
 from zonefs_py.model.extents import Extent
+from zonefs_py.model.prealloc import mapped_in
 from zonefs_py.model.state import State
 
 Progress = Callable[[str, int, int], None]
@@ -87,6 +88,7 @@ def check_filesystem(dev: ZonedDevice, *, check_data: bool = True,
     check_inv13_file_types(state, report)
     check_inv21_drain_records(state, report)
     check_inv22_inline_data(state, report)
+    check_inv24_reservations(sb, state, zones, report)
     check_inv23_zone_summaries(dev, state, zones, report, read=not check_data)
     if check_data:
         check_inv12_data_checksums(dev, rec, report, progress)
@@ -310,6 +312,42 @@ def check_inv22_inline_data(state: State, report: Report) -> None:
         if len(inode.inline) > inode.size:
             report.add("INV-22", f"inode {inode.ino}: {len(inode.inline)} inline bytes, longer "
                                  f"than the file ({inode.size} bytes)")
+
+
+def check_inv24_reservations(sb: Superblock, state: State, zones: dict[int, Zone],
+                             report: Report) -> None:
+    """INV-24: reserved ranges belong to regular files, are sorted and disjoint; the
+    held counts (reserved blocks no extent maps) add up; live + held fit the data zones."""
+    res = state.prealloc
+    total = 0
+    for ino, ranges in res.ranges.items():
+        inode = state.inodes.get(ino)
+        if inode is None or inode.extents is None:
+            report.add("INV-24", f"reservations of inode {ino}, which is no regular file")
+            continue
+        prev_end = -1
+        for lo, hi in ranges:
+            if not 0 <= lo < hi or lo <= prev_end:
+                report.add("INV-24", f"inode {ino}: reserved ranges {ranges} are not sorted, "
+                           "disjoint and non-empty")
+                break
+            prev_end = hi
+        held = sum(hi - lo - mapped_in(inode.extents, lo, hi, state.block_size)
+                   for lo, hi in ranges)
+        total += held
+        if res.held.get(ino, 0) != held:
+            report.add("INV-24", f"inode {ino}: {res.held.get(ino, 0)} held blocks counted, "
+                       f"its ranges and extents give {held}")
+    stray = sorted(set(res.held) - set(res.ranges))
+    if stray:
+        report.add("INV-24", f"held counts without ranges: {stray}")
+    if res.held_total != total:
+        report.add("INV-24", f"held block total {res.held_total}, the files' sum is {total}")
+    capacity = sum(z.capacity_bytes for i, z in zones.items()
+                   if i >= sb.data_first_zone) // state.block_size
+    if state.live_blocks_total + total > capacity:
+        report.add("INV-24", f"live ({state.live_blocks_total}) and held ({total}) blocks "
+                   f"exceed the data zones' {capacity}")
 
 
 def read_zone_summary(dev: ZonedDevice, state: State, zone: int

@@ -38,6 +38,9 @@ Caveats:
     holds it to that); the kernel also serialises setxattr per inode.
   * The control xattrs (`trusted.zonefs.*`, root inode only) are answered
     here, not stored: see `zonefs_py.control`.
+  * FALLOCATE reaches us through `zonefs_py.fuseext` (pyfuse3 has no handler
+    for it); the constructor arms it (`install_extra_handlers`), which must
+    happen before `pyfuse3.init`.
 """
 
 from __future__ import annotations
@@ -51,11 +54,12 @@ from typing import Any, ParamSpec, TypeVar
 
 import pyfuse3
 
-from zonefs_py import control, errors
+from zonefs_py import control, errors, fuseext
 from zonefs_py.fs.api import (
     ROOT_INO,
     Attr,
     Ctx,
+    FallocFlags,
     FileSystemAPI,
     RenameFlags,
     SetAttrRequest,
@@ -163,6 +167,8 @@ class Operations(pyfuse3.Operations):
         self._cached_version: dict[int, tuple[int, int]] = {}
         #: Open file handle -> inode, to record the version on release.
         self._fh_ino: dict[int, int] = {}
+        # Built before pyfuse3.init (daemon/serve.py): the FALLOCATE handler goes in then.
+        self.install_extra_handlers()
 
     # -- helpers -----------------------------------------------------------------------
     def failsafe(self, reason: str, exc: BaseException) -> None:
@@ -384,6 +390,29 @@ class Operations(pyfuse3.Operations):
     @_handler
     async def fsync(self, fh: int, datasync: bool) -> None:
         await self.fs.fsync(fh, datasync)
+
+    @_handler
+    async def _fallocate(self, fh: int, mode: int, offset: int, length: int) -> None:
+        await self.fs.fallocate(fh, FallocFlags(mode), offset, length)
+
+    async def fallocate(self, ino: int, fh: int, mode: int, offset: int, length: int) -> int:
+        """FUSE_FALLOCATE (via `fuseext`): 0 or the errno to answer."""
+        try:
+            await self._fallocate(fh, mode, offset, length)
+        except pyfuse3.FUSEError as exc:
+            return exc.errno
+        return 0
+
+    def install_extra_handlers(self) -> bool:
+        """Arm the requests pyfuse3 does not handle (FALLOCATE) for the next
+        `pyfuse3.init`; False when the extension is not available."""
+        return fuseext.install(self.fallocate)
+
+    def init(self) -> None:
+        """FUSE_INIT arrived: say whether fallocate is served."""
+        if fuseext.armed() and not fuseext.installed():
+            log.warning("fallocate is not served (libfuse's fuse_session_new was not "
+                        "intercepted): fallocate(2) gets EOPNOTSUPP")
 
     # -- directories ----------------------------------------------------------------------
     @_handler

@@ -140,6 +140,8 @@ OP_STRATEGIES = {
     OpType.COUNTERS: st.tuples(st.just(OpType.COUNTERS), st.dictionaries(u16, u64, max_size=20)),
     OpType.NEXT_INO: st.tuples(st.just(OpType.NEXT_INO), u64),
     OpType.TENANT_BYTES: st.tuples(st.just(OpType.TENANT_BYTES), u64, u64),
+    OpType.PREALLOC: st.tuples(st.just(OpType.PREALLOC), u64, u64, u64),
+    OpType.PUNCH: st.tuples(st.just(OpType.PUNCH), u64, u64, u64),
     OpType.INLINE: st.tuples(st.just(OpType.INLINE), u64, u64, i64, i64,
                              st.binary(max_size=2048)),
     OpType.DRAIN: st.tuples(st.just(OpType.DRAIN), u64, u8, u64, u64,

@@ -73,6 +73,10 @@ class OpType(enum.IntEnum):
     EXTENT_SEALED = 21
     #: A data zone's summary blocks are written (version 4).
     ZONE_SEAL = 22
+    #: File blocks reserved by fallocate (issue 28; no DISK_VERSION change, like DRAIN).
+    PREALLOC = 23
+    #: File blocks made holes by fallocate PUNCH_HOLE / ZERO_RANGE (issue 28).
+    PUNCH = 24
 
 
 class Stream(enum.IntEnum):
