@@ -148,7 +148,10 @@ def ctx_of(rctx: pyfuse3.RequestContext) -> Ctx:
 class Operations(pyfuse3.Operations):
     """pyfuse3 request handlers over one mounted `FileSystemAPI`."""
 
-    supports_dot_lookup = False  # no NFS export: the kernel never looks up "." / ".."
+    #: FUSE export support (issue 28): node ids are inode numbers, persistent and
+    #: never handed out twice (generation 0), so the kernel may resolve a file
+    #: handle by looking up "." in its node id and ".." of a directory.
+    supports_dot_lookup = True
     enable_acl = False
 
     def __init__(self, fs: FileSystemAPI, *, writeback_cache: bool = True,

@@ -327,7 +327,7 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
     def attr(self, inode: Inode) -> Attr:
         size = self.data.visible_size(inode) if inode.extents is not None else inode.size
         blocks = (inode.extents.mapped_blocks + self.falloc.held_blocks(inode.ino)) \
-            * (self.bs // 512) if inode.extents else 0
+            * (self.bs // 512) if inode.extents is not None else 0
         if inode.inline:
             blocks = -(-len(inode.inline) // 512)  # stored, though in no data block
         return Attr(inode.ino, inode.mode, inode.nlink, inode.uid, inode.gid, inode.rdev, size,
@@ -370,10 +370,15 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
 
     # -- lookups and attributes ------------------------------------------------------
     async def lookup(self, parent_ino: int, name: bytes) -> Attr:
-        d = self._dir(parent_ino)
         if name == b".":
-            ino = parent_ino
-        elif name == b"..":
+            # Of any inode, not only directories: the kernel resolves an export
+            # handle (open_by_handle_at, NFS) whose inode it no longer caches by
+            # looking up "." in the handle's node id (DESIGN 4.2a).
+            inode = self.inode(parent_ino)
+            inode.lookups += 1
+            return self.attr(inode)
+        d = self._dir(parent_ino)
+        if name == b"..":
             ino = d.parent or ROOT_INO
         else:
             if len(name) > NAME_MAX:
