@@ -80,6 +80,13 @@ def test_fsx_small_files_no_mmap(mounted: Mount, tmp_path: Path) -> None:
          use_direct=False)
 
 
+@pytest.mark.parametrize("seed", [2801, 2802])
+def test_fsx_with_fallocate(mounted: Mount, tmp_path: Path, seed: int) -> None:
+    """fallocate (reserve, keep size, punch hole, zero range) among the other
+    operations, two processes, one of them sharing a file (issue 28)."""
+    _run(mounted, tmp_path, seed, 400, 2, use_falloc=True)
+
+
 def test_fsx_survives_remount(image: Path, mount_factory: Mount, tmp_path: Path) -> None:
     """The files fsx leaves are the same after a clean unmount and mount."""
     mount_factory.start()
