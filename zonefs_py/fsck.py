@@ -151,7 +151,8 @@ def check_inv5_extents_sorted(state: State, report: Report) -> None:
 
 
 def check_inv6_zone_accounting(state: State, report: Report) -> None:
-    """INV-6: no device block belongs to two extents; live counts match the extents."""
+    """INV-6: a device block belongs to two extents only as the shared-block map
+    records it (instant copies); live counts (references) match the extents."""
     bs = state.block_size
     counted: Counter[int] = Counter()
     spans: list[tuple[int, int, int]] = []
@@ -162,9 +163,17 @@ def check_inv6_zone_accounting(state: State, report: Report) -> None:
             counted[e.dev // state.zone_size] += e.nblocks
             spans.append((e.dev, e.dev + e.nblocks * bs, inode.ino))
     spans.sort()
-    for (_a0, a1, ia), (b0, _b1, ib) in zip(spans, spans[1:], strict=False):
-        if b0 < a1:
-            report.add("INV-6", f"device bytes [{b0}, {a1}) belong to inodes {ia} and {ib}")
+    found = _shared_spans(spans, bs, state.zone_size)
+    recorded = _merged(state.shared.items(), bs, state.zone_size)
+    if found != recorded:
+        extra = sorted(set(found) - set(recorded))[:5]
+        missing = sorted(set(recorded) - set(found))[:5]
+        report.add("INV-6", "device blocks referenced by several extents do not match the "
+                   f"shared-block map: unrecorded (offset, blocks, extra) {extra}, recorded "
+                   f"but not referenced so {missing}")
+    if state.shared.extra_total != sum(n * x for _, n, x in recorded):
+        report.add("INV-6", f"shared extra total {state.shared.extra_total} does not match "
+                   "its ranges")
     if state.live_blocks_total != sum(state.zone_live_blocks.values()):
         report.add("INV-6", f"live block total {state.live_blocks_total} does not match the "
                    f"zones' {sum(state.zone_live_blocks.values())}")
@@ -172,6 +181,35 @@ def check_inv6_zone_accounting(state: State, report: Report) -> None:
         if live != counted.get(zone, 0):
             report.add("INV-6", f"zone {zone}: live count {live} but extents hold "
                        f"{counted.get(zone, 0)} blocks")
+
+
+def _shared_spans(spans: list[tuple[int, int, int]], bs: int, zone_size: int
+                  ) -> list[tuple[int, int, int]]:
+    """(device offset, blocks, references - 1) of every range more than one span covers."""
+    events = sorted([(a, 1) for a, _, _ in spans] + [(b, -1) for _, b, _ in spans])
+    out: list[tuple[int, int, int]] = []
+    depth = prev = 0
+    for pos, delta in events:
+        if pos > prev and depth > 1:
+            out.append((prev, (pos - prev) // bs, depth - 1))
+        depth += delta
+        prev = pos
+    return _merged(out, bs, zone_size)
+
+
+def _merged(ranges: list[tuple[int, int, int]], bs: int, zone_size: int
+            ) -> list[tuple[int, int, int]]:
+    """Join adjacent ranges of equal count inside one zone (a canonical form)."""
+    out: list[tuple[int, int, int]] = []
+    for dev, n, x in ranges:
+        if out:
+            pdev, pn, px = out[-1]
+            if (pdev + pn * bs == dev and px == x
+                    and pdev // zone_size == dev // zone_size):
+                out[-1] = (pdev, pn + n, x)
+                continue
+        out.append((dev, n, x))
+    return out
 
 
 def check_inv9_streams_apart(state: State, report: Report) -> None:

@@ -142,6 +142,7 @@ OP_STRATEGIES = {
     OpType.TENANT_BYTES: st.tuples(st.just(OpType.TENANT_BYTES), u64, u64),
     OpType.PREALLOC: st.tuples(st.just(OpType.PREALLOC), u64, u64, u64),
     OpType.PUNCH: st.tuples(st.just(OpType.PUNCH), u64, u64, u64),
+    OpType.SHARE: st.tuples(st.just(OpType.SHARE), u64, u64, u32),
     OpType.INLINE: st.tuples(st.just(OpType.INLINE), u64, u64, i64, i64,
                              st.binary(max_size=2048)),
     OpType.DRAIN: st.tuples(st.just(OpType.DRAIN), u64, u8, u64, u64,

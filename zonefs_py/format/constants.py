@@ -77,6 +77,8 @@ class OpType(enum.IntEnum):
     PREALLOC = 23
     #: File blocks made holes by fallocate PUNCH_HOLE / ZERO_RANGE (issue 28).
     PUNCH = 24
+    #: Device blocks gain references: an instant copy shares them (issue 28).
+    SHARE = 25
 
 
 class Stream(enum.IntEnum):

@@ -28,6 +28,8 @@ u32 body length, body (docs/SPEC.md "Operations").
                 after its first data_blocks blocks (format/zonesum.py)
     PREALLOC    (ino, first_block, nblocks)   reserves file blocks (fallocate, model/prealloc.py)
     PUNCH       (ino, first_block, nblocks)   drops the mappings and reservations of file blocks
+    SHARE       (dev_offset, nblocks, count)   device blocks gain `count` references
+                (copy_file_range sharing extents, model/shared.py)
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ _DRAIN = struct.Struct("<QBQQHH")
 _INLINE = struct.Struct("<QQqqH")
 _ZONE_SEAL = struct.Struct("<IIQ")
 _QQQ = struct.Struct("<QQQ")
+_SHARE = struct.Struct("<QQI")
 
 
 class OpDecodeError(Exception):
@@ -86,6 +89,8 @@ def encode_op(op: Op) -> bytes:
         body = _QQ.pack(op[1], op[2])
     elif kind == OpType.PREALLOC or kind == OpType.PUNCH:
         body = _QQQ.pack(op[1], op[2], op[3])
+    elif kind == OpType.SHARE:
+        body = _SHARE.pack(op[1], op[2], op[3])
     elif kind == OpType.SYMLINK:
         body = _Q.pack(op[1]) + op[2]
     elif kind == OpType.XATTR_SET:
@@ -206,6 +211,9 @@ def _decode_body(kind: int, payload: bytes, mv: memoryview, pos: int, bend: int)
     if kind == OpType.PREALLOC or kind == OpType.PUNCH:
         _check(bend - pos == _QQQ.size, f"{OpType(kind).name} length")
         return (OpType(kind), *_QQQ.unpack_from(payload, pos))
+    if kind == OpType.SHARE:
+        _check(bend - pos == _SHARE.size, "SHARE length")
+        return (OpType.SHARE, *_SHARE.unpack_from(payload, pos))
     if kind == OpType.SYMLINK:
         (ino,) = _Q.unpack_from(payload, pos)
         return (OpType.SYMLINK, ino, bytes(mv[pos + 8:bend]))

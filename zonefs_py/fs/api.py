@@ -204,6 +204,11 @@ class FileSystemAPI(abc.ABC):
         """Reserve, punch or zero [offset, offset+length) of an open file (fallocate(2))."""
         raise errors.NotSupported("fallocate is not supported")
 
+    async def copy_file_range(self, fh_in: int, off_in: int, fh_out: int, off_out: int,
+                              length: int, flags: int) -> int:
+        """Copy up to `length` bytes between open files; return how many were copied."""
+        raise errors.NotSupported("copy_file_range is not supported")
+
     # -- directories ---------------------------------------------------------
     @abc.abstractmethod
     async def opendir(self, ino: int) -> int: ...

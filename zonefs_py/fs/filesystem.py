@@ -63,6 +63,7 @@ from zonefs_py.fs.prealloc import Fallocator
 from zonefs_py.fs.qos import ReadLatencyController
 from zonefs_py.fs.quota import QuotaTracker
 from zonefs_py.fs.reclaim import SpaceReclaim
+from zonefs_py.fs.reflink import Copier
 from zonefs_py.fs.status import build_status
 from zonefs_py.journal.journal import Journal
 from zonefs_py.journal.recovery import Recovered, recover
@@ -128,6 +129,7 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
 
         self.drain = DrainManager(self)  # zonefs_py/drain; its hooks: the self.drain.* calls
         self.falloc = Fallocator(self)  # fs/prealloc.py: fallocate, reserved blocks (INV-24)
+        self.copier = Copier(self)  # fs/reflink.py: copy_file_range, shared extents (3.13)
         self.data.on_need_space = self.drain.need_space_hook(self.cleaner.clean_for_space)
         self.files: dict[int, int] = {}  # fh -> ino
         #: Time spent in read/write requests by the engine (not FUSE queueing).
@@ -602,6 +604,24 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         inode = self._fh_inode(fh)
         with self.data.write_arriving(inode.ino):
             await self.falloc.fallocate(inode, mode, offset, length)
+
+    async def copy_file_range(self, fh_in: int, off_in: int, fh_out: int, off_out: int,
+                              length: int, flags: int) -> int:
+        self._writable()
+        if flags:
+            raise errors.InvalidArgument(f"copy_file_range flags {flags:#x}")
+        src = self._fh_inode(fh_in)
+        dst = self._fh_inode(fh_out)
+        with self.data.write_arriving(dst.ino):
+            return await self.copier.copy(src, off_in, dst, off_out, length)
+
+    async def _read_inode(self, inode: Inode, offset: int, length: int) -> bytes | memoryview:
+        """Read an inode's bytes (inline or in blocks), as `read` does for a handle."""
+        if self.data.writes_arriving(inode.ino):
+            await self.data.after_earlier_writes(inode.ino)
+        if inode.inline:
+            return self.inline.read(inode, self.data.visible_size(inode), offset, length)
+        return await self.data.read(inode, offset, length)
 
     # -- directories -------------------------------------------------------------------------
     async def opendir(self, ino: int) -> int:

@@ -23,6 +23,7 @@ from zonefs_py.format.zonesum import summary_end
 from zonefs_py.model.drain import DrainRecord
 from zonefs_py.model.extents import EMPTY_EXTENTS, ExtentMap, Freed
 from zonefs_py.model.prealloc import Reservations
+from zonefs_py.model.shared import SharedBlocks
 
 
 class _Rare:
@@ -211,6 +212,9 @@ class State:
         self.drain: dict[int, DrainRecord] = {}
         #: Reserved file blocks (fallocate, PREALLOC / PUNCH ops, INV-24).
         self.prealloc = Reservations(block_size)
+        #: Device blocks referenced by several extents (instant copies, SHARE ops):
+        #: zone_live_blocks counts references, this the extra ones.
+        self.shared = SharedBlocks(block_size, zone_size)
         self._dispatch = {
             OpType.INODE: self._apply_inode,
             OpType.INODE_FREE: self._apply_inode_free,
@@ -230,6 +234,7 @@ class State:
             OpType.ZONE_SEAL: self._apply_zone_seal,
             OpType.PREALLOC: self._apply_prealloc,
             OpType.PUNCH: self._apply_punch,
+            OpType.SHARE: self._apply_share,
         }
 
     # -- applying ops --------------------------------------------------------
@@ -379,6 +384,14 @@ class State:
         self._notify_blocks(ino, self.prealloc.reserve(ino, inode.extents, fblock,
                                                        fblock + nblocks))
 
+    def _apply_share(self, op: Op) -> None:
+        _, dev, nblocks, count = op
+        zone = dev // self.zone_size
+        if (nblocks <= 0 or count <= 0 or dev % self.block_size
+                or (dev + nblocks * self.block_size - 1) // self.zone_size != zone):
+            raise StateError(f"SHARE of {nblocks} blocks at {dev} x{count}")
+        self.shared.add(dev, nblocks, count)
+
     def _apply_punch(self, op: Op) -> None:
         """Drop the mappings and reservations of file blocks [fblock, fblock+nblocks)."""
         _, ino, fblock, nblocks = op
@@ -478,8 +491,11 @@ class State:
             self.on_blocks_changed(ino, delta)
 
     def _release(self, freed: list[Freed]) -> None:
+        shared = self.shared.ranges
         for dev, nblocks in freed:
             zone = dev // self.zone_size
+            if zone in shared:
+                self.shared.release(dev, nblocks)
             left = self.zone_live_blocks.get(zone, 0) - nblocks
             if left < 0:
                 raise StateError(f"live block count of zone {zone} went negative")
@@ -511,6 +527,8 @@ class State:
             yield (OpType.ZONE_STATE, zone, stream, flags, resets)
         for zone, (resets, data_blocks) in sorted(self.zone_seals.items()):
             yield (OpType.ZONE_SEAL, zone, resets, data_blocks)
+        for dev, nblocks, extra in self.shared.items():
+            yield (OpType.SHARE, dev, nblocks, extra)
 
     def inode_body_ops(self, inode: Inode, max_csum_blocks: int = 65536) -> Iterator[Op]:
         """The snapshot's ops of one inode after its INODE op: names (of a
