@@ -1,4 +1,4 @@
-"""Build `zonefs_py._fuseext` (FUSE requests pyfuse3 does not handle) with cffi.
+"""Build `zonefs_py._fuseext` (FALLOCATE, COPY_FILE_RANGE: pyfuse3 does not handle them).
 
 Used by setup.py (`cffi_modules`) next to build_native.py; `python
 native/build_fuseext.py` builds it in place. Needs libfuse3's headers and
@@ -22,7 +22,11 @@ extern "Python" void zfx_py_fallocate(void *req, uint64_t ino, int mode, int64_t
                                       int64_t length, uint64_t fh);
 void zfx_arm(int on);
 int zfx_installed_flag(void);
+extern "Python" void zfx_py_copy_file_range(void *req, uint64_t fh_in, int64_t off_in,
+                                            uint64_t fh_out, int64_t off_out,
+                                            uint64_t length, int flags);
 int zfx_reply_err(void *req, int err);
+int zfx_reply_write(void *req, uint64_t count);
 """
 
 

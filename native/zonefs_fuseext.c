@@ -1,18 +1,20 @@
 /*
- * FUSE requests pyfuse3 does not handle: FALLOCATE (issue 28).
+ * FUSE requests pyfuse3 does not handle: FALLOCATE and COPY_FILE_RANGE (issue 28).
  *
- * pyfuse3 (3.5) fills libfuse's `struct fuse_lowlevel_ops` without a
- * `fallocate` member, so libfuse answers FUSE_FALLOCATE with ENOSYS and the
- * kernel turns every later fallocate(2) into EOPNOTSUPP. This file defines
+ * pyfuse3 (3.5) fills libfuse's `struct fuse_lowlevel_ops` without
+ * `fallocate` and `copy_file_range` members, so libfuse answers them with
+ * ENOSYS: the kernel then turns every later fallocate(2) into EOPNOTSUPP and
+ * copies every copy_file_range(2) itself, through READ and WRITE requests. This file defines
  * `fuse_session_new` itself: once the module is promoted to the global symbol
  * scope (zonefs_py/fuseext.py, before pyfuse3.init), pyfuse3's lazily bound
  * call to libfuse's `fuse_session_new` resolves here. When armed, it copies
- * pyfuse3's table, adds our handler and calls libfuse's own function with the
+ * pyfuse3's table, adds our handlers and calls libfuse's own function with the
  * copy; unarmed it passes the table through unchanged.
  *
- * The handler runs on the thread that runs fuse_session_process_buf (the trio
- * thread in pyfuse3) and hands the request to Python (`zfx_py_fallocate`,
- * an extern "Python" callback), which answers later with zfx_reply_err.
+ * The handlers run on the thread that runs fuse_session_process_buf (the trio
+ * thread in pyfuse3) and hand the request to Python (`zfx_py_fallocate`,
+ * `zfx_py_copy_file_range`: extern "Python" callbacks), which answers later
+ * with zfx_reply_err or zfx_reply_write.
  * Conventions as native/zonefs_native.c: 0 or -errno, no Python objects here.
  */
 #define FUSE_USE_VERSION 35
@@ -30,6 +32,9 @@ typedef struct fuse_session *(*zfx_session_new_fn)(struct fuse_args *,
 static void zfx_py_fallocate(void *req, uint64_t ino, int mode, int64_t offset,
                              int64_t length, uint64_t fh);
 
+static void zfx_py_copy_file_range(void *req, uint64_t fh_in, int64_t off_in, uint64_t fh_out,
+                                   int64_t off_out, uint64_t length, int flags);
+
 static struct fuse_lowlevel_ops zfx_ops;
 static int zfx_armed;
 static int zfx_installed;
@@ -39,6 +44,16 @@ static void zfx_fallocate(fuse_req_t req, fuse_ino_t ino, int mode, off_t offset
 {
     zfx_py_fallocate((void *)req, (uint64_t)ino, mode, (int64_t)offset, (int64_t)length,
                      fi ? (uint64_t)fi->fh : 0);
+}
+
+static void zfx_copy_file_range(fuse_req_t req, fuse_ino_t ino_in, off_t off_in,
+                                struct fuse_file_info *fi_in, fuse_ino_t ino_out,
+                                off_t off_out, struct fuse_file_info *fi_out, size_t len,
+                                int flags)
+{
+    zfx_py_copy_file_range((void *)req, fi_in ? (uint64_t)fi_in->fh : 0, (int64_t)off_in,
+                           fi_out ? (uint64_t)fi_out->fh : 0, (int64_t)off_out,
+                           (uint64_t)len, flags);
 }
 
 struct fuse_session *fuse_session_new(struct fuse_args *args,
@@ -62,6 +77,7 @@ struct fuse_session *fuse_session_new(struct fuse_args *args,
     memset(&zfx_ops, 0, sizeof zfx_ops);
     memcpy(&zfx_ops, op, op_size < sizeof zfx_ops ? op_size : sizeof zfx_ops);
     zfx_ops.fallocate = zfx_fallocate;
+    zfx_ops.copy_file_range = zfx_copy_file_range;
     zfx_installed = 1;
     return real(args, &zfx_ops, sizeof zfx_ops, userdata);
 }
@@ -81,4 +97,9 @@ int zfx_installed_flag(void)
 int zfx_reply_err(void *req, int err)
 {
     return fuse_reply_err((fuse_req_t)req, err);
+}
+
+int zfx_reply_write(void *req, uint64_t count)
+{
+    return fuse_reply_write((fuse_req_t)req, (size_t)count);
 }

@@ -38,9 +38,9 @@ Caveats:
     holds it to that); the kernel also serialises setxattr per inode.
   * The control xattrs (`trusted.zonefs.*`, root inode only) are answered
     here, not stored: see `zonefs_py.control`.
-  * FALLOCATE reaches us through `zonefs_py.fuseext` (pyfuse3 has no handler
-    for it); the constructor arms it (`install_extra_handlers`), which must
-    happen before `pyfuse3.init`.
+  * FALLOCATE and COPY_FILE_RANGE reach us through `zonefs_py.fuseext`
+    (pyfuse3 has no handler for them); the constructor arms them
+    (`install_extra_handlers`), which must happen before `pyfuse3.init`.
 """
 
 from __future__ import annotations
@@ -97,6 +97,9 @@ ERRNO_OF: dict[type[errors.ZoneFSError], int] = {
     errors.DeviceRefused: errno.ENODEV,
     errors.Busy: errno.EBUSY,
 }
+
+#: Largest copy_file_range answer: the reply's count is a u32 (fuse_write_out.size).
+COPY_MAX_BYTES = (1 << 32) - (1 << 20)
 
 #: Errors that mean the in-memory state can no longer be trusted for writing.
 FAILSAFE_ERRORS: tuple[type[errors.ZoneFSError], ...] = (errors.CorruptionError,)
@@ -406,10 +409,25 @@ class Operations(pyfuse3.Operations):
             return exc.errno
         return 0
 
+    @_handler
+    async def _copy_file_range(self, fh_in: int, off_in: int, fh_out: int, off_out: int,
+                               length: int, flags: int) -> int:
+        return await self.fs.copy_file_range(fh_in, off_in, fh_out, off_out,
+                                             min(length, COPY_MAX_BYTES), flags)
+
+    async def copy_file_range(self, fh_in: int, off_in: int, fh_out: int, off_out: int,
+                              length: int, flags: int) -> tuple[int, int]:
+        """FUSE_COPY_FILE_RANGE (via `fuseext`): (0, bytes copied) or (errno, 0)."""
+        try:
+            return 0, await self._copy_file_range(fh_in, off_in, fh_out, off_out, length,
+                                                  flags)
+        except pyfuse3.FUSEError as exc:
+            return exc.errno, 0
+
     def install_extra_handlers(self) -> bool:
-        """Arm the requests pyfuse3 does not handle (FALLOCATE) for the next
-        `pyfuse3.init`; False when the extension is not available."""
-        return fuseext.install(self.fallocate)
+        """Arm the requests pyfuse3 does not handle (FALLOCATE, COPY_FILE_RANGE) for
+        the next `pyfuse3.init`; False when the extension is not available."""
+        return fuseext.install(self.fallocate, self.copy_file_range)
 
     def init(self) -> None:
         """FUSE_INIT arrived: say whether fallocate is served."""

@@ -1,20 +1,22 @@
-"""FUSE requests that pyfuse3 does not pass on: FALLOCATE (issue 28).
+"""FUSE requests pyfuse3 does not pass on: FALLOCATE, COPY_FILE_RANGE (issue 28).
 
-pyfuse3 (up to 3.5 at least) registers no `fallocate` handler with libfuse,
-so libfuse answers FUSE_FALLOCATE with ENOSYS and the kernel then refuses
-every fallocate(2) on the mount with EOPNOTSUPP. `zonefs_py._fuseext`
+pyfuse3 (up to 3.5 at least) registers no `fallocate` or `copy_file_range`
+handler with libfuse, so libfuse answers them with ENOSYS: the kernel then
+refuses every fallocate(2) on the mount with EOPNOTSUPP, and copies every
+copy_file_range(2) itself through READ and WRITE requests. `zonefs_py._fuseext`
 (native/zonefs_fuseext.c) defines `fuse_session_new` itself.
 `zonefs_py/__init__.py` promotes that module to the global symbol
 scope *before* pyfuse3 is imported: Python loads extension modules with
 RTLD_NOW, so pyfuse3's reference to `fuse_session_new` is bound when it is
 imported, and the global scope is searched before pyfuse3's own libfuse3.
-`install()` arms it: at `pyfuse3.init` it adds our handler to the table
+`install()` arms it: at `pyfuse3.init` it adds our handlers to the table
 pyfuse3 hands to libfuse. Unarmed, our `fuse_session_new` only passes the
 call on.
 
 Requests arrive on the trio thread, inside pyfuse3's call to
 `fuse_session_process_buf`; each is run as a trio system task (the callback
-itself must not block) and answered exactly once with `fuse_reply_err`.
+itself must not block) and answered exactly once (`fuse_reply_err`, or
+`fuse_reply_write` with the bytes a copy made).
 
 Caveats: `install()` must run before `pyfuse3.init`, in the process that
 mounts, and pyfuse3 must be imported after `zonefs_py` (true for the CLI and
@@ -39,8 +41,11 @@ log = logging.getLogger(__name__)
 
 #: (ino, fh, mode, offset, length) -> errno (0 for success).
 FallocateHandler = Callable[[int, int, int, int, int], Awaitable[int]]
+#: (fh_in, off_in, fh_out, off_out, length, flags) -> (errno, bytes copied).
+CopyHandler = Callable[[int, int, int, int, int, int], Awaitable[tuple[int, int]]]
 
 _handler: FallocateHandler | None = None
+_copy_handler: CopyHandler | None = None
 _ext: Any = None
 
 
@@ -71,6 +76,31 @@ def _register(ext: Any) -> None:
         trio.lowlevel.spawn_system_task(_run_fallocate, req, ino, fh, mode, offset, length,
                                         name="fuse-fallocate")
 
+    @ext.ffi.def_extern()
+    def zfx_py_copy_file_range(req: Any, fh_in: int, off_in: int, fh_out: int, off_out: int,
+                               length: int, flags: int) -> None:
+        trio.lowlevel.spawn_system_task(_run_copy, req, fh_in, off_in, fh_out, off_out,
+                                        length, flags, name="fuse-copy-file-range")
+
+
+async def _run_copy(req: Any, fh_in: int, off_in: int, fh_out: int, off_out: int,
+                    length: int, flags: int) -> None:
+    """Run the copy handler and answer exactly once: the count, or an errno."""
+    err, count = errno.EIO, 0
+    try:
+        if _copy_handler is not None:
+            err, count = await _copy_handler(fh_in, off_in, fh_out, off_out, length, flags)
+    except trio.Cancelled:
+        err = errno.EINTR
+        raise
+    except Exception:  # noqa: BLE001 - a system task must not raise; EIO answers it
+        log.exception("copy_file_range handler failed")
+    finally:
+        if err:
+            _ext.lib.zfx_reply_err(req, err)
+        else:
+            _ext.lib.zfx_reply_write(req, count)
+
 
 async def _run_fallocate(req: Any, ino: int, fh: int, mode: int, offset: int,
                          length: int) -> None:
@@ -88,13 +118,14 @@ async def _run_fallocate(req: Any, ino: int, fh: int, mode: int, offset: int,
         _ext.lib.zfx_reply_err(req, err)
 
 
-def install(fallocate: FallocateHandler) -> bool:
-    """Arm the FALLOCATE handler for the next `pyfuse3.init`; False if unavailable."""
-    global _handler
+def install(fallocate: FallocateHandler, copy_file_range: CopyHandler) -> bool:
+    """Arm the handlers for the next `pyfuse3.init`; False if unavailable."""
+    global _handler, _copy_handler
     ext = _load()
     if ext is None:
         return False
     _handler = fallocate
+    _copy_handler = copy_file_range
     ext.lib.zfx_arm(1)
     return True
 
