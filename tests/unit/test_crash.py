@@ -503,8 +503,57 @@ async def fallocate_modes(fs: ZoneFS, t: Tracker) -> None:
     await fs.reclaim.commit_and_reset()
 
 
+async def shared_copy(fs: ZoneFS, t: Tracker) -> None:
+    """An instant copy (shared extents), writes to both files, a cleaning pass over
+    the shared zone, then the source deleted (issue 28)."""
+    files = {f"/s{i}": pattern(150 + i, 600 * KiB) for i in range(4)}
+    for path, data in files.items():
+        t.expect(path, b"")
+        t.expect(path, data)
+        await write_file(fs, path, data)
+        t.ack(path)
+    src = await fs.open(await resolve(fs, "/s0"), os.O_RDWR)
+    t.expect("/c", b"")
+    fh, attr = await fs.create(ROOT_INO, b"c", 0o644, os.O_RDWR, CTX)
+    fs.forget([(attr.ino, 1)])
+    try:
+        t.expect("/c", files["/s0"])
+        assert await fs.copy_file_range(src, 0, fh, 0, 600 * KiB, 0) == 600 * KiB
+        await fs.fsync(fh, False)
+        t.ack("/c")
+        copy = bytearray(files["/s0"])
+        orig = bytearray(files["/s0"])
+        for i, (f, model) in enumerate(((src, orig), (fh, copy), (src, orig))):
+            off = 100 * KiB * (i + 1) + 7
+            data = pattern(160 + i, 20 * KiB)
+            model[off:off + len(data)] = data
+            path = "/s0" if f == src else "/c"
+            t.expect(path, bytes(model))
+            await fs.write(f, off, data)
+            await fs.fsync(f, False)
+            t.ack(path)
+    finally:
+        await fs.release(src)
+        await fs.release(fh)
+    t.expect("/s1", None)
+    await fs.unlink(ROOT_INO, b"s1")
+    await fs.sync()
+    t.ack("/s1")
+    victim = fs.cleaner.pick_victim()
+    assert victim is not None, "the scenario must leave a zone worth cleaning"
+    assert fs.state.shared.extra_by_zone.get(victim.zone_idx), "the victim must be shared"
+    await fs.cleaner.clean_zone(victim.zone_idx, throttle=False)
+    await fs.reclaim.commit_and_reset()
+    # Then the source goes: the copy keeps the blocks the cleaner moved.
+    t.expect("/s0", None)
+    await fs.unlink(ROOT_INO, b"s0")
+    await fs.sync()
+    t.ack("/s0")
+
+
 SCENARIOS: dict[str, tuple[Scenario, Geometry]] = {
     "fallocate_modes": (fallocate_modes, SMALL),
+    "shared_copy": (shared_copy, SMALL),
     "zone_seals": (zone_seals, SMALL),
     "inline_small_files": (inline_small_files, SMALL),
     "cleaning_pass": (cleaning_pass, SMALL),
