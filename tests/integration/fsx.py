@@ -18,6 +18,9 @@ Operations, on files of up to `--max-size` bytes (default 8 MiB):
   falloc    fallocate(2) with `--falloc` (issue 28): mode 0, KEEP_SIZE,
             PUNCH_HOLE|KEEP_SIZE, ZERO_RANGE with and without KEEP_SIZE, at an
             unaligned offset; the log's data-seed field holds the mode
+  copy      copy_file_range from the process's other private file (with
+            `--falloc`): aligned ones share blocks, others the daemon copies;
+            a = destination offset, b = length, data seed = source offset
 
 Several processes (`--procs`) run at once, each on files of its own, and all
 of them on one shared file, where each owns a disjoint, unaligned stripe (so
@@ -215,6 +218,15 @@ class Runner:
             self.expect(st, a, b, got, "mmap read")
         elif op == "dread":
             self.expect(st, a, b, _direct_read(st.path, a, b), "O_DIRECT read")
+        elif op == "copy":
+            other = self.file(f"p{self.proc}-b" if name.endswith("-a") else f"p{self.proc}-a")
+            src_off, done = dseed, 0
+            while done < b:
+                n = os.copy_file_range(other.fd, st.fd, b - done, src_off + done, a + done)
+                if n == 0:
+                    break
+                done += n
+            self._model_write(st, a, bytes(other.model[src_off:src_off + done]))
         elif op == "falloc":
             _fallocate(st.fd, dseed, a, b)
             end = a + b
@@ -254,6 +266,21 @@ def generate(rnd: random.Random, proc: int, max_size: int, use_mmap: bool, use_d
     lo, hi = (proc * STRIPE, (proc + 1) * STRIPE) if name == "shared" else (0, max_size)
     size = sizes.get(name, 0)
     dseed = rnd.randrange(1 << 30)
+    if use_falloc and name != "shared" and rnd.random() < 0.04:
+        other = f"p{proc}-b" if name == f"p{proc}-a" else f"p{proc}-a"
+        src_size = sizes.get(other, 0)
+        aligned = rnd.random() < 0.7
+        src_off = rnd.randrange(0, max(1, src_size))
+        off = rnd.randrange(0, max_size // 2)
+        length = rnd.randrange(1, 2 << 20)
+        if aligned:
+            src_off -= src_off % BLOCK
+            off -= off % BLOCK
+            length = -(-length // BLOCK) * BLOCK
+        length = max(0, min(length, src_size - src_off, max_size - off))
+        if length:
+            sizes[name] = max(size, off + length)
+        return "copy", name, off, length, src_off
     if use_falloc and rnd.random() < 0.12:
         mode = rnd.choice(FALLOC_MODES)
         off = rnd.randrange(lo, hi - 1)
