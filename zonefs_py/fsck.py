@@ -383,8 +383,9 @@ def check_inv24_reservations(sb: Superblock, state: State, zones: dict[int, Zone
         report.add("INV-24", f"held block total {res.held_total}, the files' sum is {total}")
     capacity = sum(z.capacity_bytes for i, z in zones.items()
                    if i >= sb.data_first_zone) // state.block_size
-    if state.live_blocks_total + total > capacity:
-        report.add("INV-24", f"live ({state.live_blocks_total}) and held ({total}) blocks "
+    distinct = state.live_blocks_total - state.shared.extra_total  # copies count once
+    if distinct + total > capacity:
+        report.add("INV-24", f"live ({distinct}) and held ({total}) blocks "
                    f"exceed the data zones' {capacity}")
 
 

@@ -242,3 +242,19 @@ def test_shared_block_map_against_per_block_counts() -> None:
             assert a < b
             got[a:b] = [extra] * (b - a)
         assert got == [r - 1 for r in refs]
+
+
+async def test_copies_may_reference_more_than_the_device_holds(tmp_path: Path) -> None:
+    """References past the capacity are fine: space, status and fsck count the
+    distinct blocks (fsck runs at the end)."""
+    async with mounted(tmp_path / "a.img", create=True) as fs:
+        data = pattern(7, 24 * MiB)
+        src, _ = await new_file(fs, b"src", data)
+        for i in range(3):
+            dst, _ = await new_file(fs, f"copy{i}".encode())
+            assert await fs.copy_file_range(src, 0, dst, 0, len(data), 0) == len(data)
+            await fs.release(dst)
+        await fs.release(src)
+        assert fs.state.live_blocks_total * BS > fs.alloc.user_capacity_bytes()
+        assert fs.alloc.live_total_bytes() == len(data)
+        assert fs.status()["space"]["live_bytes"] == len(data)  # type: ignore[index]
