@@ -15,7 +15,7 @@ import pytest
 from engine_helpers import CTX, KiB, MiB, mounted, pattern
 
 from zonefs_py import errors
-from zonefs_py.fs.api import ROOT_INO
+from zonefs_py.fs.api import ROOT_INO, XattrFlags
 from zonefs_py.fs.filesystem import ZoneFS
 from zonefs_py.model.shared import SharedBlocks
 
@@ -258,3 +258,21 @@ async def test_copies_may_reference_more_than_the_device_holds(tmp_path: Path) -
         assert fs.state.live_blocks_total * BS > fs.alloc.user_capacity_bytes()
         assert fs.alloc.live_total_bytes() == len(data)
         assert fs.status()["space"]["live_bytes"] == len(data)  # type: ignore[index]
+
+
+async def test_copies_are_charged_to_the_destinations_quota(tmp_path: Path) -> None:
+    async with mounted(tmp_path / "a.img", create=True) as fs:
+        src, _ = await new_file(fs, b"src", pattern(8, 768 * KiB))
+        d = (await fs.mkdir(ROOT_INO, b"q", 0o755, CTX)).ino
+        fs.forget([(d, 1)])
+        await fs.setxattr(d, b"user.zonefs.quota", b"1048576", XattrFlags.NONE, CTX)
+        fhs = []
+        for name in (b"c1", b"c2"):
+            fh, attr = await fs.create(d, name, 0o644, os.O_RDWR, CTX)
+            fs.forget([(attr.ino, 1)])
+            fhs.append(fh)
+        assert await fs.copy_file_range(src, 0, fhs[0], 0, 768 * KiB, 0) == 768 * KiB
+        with pytest.raises(errors.QuotaExceeded):
+            await fs.copy_file_range(src, 0, fhs[1], 0, 768 * KiB, 0)
+        for fh in (src, *fhs):
+            await fs.release(fh)
