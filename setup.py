@@ -2,7 +2,8 @@
 
 The extension is compiled in cffi's API (out-of-line) mode by
 native/build_native.py; it needs gcc, the Python headers and liburing's
-headers (Debian: build-essential python3-dev liburing-dev libxxhash-dev).
+headers (Debian: build-essential python3-dev liburing-dev libxxhash-dev);
+native/build_fuseext.py builds the FUSE extension (libfuse3-dev pkg-config).
 """
 
 from setuptools import find_packages, setup
@@ -14,7 +15,8 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["zonefs_py", "zonefs_py.*"]),
     setup_requires=["cffi>=1.15"],
-    cffi_modules=["native/build_native.py:ffibuilder"],
+    # build_fuseext.py: FALLOCATE, which pyfuse3 does not pass on (needs libfuse3-dev).
+    cffi_modules=["native/build_native.py:ffibuilder", "native/build_fuseext.py:ffibuilder"],
     # Floors are the versions .ci/run proves (tests/floors.py writes them as a
     # constraints file for its lowest-versions smoke run); no upper bounds.
     install_requires=[

@@ -26,6 +26,7 @@ from zonefs_py.format.superblock import Superblock
 from zonefs_py.fs.api import ROOT_INO
 from zonefs_py.journal.recovery import Recovered, read_superblock, recover
 from zonefs_py.model.extents import Extent
+from zonefs_py.model.prealloc import mapped_in
 from zonefs_py.model.state import State
 
 Progress = Callable[[str, int, int], None]
@@ -87,6 +88,7 @@ def check_filesystem(dev: ZonedDevice, *, check_data: bool = True,
     check_inv13_file_types(state, report)
     check_inv21_drain_records(state, report)
     check_inv22_inline_data(state, report)
+    check_inv24_reservations(sb, state, zones, report)
     check_inv23_zone_summaries(dev, state, zones, report, read=not check_data)
     if check_data:
         check_inv12_data_checksums(dev, rec, report, progress)
@@ -149,7 +151,8 @@ def check_inv5_extents_sorted(state: State, report: Report) -> None:
 
 
 def check_inv6_zone_accounting(state: State, report: Report) -> None:
-    """INV-6: no device block belongs to two extents; live counts match the extents."""
+    """INV-6: a device block belongs to two extents only as the shared-block map
+    records it (instant copies); live counts (references) match the extents."""
     bs = state.block_size
     counted: Counter[int] = Counter()
     spans: list[tuple[int, int, int]] = []
@@ -160,9 +163,17 @@ def check_inv6_zone_accounting(state: State, report: Report) -> None:
             counted[e.dev // state.zone_size] += e.nblocks
             spans.append((e.dev, e.dev + e.nblocks * bs, inode.ino))
     spans.sort()
-    for (_a0, a1, ia), (b0, _b1, ib) in zip(spans, spans[1:], strict=False):
-        if b0 < a1:
-            report.add("INV-6", f"device bytes [{b0}, {a1}) belong to inodes {ia} and {ib}")
+    found = _shared_spans(spans, bs, state.zone_size)
+    recorded = _merged(state.shared.items(), bs, state.zone_size)
+    if found != recorded:
+        extra = sorted(set(found) - set(recorded))[:5]
+        missing = sorted(set(recorded) - set(found))[:5]
+        report.add("INV-6", "device blocks referenced by several extents do not match the "
+                   f"shared-block map: unrecorded (offset, blocks, extra) {extra}, recorded "
+                   f"but not referenced so {missing}")
+    if state.shared.extra_total != sum(n * x for _, n, x in recorded):
+        report.add("INV-6", f"shared extra total {state.shared.extra_total} does not match "
+                   "its ranges")
     if state.live_blocks_total != sum(state.zone_live_blocks.values()):
         report.add("INV-6", f"live block total {state.live_blocks_total} does not match the "
                    f"zones' {sum(state.zone_live_blocks.values())}")
@@ -170,6 +181,35 @@ def check_inv6_zone_accounting(state: State, report: Report) -> None:
         if live != counted.get(zone, 0):
             report.add("INV-6", f"zone {zone}: live count {live} but extents hold "
                        f"{counted.get(zone, 0)} blocks")
+
+
+def _shared_spans(spans: list[tuple[int, int, int]], bs: int, zone_size: int
+                  ) -> list[tuple[int, int, int]]:
+    """(device offset, blocks, references - 1) of every range more than one span covers."""
+    events = sorted([(a, 1) for a, _, _ in spans] + [(b, -1) for _, b, _ in spans])
+    out: list[tuple[int, int, int]] = []
+    depth = prev = 0
+    for pos, delta in events:
+        if pos > prev and depth > 1:
+            out.append((prev, (pos - prev) // bs, depth - 1))
+        depth += delta
+        prev = pos
+    return _merged(out, bs, zone_size)
+
+
+def _merged(ranges: list[tuple[int, int, int]], bs: int, zone_size: int
+            ) -> list[tuple[int, int, int]]:
+    """Join adjacent ranges of equal count inside one zone (a canonical form)."""
+    out: list[tuple[int, int, int]] = []
+    for dev, n, x in ranges:
+        if out:
+            pdev, pn, px = out[-1]
+            if (pdev + pn * bs == dev and px == x
+                    and pdev // zone_size == dev // zone_size):
+                out[-1] = (pdev, pn + n, x)
+                continue
+        out.append((dev, n, x))
+    return out
 
 
 def check_inv9_streams_apart(state: State, report: Report) -> None:
@@ -310,6 +350,43 @@ def check_inv22_inline_data(state: State, report: Report) -> None:
         if len(inode.inline) > inode.size:
             report.add("INV-22", f"inode {inode.ino}: {len(inode.inline)} inline bytes, longer "
                                  f"than the file ({inode.size} bytes)")
+
+
+def check_inv24_reservations(sb: Superblock, state: State, zones: dict[int, Zone],
+                             report: Report) -> None:
+    """INV-24: reserved ranges belong to regular files, are sorted and disjoint; the
+    held counts (reserved blocks no extent maps) add up; live + held fit the data zones."""
+    res = state.prealloc
+    total = 0
+    for ino, ranges in res.ranges.items():
+        inode = state.inodes.get(ino)
+        if inode is None or inode.extents is None:
+            report.add("INV-24", f"reservations of inode {ino}, which is no regular file")
+            continue
+        prev_end = -1
+        for lo, hi in ranges:
+            if not 0 <= lo < hi or lo <= prev_end:
+                report.add("INV-24", f"inode {ino}: reserved ranges {ranges} are not sorted, "
+                           "disjoint and non-empty")
+                break
+            prev_end = hi
+        held = sum(hi - lo - mapped_in(inode.extents, lo, hi, state.block_size)
+                   for lo, hi in ranges)
+        total += held
+        if res.held.get(ino, 0) != held:
+            report.add("INV-24", f"inode {ino}: {res.held.get(ino, 0)} held blocks counted, "
+                       f"its ranges and extents give {held}")
+    stray = sorted(set(res.held) - set(res.ranges))
+    if stray:
+        report.add("INV-24", f"held counts without ranges: {stray}")
+    if res.held_total != total:
+        report.add("INV-24", f"held block total {res.held_total}, the files' sum is {total}")
+    capacity = sum(z.capacity_bytes for i, z in zones.items()
+                   if i >= sb.data_first_zone) // state.block_size
+    distinct = state.live_blocks_total - state.shared.extra_total  # copies count once
+    if distinct + total > capacity:
+        report.add("INV-24", f"live ({distinct}) and held ({total}) blocks "
+                   f"exceed the data zones' {capacity}")
 
 
 def read_zone_summary(dev: ZonedDevice, state: State, zone: int

@@ -38,6 +38,9 @@ Caveats:
     holds it to that); the kernel also serialises setxattr per inode.
   * The control xattrs (`trusted.zonefs.*`, root inode only) are answered
     here, not stored: see `zonefs_py.control`.
+  * FALLOCATE and COPY_FILE_RANGE reach us through `zonefs_py.fuseext`
+    (pyfuse3 has no handler for them); the constructor arms them
+    (`install_extra_handlers`), which must happen before `pyfuse3.init`.
 """
 
 from __future__ import annotations
@@ -51,11 +54,12 @@ from typing import Any, ParamSpec, TypeVar
 
 import pyfuse3
 
-from zonefs_py import control, errors
+from zonefs_py import control, errors, fuseext
 from zonefs_py.fs.api import (
     ROOT_INO,
     Attr,
     Ctx,
+    FallocFlags,
     FileSystemAPI,
     RenameFlags,
     SetAttrRequest,
@@ -93,6 +97,9 @@ ERRNO_OF: dict[type[errors.ZoneFSError], int] = {
     errors.DeviceRefused: errno.ENODEV,
     errors.Busy: errno.EBUSY,
 }
+
+#: Largest copy_file_range answer: the reply's count is a u32 (fuse_write_out.size).
+COPY_MAX_BYTES = (1 << 32) - (1 << 20)
 
 #: Errors that mean the in-memory state can no longer be trusted for writing.
 FAILSAFE_ERRORS: tuple[type[errors.ZoneFSError], ...] = (errors.CorruptionError,)
@@ -144,7 +151,10 @@ def ctx_of(rctx: pyfuse3.RequestContext) -> Ctx:
 class Operations(pyfuse3.Operations):
     """pyfuse3 request handlers over one mounted `FileSystemAPI`."""
 
-    supports_dot_lookup = False  # no NFS export: the kernel never looks up "." / ".."
+    #: FUSE export support (issue 28): node ids are inode numbers, persistent and
+    #: never handed out twice (generation 0), so the kernel may resolve a file
+    #: handle by looking up "." in its node id and ".." of a directory.
+    supports_dot_lookup = True
     enable_acl = False
 
     def __init__(self, fs: FileSystemAPI, *, writeback_cache: bool = True,
@@ -163,6 +173,8 @@ class Operations(pyfuse3.Operations):
         self._cached_version: dict[int, tuple[int, int]] = {}
         #: Open file handle -> inode, to record the version on release.
         self._fh_ino: dict[int, int] = {}
+        # Built before pyfuse3.init (daemon/serve.py): the FALLOCATE handler goes in then.
+        self.install_extra_handlers()
 
     # -- helpers -----------------------------------------------------------------------
     def failsafe(self, reason: str, exc: BaseException) -> None:
@@ -384,6 +396,44 @@ class Operations(pyfuse3.Operations):
     @_handler
     async def fsync(self, fh: int, datasync: bool) -> None:
         await self.fs.fsync(fh, datasync)
+
+    @_handler
+    async def _fallocate(self, fh: int, mode: int, offset: int, length: int) -> None:
+        await self.fs.fallocate(fh, FallocFlags(mode), offset, length)
+
+    async def fallocate(self, ino: int, fh: int, mode: int, offset: int, length: int) -> int:
+        """FUSE_FALLOCATE (via `fuseext`): 0 or the errno to answer."""
+        try:
+            await self._fallocate(fh, mode, offset, length)
+        except pyfuse3.FUSEError as exc:
+            return exc.errno
+        return 0
+
+    @_handler
+    async def _copy_file_range(self, fh_in: int, off_in: int, fh_out: int, off_out: int,
+                               length: int, flags: int) -> int:
+        return await self.fs.copy_file_range(fh_in, off_in, fh_out, off_out,
+                                             min(length, COPY_MAX_BYTES), flags)
+
+    async def copy_file_range(self, fh_in: int, off_in: int, fh_out: int, off_out: int,
+                              length: int, flags: int) -> tuple[int, int]:
+        """FUSE_COPY_FILE_RANGE (via `fuseext`): (0, bytes copied) or (errno, 0)."""
+        try:
+            return 0, await self._copy_file_range(fh_in, off_in, fh_out, off_out, length,
+                                                  flags)
+        except pyfuse3.FUSEError as exc:
+            return exc.errno, 0
+
+    def install_extra_handlers(self) -> bool:
+        """Arm the requests pyfuse3 does not handle (FALLOCATE, COPY_FILE_RANGE) for
+        the next `pyfuse3.init`; False when the extension is not available."""
+        return fuseext.install(self.fallocate, self.copy_file_range)
+
+    def init(self) -> None:
+        """FUSE_INIT arrived: say whether fallocate is served."""
+        if fuseext.armed() and not fuseext.installed():
+            log.warning("fallocate is not served (libfuse's fuse_session_new was not "
+                        "intercepted): fallocate(2) gets EOPNOTSUPP")
 
     # -- directories ----------------------------------------------------------------------
     @_handler

@@ -15,6 +15,12 @@ Operations, on files of up to `--max-size` bytes (default 8 MiB):
   mwrite    store through a shared mmap of the file, sometimes msync'ed
   mread     read through a mmap, compared
   dread     O_DIRECT read of aligned blocks into an aligned buffer, compared
+  falloc    fallocate(2) with `--falloc` (issue 28): mode 0, KEEP_SIZE,
+            PUNCH_HOLE|KEEP_SIZE, ZERO_RANGE with and without KEEP_SIZE, at an
+            unaligned offset; the log's data-seed field holds the mode
+  copy      copy_file_range from the process's other private file (with
+            `--falloc`): aligned ones share blocks, others the daemon copies;
+            a = destination offset, b = length, data seed = source offset
 
 Several processes (`--procs`) run at once, each on files of its own, and all
 of them on one shared file, where each owns a disjoint, unaligned stripe (so
@@ -24,7 +30,7 @@ truncate on the shared file.
 Log lines: `<proc> <op> <file> <a> <b> <data-seed>`; `a`/`b` are offset and
 length (truncate: size). Usage:
 
-  python tests/integration/fsx.py DIR --seed 7 --ops 2000 --procs 3 [--no-mmap]
+  python tests/integration/fsx.py DIR --seed 7 --ops 2000 --procs 3 [--no-mmap] [--falloc]
   python tests/integration/fsx.py DIR --replay DIR/fsx-7.log
 """
 
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import mmap
 import multiprocessing
 import os
@@ -45,8 +52,21 @@ BLOCK = 4096
 STRIPE = (1 << 20) + 1000
 
 
+#: fallocate(2) modes (linux/falloc.h) fsx uses.
+KEEP_SIZE, PUNCH_HOLE, ZERO_RANGE = 0x01, 0x02, 0x10
+FALLOC_MODES = (0, KEEP_SIZE, PUNCH_HOLE | KEEP_SIZE, ZERO_RANGE, ZERO_RANGE | KEEP_SIZE)
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
 class Mismatch(AssertionError):
     pass
+
+
+def _fallocate(fd: int, mode: int, off: int, length: int) -> None:
+    if _libc.fallocate(fd, mode, ctypes.c_int64(off), ctypes.c_int64(length)) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"fallocate(mode={mode:#x}, {off:#x}, {length:#x}): "
+                      f"{os.strerror(code)}")
 
 
 def _direct_read(path: Path, off: int, length: int) -> bytes:
@@ -198,6 +218,23 @@ class Runner:
             self.expect(st, a, b, got, "mmap read")
         elif op == "dread":
             self.expect(st, a, b, _direct_read(st.path, a, b), "O_DIRECT read")
+        elif op == "copy":
+            other = self.file(f"p{self.proc}-b" if name.endswith("-a") else f"p{self.proc}-a")
+            src_off, done = dseed, 0
+            while done < b:
+                n = os.copy_file_range(other.fd, st.fd, b - done, src_off + done, a + done)
+                if n == 0:
+                    break
+                done += n
+            self._model_write(st, a, bytes(other.model[src_off:src_off + done]))
+        elif op == "falloc":
+            _fallocate(st.fd, dseed, a, b)
+            end = a + b
+            if dseed & (PUNCH_HOLE | ZERO_RANGE):
+                lo, hi = min(a, len(st.model)), min(end, len(st.model))
+                st.model[lo:hi] = bytes(hi - lo)
+            if not dseed & KEEP_SIZE and end > len(st.model):
+                st.model.extend(bytes(end - len(st.model)))
         else:
             raise ValueError(f"unknown operation {op!r}")
 
@@ -221,12 +258,39 @@ class Runner:
 
 
 def generate(rnd: random.Random, proc: int, max_size: int, use_mmap: bool, use_direct: bool,
-             sizes: dict[str, int]) -> tuple[str, str, int, int, int]:
-    """One random operation (op, file, a, b, data seed); `sizes` tracks model sizes."""
+             sizes: dict[str, int], use_falloc: bool = False
+             ) -> tuple[str, str, int, int, int]:
+    """One random operation (op, file, a, b, data seed); `sizes` tracks model sizes.
+    Without `use_falloc` the sequence of a seed is what it was before `falloc`."""
     name = rnd.choice([f"p{proc}-a", f"p{proc}-b", "shared"])
     lo, hi = (proc * STRIPE, (proc + 1) * STRIPE) if name == "shared" else (0, max_size)
     size = sizes.get(name, 0)
     dseed = rnd.randrange(1 << 30)
+    if use_falloc and name != "shared" and rnd.random() < 0.04:
+        other = f"p{proc}-b" if name == f"p{proc}-a" else f"p{proc}-a"
+        src_size = sizes.get(other, 0)
+        aligned = rnd.random() < 0.7
+        src_off = rnd.randrange(0, max(1, src_size))
+        off = rnd.randrange(0, max_size // 2)
+        length = rnd.randrange(1, 2 << 20)
+        if aligned:
+            src_off -= src_off % BLOCK
+            off -= off % BLOCK
+            length = -(-length // BLOCK) * BLOCK
+        length = max(0, min(length, src_size - src_off, max_size - off))
+        if length:
+            sizes[name] = max(size, off + length)
+        return "copy", name, off, length, src_off
+    if use_falloc and rnd.random() < 0.12:
+        mode = rnd.choice(FALLOC_MODES)
+        off = rnd.randrange(lo, hi - 1)
+        if rnd.random() < 0.25:
+            off = max(lo, off - off % BLOCK)
+        length = min(rnd.choice([rnd.randrange(1, 8192), rnd.randrange(1, 1 << 20)]),
+                     hi - off)
+        if not mode & KEEP_SIZE:
+            sizes[name] = max(size, off + length)
+        return "falloc", name, off, length, mode
     r = rnd.random()
     if r < 0.55:
         length = rnd.choice([rnd.randrange(1, 8192), rnd.randrange(1, 256 << 10),
@@ -265,7 +329,7 @@ def generate(rnd: random.Random, proc: int, max_size: int, use_mmap: bool, use_d
 
 
 def run_proc(directory: str, seed: int, proc: int, ops: int, max_size: int, use_mmap: bool,
-             use_direct: bool, log_dir: str) -> str | None:
+             use_direct: bool, log_dir: str, use_falloc: bool = False) -> str | None:
     """One worker: `ops` random operations; return an error message or None."""
     rnd = random.Random(seed * 1000 + proc)
     log_path = Path(log_dir) / f"fsx-{seed}.p{proc}.log"
@@ -274,7 +338,8 @@ def run_proc(directory: str, seed: int, proc: int, ops: int, max_size: int, use_
     sizes: dict[str, int] = {}
     try:
         for _ in range(ops):
-            runner.apply(*generate(rnd, proc, max_size, use_mmap, use_direct, sizes))
+            runner.apply(*generate(rnd, proc, max_size, use_mmap, use_direct, sizes,
+                                   use_falloc))
         runner.final_check()
     except Mismatch as exc:
         return f"seed {seed}: {exc}"
@@ -286,13 +351,13 @@ def run_proc(directory: str, seed: int, proc: int, ops: int, max_size: int, use_
 
 
 def run(directory: Path, seed: int, ops: int, procs: int = 1, max_size: int = 8 << 20,
-        use_mmap: bool = True, use_direct: bool = True, log_dir: Path | None = None
-        ) -> list[str]:
+        use_mmap: bool = True, use_direct: bool = True, log_dir: Path | None = None,
+        use_falloc: bool = False) -> list[str]:
     """Run `procs` workers at once; return their error messages (empty: all passed)."""
     log_dir = log_dir or directory
     (directory / "shared").unlink(missing_ok=True)
-    args = [(str(directory), seed, p, ops, max_size, use_mmap, use_direct, str(log_dir))
-            for p in range(procs)]
+    args = [(str(directory), seed, p, ops, max_size, use_mmap, use_direct, str(log_dir),
+             use_falloc) for p in range(procs)]
     if procs == 1:
         results = [run_proc(*args[0])]
     else:
@@ -335,6 +400,7 @@ def main() -> int:
     ap.add_argument("--max-size", type=int, default=8 << 20)
     ap.add_argument("--no-mmap", action="store_true")
     ap.add_argument("--no-direct", action="store_true")
+    ap.add_argument("--falloc", action="store_true", help="add fallocate operations")
     ap.add_argument("--log-dir", type=Path, help="where logs and good/bad copies go")
     ap.add_argument("--replay", type=Path, help="replay this operation log instead")
     args = ap.parse_args()
@@ -343,7 +409,7 @@ def main() -> int:
         print(err or f"replay of {args.replay}: all operations matched the model")
         return 1 if err else 0
     errs = run(args.dir, args.seed, args.ops, args.procs, args.max_size, not args.no_mmap,
-               not args.no_direct, args.log_dir)
+               not args.no_direct, args.log_dir, args.falloc)
     for e in errs:
         print(e, file=sys.stderr)
     print(f"seed {args.seed}: {args.ops * args.procs} operations in {args.procs} process(es): "

@@ -80,6 +80,14 @@ def test_fsx_small_files_no_mmap(mounted: Mount, tmp_path: Path) -> None:
          use_direct=False)
 
 
+@pytest.mark.parametrize("seed", [2801, 2802])
+def test_fsx_with_fallocate(mounted: Mount, tmp_path: Path, seed: int) -> None:
+    """fallocate (reserve, keep size, punch hole, zero range) and copy_file_range
+    (shared or copied by the daemon) among the other operations, two processes,
+    one file shared between them (issue 28)."""
+    _run(mounted, tmp_path, seed, 400, 2, use_falloc=True)
+
+
 def test_fsx_survives_remount(image: Path, mount_factory: Mount, tmp_path: Path) -> None:
     """The files fsx leaves are the same after a clean unmount and mount."""
     mount_factory.start()

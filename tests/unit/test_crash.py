@@ -44,7 +44,7 @@ from engine_helpers import (
 
 from zonefs_py import errors
 from zonefs_py.device.emulated import EmulatedZonedDevice
-from zonefs_py.fs.api import ROOT_INO, RenameFlags, SetAttrRequest
+from zonefs_py.fs.api import ROOT_INO, FallocFlags, RenameFlags, SetAttrRequest
 from zonefs_py.fs.filesystem import ZoneFS
 from zonefs_py.journal import journal as journal_mod
 from zonefs_py.journal.recovery import read_superblock
@@ -446,7 +446,114 @@ async def zone_seals(fs: ZoneFS, t: Tracker) -> None:
     t.ack("/big")
 
 
+async def fallocate_modes(fs: ZoneFS, t: Tracker) -> None:
+    """Every fallocate mode (issue 28), an fsync after each, writes into the
+    reservations, then a cleaning pass over the punched file's zone."""
+    bs = 4096
+    content = bytearray(pattern(120, 48 * bs + 300))
+    t.expect("/p", b"")
+    t.expect("/p", bytes(content))
+    await write_file(fs, "/p", bytes(content))
+    t.ack("/p")
+    for i in range(3):  # neighbours in the same zone, so the cleaner has a victim
+        t.expect(f"/n{i}", b"")
+        t.expect(f"/n{i}", pattern(130 + i, 600 * KiB))
+        await write_file(fs, f"/n{i}", pattern(130 + i, 600 * KiB))
+        t.ack(f"/n{i}")
+    ino = await resolve(fs, "/p")
+    fh = await fs.open(ino, os.O_RDWR)
+    keep = FallocFlags.KEEP_SIZE
+    steps: list[tuple[FallocFlags, int, int]] = [
+        (FallocFlags.PUNCH_HOLE | keep, 3 * bs + 10, 20 * bs),  # edges and whole blocks
+        (FallocFlags.NONE, 40 * bs, 30 * bs),                    # grows, zeros
+        (FallocFlags.ZERO_RANGE | keep, 1 * bs, 2 * bs + 5),
+        (FallocFlags.ZERO_RANGE, 65 * bs + 1, 10 * bs),          # grows
+        (keep, 80 * bs, 16 * bs),                                # past EOF, size kept
+    ]
+    try:
+        for mode, off, n in steps:
+            end = off + n
+            if mode & (FallocFlags.PUNCH_HOLE | FallocFlags.ZERO_RANGE):
+                lo, hi = min(off, len(content)), min(end, len(content))
+                content[lo:hi] = bytes(hi - lo)
+            if not mode & keep and end > len(content):
+                content += bytes(end - len(content))
+            t.expect("/p", bytes(content))
+            await fs.fallocate(fh, mode, off, n)
+            await fs.fsync(fh, False)
+            t.ack("/p")
+        for off in (5 * bs, 44 * bs + 7, 82 * bs):  # into holes and reservations
+            data = pattern(140 + off, 3 * bs)
+            if off + len(data) > len(content):
+                content += bytes(off + len(data) - len(content))
+            content[off:off + len(data)] = data
+            t.expect("/p", bytes(content))
+            await fs.write(fh, off, data)
+            await fs.fsync(fh, False)
+            t.ack("/p")
+    finally:
+        await fs.release(fh)
+    t.expect("/n1", None)
+    await fs.unlink(ROOT_INO, b"n1")
+    await fs.sync()
+    t.ack("/n1")
+    victim = fs.cleaner.pick_victim()
+    assert victim is not None, "the scenario must leave a zone worth cleaning"
+    await fs.cleaner.clean_zone(victim.zone_idx, throttle=False)
+    await fs.reclaim.commit_and_reset()
+
+
+async def shared_copy(fs: ZoneFS, t: Tracker) -> None:
+    """An instant copy (shared extents), writes to both files, a cleaning pass over
+    the shared zone, then the source deleted (issue 28)."""
+    files = {f"/s{i}": pattern(150 + i, 600 * KiB) for i in range(4)}
+    for path, data in files.items():
+        t.expect(path, b"")
+        t.expect(path, data)
+        await write_file(fs, path, data)
+        t.ack(path)
+    src = await fs.open(await resolve(fs, "/s0"), os.O_RDWR)
+    t.expect("/c", b"")
+    fh, attr = await fs.create(ROOT_INO, b"c", 0o644, os.O_RDWR, CTX)
+    fs.forget([(attr.ino, 1)])
+    try:
+        t.expect("/c", files["/s0"])
+        assert await fs.copy_file_range(src, 0, fh, 0, 600 * KiB, 0) == 600 * KiB
+        await fs.fsync(fh, False)
+        t.ack("/c")
+        copy = bytearray(files["/s0"])
+        orig = bytearray(files["/s0"])
+        for i, (f, model) in enumerate(((src, orig), (fh, copy), (src, orig))):
+            off = 100 * KiB * (i + 1) + 7
+            data = pattern(160 + i, 20 * KiB)
+            model[off:off + len(data)] = data
+            path = "/s0" if f == src else "/c"
+            t.expect(path, bytes(model))
+            await fs.write(f, off, data)
+            await fs.fsync(f, False)
+            t.ack(path)
+    finally:
+        await fs.release(src)
+        await fs.release(fh)
+    t.expect("/s1", None)
+    await fs.unlink(ROOT_INO, b"s1")
+    await fs.sync()
+    t.ack("/s1")
+    victim = fs.cleaner.pick_victim()
+    assert victim is not None, "the scenario must leave a zone worth cleaning"
+    assert fs.state.shared.extra_by_zone.get(victim.zone_idx), "the victim must be shared"
+    await fs.cleaner.clean_zone(victim.zone_idx, throttle=False)
+    await fs.reclaim.commit_and_reset()
+    # Then the source goes: the copy keeps the blocks the cleaner moved.
+    t.expect("/s0", None)
+    await fs.unlink(ROOT_INO, b"s0")
+    await fs.sync()
+    t.ack("/s0")
+
+
 SCENARIOS: dict[str, tuple[Scenario, Geometry]] = {
+    "fallocate_modes": (fallocate_modes, SMALL),
+    "shared_copy": (shared_copy, SMALL),
     "zone_seals": (zone_seals, SMALL),
     "inline_small_files": (inline_small_files, SMALL),
     "cleaning_pass": (cleaning_pass, SMALL),

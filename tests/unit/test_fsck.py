@@ -276,3 +276,37 @@ async def test_repair_keeps_every_zone_of_its_checkpoint_until_the_next(
     assert_fsck_clean(image)
     async with mounted(image, geo=geo) as fs:
         assert len(fs.state.inodes) == 700  # root + 699 files: the orphan is freed
+
+
+async def test_blocks_shared_without_a_share_record_are_inv6(tmp_path: Path) -> None:
+    """A file mapping another's device blocks with no SHARE op (what a copy that
+    forgot it would leave) is flagged; with the SHARE op the same image is clean."""
+    for record_share in (False, True):
+        image = tmp_path / f"fs{int(record_share)}.img"
+        async with mounted(image, create=True, fsck_after=False) as fs:
+            await write_file(fs, "/a", pattern(1, 64 * 1024))
+            await write_file(fs, "/b", b"")
+            a = fs.state.inodes[await resolve(fs, "/a")]
+            b = await resolve(fs, "/b")
+            assert a.extents is not None
+            e = a.extents.exts[0]
+            ops = [(OpType.EXTENT, b, 0, e.nblocks, e.dev, e.csums)]
+            if record_share:
+                ops.append((OpType.SHARE, e.dev, e.nblocks, 1))
+            fs._txn(ops)
+            await fs.journal.commit()
+        report = fsck(image)
+        found = [f for f in report.findings if f.invariant == "INV-6"]
+        assert bool(found) != record_share, report.findings
+
+
+async def test_reservations_past_the_capacity_are_inv24(tmp_path: Path) -> None:
+    """A PREALLOC no admission check let through (a journaled bug) is flagged."""
+    image = tmp_path / "fs.img"
+    async with mounted(image, create=True, fsck_after=False) as fs:
+        await write_file(fs, "/f", b"")
+        ino = await resolve(fs, "/f")
+        fs._txn([(OpType.PREALLOC, ino, 0, 1 << 30)])
+        await fs.journal.commit()
+    report = fsck(image)
+    assert [f for f in report.findings if f.invariant == "INV-24"], report.findings

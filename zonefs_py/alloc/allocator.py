@@ -165,7 +165,9 @@ class Allocator:
 
     # -- queries -------------------------------------------------------------------
     def live_bytes(self, zone: int) -> int:
-        return self.state.zone_live_blocks.get(zone, 0) * self.block_size
+        """Distinct live bytes of the zone (blocks shared by copies count once)."""
+        return (self.state.zone_live_blocks.get(zone, 0)
+                - self.state.shared.extra_by_zone.get(zone, 0)) * self.block_size
 
     def total_capacity(self) -> int:
         """Capacity of the usable data zones (cached: asked on every growing write,
@@ -373,7 +375,8 @@ class Allocator:
                 and dz.idx not in pending]
 
     def live_total_bytes(self) -> int:
-        return self.state.live_blocks_total * self.block_size
+        # Distinct blocks: references less the extra ones of shared blocks (copies).
+        return (self.state.live_blocks_total - self.state.shared.extra_total) * self.block_size
 
     def user_capacity_bytes(self) -> int:
         """What users may fill with live data: capacity less the over-provisioning."""

@@ -73,6 +73,12 @@ class OpType(enum.IntEnum):
     EXTENT_SEALED = 21
     #: A data zone's summary blocks are written (version 4).
     ZONE_SEAL = 22
+    #: File blocks reserved by fallocate (issue 28; no DISK_VERSION change, like DRAIN).
+    PREALLOC = 23
+    #: File blocks made holes by fallocate PUNCH_HOLE / ZERO_RANGE (issue 28).
+    PUNCH = 24
+    #: Device blocks gain references: an instant copy shares them (issue 28).
+    SHARE = 25
 
 
 class Stream(enum.IntEnum):

@@ -26,6 +26,10 @@ u32 body length, body (docs/SPEC.md "Operations").
     DRAIN       (ino, state, size, xxh3, url, token)   drain state of a file (zonefs_py/drain)
     ZONE_SEAL   (zone_idx, reset_count, data_blocks)   the zone's summary blocks are written
                 after its first data_blocks blocks (format/zonesum.py)
+    PREALLOC    (ino, first_block, nblocks)   reserves file blocks (fallocate, model/prealloc.py)
+    PUNCH       (ino, first_block, nblocks)   drops the mappings and reservations of file blocks
+    SHARE       (dev_offset, nblocks, count)   device blocks gain `count` references
+                (copy_file_range sharing extents, model/shared.py)
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ _COUNTER = struct.Struct("<HQ")
 _DRAIN = struct.Struct("<QBQQHH")
 _INLINE = struct.Struct("<QQqqH")
 _ZONE_SEAL = struct.Struct("<IIQ")
+_QQQ = struct.Struct("<QQQ")
+_SHARE = struct.Struct("<QQI")
 
 
 class OpDecodeError(Exception):
@@ -81,6 +87,10 @@ def encode_op(op: Op) -> bytes:
         body = _ZONE_SEAL.pack(op[1], op[2], op[3])
     elif kind == OpType.TRUNCATE or kind == OpType.TENANT_BYTES:
         body = _QQ.pack(op[1], op[2])
+    elif kind == OpType.PREALLOC or kind == OpType.PUNCH:
+        body = _QQQ.pack(op[1], op[2], op[3])
+    elif kind == OpType.SHARE:
+        body = _SHARE.pack(op[1], op[2], op[3])
     elif kind == OpType.SYMLINK:
         body = _Q.pack(op[1]) + op[2]
     elif kind == OpType.XATTR_SET:
@@ -198,6 +208,12 @@ def _decode_body(kind: int, payload: bytes, mv: memoryview, pos: int, bend: int)
         return (OpType.TRUNCATE, *_QQ.unpack_from(payload, pos))
     if kind == OpType.TENANT_BYTES:
         return (OpType.TENANT_BYTES, *_QQ.unpack_from(payload, pos))
+    if kind == OpType.PREALLOC or kind == OpType.PUNCH:
+        _check(bend - pos == _QQQ.size, f"{OpType(kind).name} length")
+        return (OpType(kind), *_QQQ.unpack_from(payload, pos))
+    if kind == OpType.SHARE:
+        _check(bend - pos == _SHARE.size, "SHARE length")
+        return (OpType.SHARE, *_SHARE.unpack_from(payload, pos))
     if kind == OpType.SYMLINK:
         (ino,) = _Q.unpack_from(payload, pos)
         return (OpType.SYMLINK, ino, bytes(mv[pos + 8:bend]))

@@ -20,6 +20,8 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from zonefs_py import errors
+
 ROOT_INO = 1
 NAME_MAX = 255
 XATTR_NAME_MAX = 255
@@ -34,6 +36,19 @@ class RenameFlags(enum.IntFlag):
     NONE = 0
     NOREPLACE = 1
     EXCHANGE = 2
+
+
+class FallocFlags(enum.IntFlag):
+    """fallocate(2) modes (linux/falloc.h); fs/prealloc.py says which are supported."""
+
+    NONE = 0
+    KEEP_SIZE = 0x01
+    PUNCH_HOLE = 0x02
+    NO_HIDE_STALE = 0x04
+    COLLAPSE_RANGE = 0x08
+    ZERO_RANGE = 0x10
+    INSERT_RANGE = 0x20
+    UNSHARE_RANGE = 0x40
 
 
 class XattrFlags(enum.IntFlag):
@@ -184,6 +199,15 @@ class FileSystemAPI(abc.ABC):
 
     @abc.abstractmethod
     async def fsync(self, fh: int, datasync: bool) -> None: ...
+
+    async def fallocate(self, fh: int, mode: FallocFlags, offset: int, length: int) -> None:
+        """Reserve, punch or zero [offset, offset+length) of an open file (fallocate(2))."""
+        raise errors.NotSupported("fallocate is not supported")
+
+    async def copy_file_range(self, fh_in: int, off_in: int, fh_out: int, off_out: int,
+                              length: int, flags: int) -> int:
+        """Copy up to `length` bytes between open files; return how many were copied."""
+        raise errors.NotSupported("copy_file_range is not supported")
 
     # -- directories ---------------------------------------------------------
     @abc.abstractmethod

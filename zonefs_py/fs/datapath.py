@@ -264,6 +264,28 @@ class DataPath:
                                     buf.mtime, final)
 
 
+    # -- hooks for fallocate (fs/prealloc.py) ------------------------------------------
+    async def flush_locked(self, inode: Inode) -> None:
+        """`flush` for a caller that holds the file's lock."""
+        await self._flush_locked(inode, final=True)
+
+    async def place_zeroed_locked(self, inode: Inode, fblock: int, lo: int,
+                                  hi: int) -> list[tuple[Op, int]]:
+        """Append file block `fblock` with its bytes [lo, hi) (offsets in the block)
+        zeroed: a read-modify-write of the stored block, bytes past EOF kept zero
+        (INV-10). Returns the placed, not yet applied, ops (`apply_placed`, or
+        `discard_placed`). The caller holds the lock and flushed (`flush_locked`)."""
+        start = fblock * self.bs
+        stored = await self.reads.read_stored(inode, start,
+                                              max(0, min(self.bs, inode.size - start)))
+        block = bytearray(stored + bytes(self.bs - len(stored)))
+        block[lo:hi] = bytes(hi - lo)
+        return await self.pipe.place_file_data(inode, fblock, block)
+
+    def apply_placed(self, inode: Inode, placed: list[tuple[Op, int]]) -> list[Op]:
+        """Apply placed EXTENT ops (never awaits); return them."""
+        return self.pipe.apply_placed(inode, placed)
+
     # -- truncate ------------------------------------------------------------------
     async def truncate(self, inode: Inode, new_size: int, ctime: int) -> list[Op]:
         """Change the size; return (applied) ops for the caller's transaction."""

@@ -49,6 +49,7 @@ from zonefs_py.fs.api import (
     Attr,
     Ctx,
     DirEntry,
+    FallocFlags,
     FileSystemAPI,
     SetAttrRequest,
     StatFs,
@@ -58,9 +59,11 @@ from zonefs_py.fs.inline import InlineData, drop_idle_lock, inline_threshold
 from zonefs_py.fs.latency import Histogram
 from zonefs_py.fs.namespace import NamespaceOps
 from zonefs_py.fs.options import FsOptions
+from zonefs_py.fs.prealloc import Fallocator
 from zonefs_py.fs.qos import ReadLatencyController
 from zonefs_py.fs.quota import QuotaTracker
 from zonefs_py.fs.reclaim import SpaceReclaim
+from zonefs_py.fs.reflink import Copier
 from zonefs_py.fs.status import build_status
 from zonefs_py.journal.journal import Journal
 from zonefs_py.journal.recovery import Recovered, recover
@@ -125,6 +128,8 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         from zonefs_py.drain.manager import DrainManager
 
         self.drain = DrainManager(self)  # zonefs_py/drain; its hooks: the self.drain.* calls
+        self.falloc = Fallocator(self)  # fs/prealloc.py: fallocate, reserved blocks (INV-24)
+        self.copier = Copier(self)  # fs/reflink.py: copy_file_range, shared extents (3.13)
         self.data.on_need_space = self.drain.need_space_hook(self.cleaner.clean_for_space)
         self.files: dict[int, int] = {}  # fh -> ino
         #: Time spent in read/write requests by the engine (not FUSE queueing).
@@ -326,7 +331,8 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
 
     def attr(self, inode: Inode) -> Attr:
         size = self.data.visible_size(inode) if inode.extents is not None else inode.size
-        blocks = inode.extents.mapped_blocks * (self.bs // 512) if inode.extents else 0
+        blocks = (inode.extents.mapped_blocks + self.falloc.held_blocks(inode.ino)) \
+            * (self.bs // 512) if inode.extents is not None else 0
         if inode.inline:
             blocks = -(-len(inode.inline) // 512)  # stored, though in no data block
         return Attr(inode.ino, inode.mode, inode.nlink, inode.uid, inode.gid, inode.rdev, size,
@@ -369,10 +375,15 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
 
     # -- lookups and attributes ------------------------------------------------------
     async def lookup(self, parent_ino: int, name: bytes) -> Attr:
-        d = self._dir(parent_ino)
         if name == b".":
-            ino = parent_ino
-        elif name == b"..":
+            # Of any inode, not only directories: the kernel resolves an export
+            # handle (open_by_handle_at, NFS) whose inode it no longer caches by
+            # looking up "." in the handle's node id (DESIGN 4.2a).
+            inode = self.inode(parent_ino)
+            inode.lookups += 1
+            return self.attr(inode)
+        d = self._dir(parent_ino)
+        if name == b"..":
             ino = d.parent or ROOT_INO
         else:
             if len(name) > NAME_MAX:
@@ -536,8 +547,12 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
             raise errors.FileTooBig(f"write past the largest file size at {offset}")
         grow = offset + len(data) - self.data.visible_size(inode)
         if grow > 0:
+            # Blocks reserved by fallocate were charged already (INV-24).
+            grow -= self.falloc.held_bytes_in(inode, offset, len(data))
+        if grow > 0:
             self._check_quota(inode, grow)
-            live = self.alloc.live_total_bytes() + self.data.pending_bytes()
+            live = (self.alloc.live_total_bytes() + self.data.pending_bytes()
+                    + self.falloc.held_total_bytes())
             # A hole takes no space: only the written bytes can become live data.
             over = live + min(grow, len(data)) - self.alloc.user_capacity_bytes()
             if over > 0 and not await self.drain.relieve_space(over):
@@ -589,6 +604,30 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
             await self._flush_file(inode)
             self.drain.on_fsync(inode)
             await self.journal.commit()
+
+    async def fallocate(self, fh: int, mode: FallocFlags, offset: int, length: int) -> None:
+        self._writable()
+        inode = self._fh_inode(fh)
+        with self.data.write_arriving(inode.ino):
+            await self.falloc.fallocate(inode, mode, offset, length)
+
+    async def copy_file_range(self, fh_in: int, off_in: int, fh_out: int, off_out: int,
+                              length: int, flags: int) -> int:
+        self._writable()
+        if flags:
+            raise errors.InvalidArgument(f"copy_file_range flags {flags:#x}")
+        src = self._fh_inode(fh_in)
+        dst = self._fh_inode(fh_out)
+        with self.data.write_arriving(dst.ino):
+            return await self.copier.copy(src, off_in, dst, off_out, length)
+
+    async def _read_inode(self, inode: Inode, offset: int, length: int) -> bytes | memoryview:
+        """Read an inode's bytes (inline or in blocks), as `read` does for a handle."""
+        if self.data.writes_arriving(inode.ino):
+            await self.data.after_earlier_writes(inode.ino)
+        if inode.inline:
+            return self.inline.read(inode, self.data.visible_size(inode), offset, length)
+        return await self.data.read(inode, offset, length)
 
     # -- directories -------------------------------------------------------------------------
     async def opendir(self, ino: int) -> int:
@@ -653,7 +692,7 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         bs = self.bs
         total = self.alloc.user_capacity_bytes() // bs
         free = max(0, self.alloc.user_capacity_bytes() - self.alloc.live_total_bytes()
-                   - self.data.pending_bytes()) // bs
+                   - self.data.pending_bytes() - self.falloc.held_total_bytes()) // bs
         free = min(free, total)
         # Inodes: as many more as the meta area's checkpoint budget allows (the
         # estimate of NamespaceOps._check_meta_room), so that df -i shows the limit.

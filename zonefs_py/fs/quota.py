@@ -76,7 +76,9 @@ class QuotaTracker:
                 if c.entries is not None:
                     stack.append(child_ino)
                 elif c.extents is not None and c.parent == d.ino:
-                    total += c.extents.mapped_blocks * self.bs
+                    # Reserved blocks (fallocate) are charged like stored ones (INV-24).
+                    held = self.state.prealloc.held.get(child_ino, 0)
+                    total += (c.extents.mapped_blocks + held) * self.bs
         return total
 
     def blocks_changed(self, ino: int, delta_blocks: int) -> None:

@@ -7,6 +7,12 @@ extents as `LivePiece`s, and relocates a piece for the cleaner: append to the
 cleaner stream's head, then, without awaiting, re-point the blocks still
 mapped to the old copy (INV-15) and queue the EXTENT ops (docs/DESIGN.md 3.8).
 
+Shared blocks (instant copies, model/shared.py, DESIGN 3.13) move once: a
+victim's pieces are listed once per device range (a piece another piece of
+the listing covers whole is left out), and a relocated range re-points every
+file that still maps any of it, with a SHARE op giving the new copy as many
+references as the old one had among those files.
+
 Device I/O runs in worker threads: resets under the write limiter, the
 cleaner's reads and appends under its own limiter of one thread, so cleaning
 never takes more than one device thread from users.
@@ -114,7 +120,18 @@ class SpaceReclaim:
                         pieces.append(LivePiece(
                             e.dev + off * bs, ino, e.fblock + off, n,
                             None if e.csums is None else e.csums[off * 4:(off + n) * 4]))
-        return pieces
+        if zone_idx not in self.state.shared.ranges:
+            return pieces
+        # Shared ranges: one piece per device range (the others' files follow it).
+        pieces.sort(key=lambda p: (p.dev_offset_bytes, -p.nblocks))
+        kept: list[LivePiece] = []
+        covered = -1
+        for p in pieces:
+            end = p.dev_offset_bytes + p.nblocks * bs
+            if end > covered:
+                kept.append(p)
+                covered = end
+        return kept
 
     def pin_zone(self, zone_idx: int) -> None:
         self.alloc.pin_read(zone_idx)
@@ -164,8 +181,12 @@ class SpaceReclaim:
             # No await from here: re-point only blocks still mapped to the old copy.
             first = piece.fblock + pos // bs
             count = granted // bs
-            ops = self._repoint(piece.ino, first, count, piece.dev_offset_bytes + pos, new_dev,
-                                all_csums[pos // bs * 4:(pos // bs + count) * 4])
+            old_dev = piece.dev_offset_bytes + pos
+            csums = all_csums[pos // bs * 4:(pos // bs + count) * 4]
+            if old_dev // self.state.zone_size in self.state.shared.ranges:
+                ops = self._repoint_shared(old_dev, count, new_dev, csums)
+            else:
+                ops = self._repoint(piece.ino, first, count, old_dev, new_dev, csums)
             for op in ops:
                 self.state.apply(op)
             self.alloc.append_done(zone, ok=True)
@@ -193,6 +214,42 @@ class SpaceReclaim:
                 continue  # rewritten since we read it: the newer data stays
             ops.append((OpType.EXTENT, ino, start, n, new_dev + rel * bs,
                         csums[rel * 4:(rel + n) * 4]))
+        return ops
+
+    def _repoint_shared(self, old_dev: int, count: int, new_dev: int, csums: bytes
+                        ) -> list[Op]:
+        """EXTENT ops moving every file's blocks still at device blocks
+        old_dev..+count to the copy at new_dev (INV-15 for each file), then SHARE
+        ops for the new blocks that more than one of them now references."""
+        bs = self.block_size
+        zone = old_dev // self.state.zone_size
+        old_end = old_dev + count * bs
+        ops: list[Op] = []
+        refs: list[tuple[int, int]] = []  # relative block ranges each op references
+        for ino in sorted(self.state.zone_owners.get(zone, ())):
+            inode = self.state.inodes.get(ino)
+            if inode is None or inode.extents is None:
+                continue
+            for e in list(inode.extents):
+                e_end = e.dev + e.nblocks * bs
+                lo, hi = max(e.dev, old_dev), min(e_end, old_end)
+                if lo >= hi:
+                    continue
+                fblock = e.fblock + (lo - e.dev) // bs
+                rel = (lo - old_dev) // bs
+                n = (hi - lo) // bs
+                ops.append((OpType.EXTENT, ino, fblock, n, new_dev + rel * bs,
+                            csums[rel * 4:(rel + n) * 4]))
+                refs.append((rel, rel + n))
+        # Blocks referenced k > 1 times get k - 1 extra references (a sweep).
+        events = sorted([(a, 1) for a, _ in refs] + [(b, -1) for _, b in refs])
+        depth = 0
+        prev = 0
+        for pos, delta in events:
+            if pos > prev and depth > 1:
+                ops.append((OpType.SHARE, new_dev + prev * bs, pos - prev, depth - 1))
+            depth += delta
+            prev = pos
         return ops
 
     def count_cleaned(self, nbytes: int) -> None:

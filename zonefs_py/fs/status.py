@@ -91,7 +91,8 @@ def build_status(fs: StatusSource) -> dict[str, object]:
     meta = fs.metadata_bytes_written()
     cleaner = c.get(C_CLEANER_BYTES, 0)
     device_total = data + meta + cleaner
-    live = sum(fs.state.zone_live_blocks.values()) * bs
+    # Distinct blocks: a block an instant copy shares counts once (DESIGN 3.13).
+    live = (sum(fs.state.zone_live_blocks.values()) - fs.state.shared.extra_total) * bs
     streams = {}
     for s in Stream:
         written = c.get(C_STREAM_BASE + s, 0)

@@ -156,6 +156,13 @@ class ExtentMap:
             self._cut(first_dropped, self.exts[-1].fend, block_size, freed)
         return freed
 
+    def punch(self, lo: int, hi: int, block_size: int) -> list[Freed]:
+        """Drop every mapping of file blocks [lo, hi) (a hole punched, issue 28)."""
+        freed: list[Freed] = []
+        if self.exts and hi > lo:
+            self._cut(lo, hi, block_size, freed)
+        return freed
+
     def clear(self, block_size: int) -> list[Freed]:
         if not self.exts:
             return []

@@ -22,6 +22,8 @@ from zonefs_py.format.ops import Op
 from zonefs_py.format.zonesum import summary_end
 from zonefs_py.model.drain import DrainRecord
 from zonefs_py.model.extents import EMPTY_EXTENTS, ExtentMap, Freed
+from zonefs_py.model.prealloc import Reservations
+from zonefs_py.model.shared import SharedBlocks
 
 
 class _Rare:
@@ -208,6 +210,11 @@ class State:
         self.snapshot_gen = 0
         #: ino -> drain state of files that are not LOCAL (DRAIN ops, zonefs_py/drain).
         self.drain: dict[int, DrainRecord] = {}
+        #: Reserved file blocks (fallocate, PREALLOC / PUNCH ops, INV-24).
+        self.prealloc = Reservations(block_size)
+        #: Device blocks referenced by several extents (instant copies, SHARE ops):
+        #: zone_live_blocks counts references, this the extra ones.
+        self.shared = SharedBlocks(block_size, zone_size)
         self._dispatch = {
             OpType.INODE: self._apply_inode,
             OpType.INODE_FREE: self._apply_inode_free,
@@ -225,6 +232,9 @@ class State:
             OpType.DRAIN: self._apply_drain,
             OpType.INLINE: self._apply_inline,
             OpType.ZONE_SEAL: self._apply_zone_seal,
+            OpType.PREALLOC: self._apply_prealloc,
+            OpType.PUNCH: self._apply_punch,
+            OpType.SHARE: self._apply_share,
         }
 
     # -- applying ops --------------------------------------------------------
@@ -297,8 +307,9 @@ class State:
         self.tenant_written.pop(op[1], None)
         self.drain.pop(op[1], None)
         if inode.extents is not None:
+            held = self.prealloc.forget(op[1])
             freed = inode.extents.clear(self.block_size)
-            self._notify_blocks(op[1], -sum(n for _, n in freed))
+            self._notify_blocks(op[1], held - sum(n for _, n in freed))
             self._release(freed)
 
     def _apply_dirent_add(self, op: Op) -> None:
@@ -343,6 +354,8 @@ class State:
         # A file's bytes are inline or in blocks, never both: the writer that
         # gives an inline file its first block put the inline bytes in it.
         inode.inline = b""
+        # Reserved blocks this maps stop being held: their charge becomes live (INV-24).
+        held = self.prealloc.mapping(ino, inode.extents, fblock, fblock + nblocks)
         freed = inode.extents.insert(fblock, nblocks, dev, csums, self.block_size,
                                      self.zone_size)
         self.zone_live_blocks[zone] = self.zone_live_blocks.get(zone, 0) + nblocks
@@ -351,15 +364,43 @@ class State:
         if owners is None:
             owners = self.zone_owners[zone] = set()
         owners.add(inode.ino)  # the inode's int object, not a new one (issue 15)
-        self._notify_blocks(ino, nblocks - sum(n for _, n in freed))
+        self._notify_blocks(ino, held + nblocks - sum(n for _, n in freed))
         self._release(freed)
 
     def _apply_truncate(self, op: Op) -> None:
         inode = self.get(op[1])
         if inode.extents is None:
             raise StateError(f"TRUNCATE on non-file inode {op[1]}")
+        held = self.prealloc.release(op[1], inode.extents, op[2], _NO_BLOCK)
         freed = inode.extents.truncate(op[2], self.block_size)
-        self._notify_blocks(op[1], -sum(n for _, n in freed))
+        self._notify_blocks(op[1], held - sum(n for _, n in freed))
+        self._release(freed)
+
+    def _apply_prealloc(self, op: Op) -> None:
+        _, ino, fblock, nblocks = op
+        inode = self.get(ino)
+        if inode.extents is None or nblocks <= 0 or fblock + nblocks > _NO_BLOCK:
+            raise StateError(f"PREALLOC of {nblocks} blocks at {fblock} on inode {ino}")
+        self._notify_blocks(ino, self.prealloc.reserve(ino, inode.extents, fblock,
+                                                       fblock + nblocks))
+
+    def _apply_share(self, op: Op) -> None:
+        _, dev, nblocks, count = op
+        zone = dev // self.zone_size
+        if (nblocks <= 0 or count <= 0 or dev % self.block_size
+                or (dev + nblocks * self.block_size - 1) // self.zone_size != zone):
+            raise StateError(f"SHARE of {nblocks} blocks at {dev} x{count}")
+        self.shared.add(dev, nblocks, count)
+
+    def _apply_punch(self, op: Op) -> None:
+        """Drop the mappings and reservations of file blocks [fblock, fblock+nblocks)."""
+        _, ino, fblock, nblocks = op
+        inode = self.get(ino)
+        if inode.extents is None or nblocks <= 0 or fblock + nblocks > _NO_BLOCK:
+            raise StateError(f"PUNCH of {nblocks} blocks at {fblock} on inode {ino}")
+        held = self.prealloc.release(ino, inode.extents, fblock, fblock + nblocks)
+        freed = inode.extents.punch(fblock, fblock + nblocks, self.block_size)
+        self._notify_blocks(ino, held - sum(n for _, n in freed))
         self._release(freed)
 
     def _apply_symlink(self, op: Op) -> None:
@@ -450,8 +491,11 @@ class State:
             self.on_blocks_changed(ino, delta)
 
     def _release(self, freed: list[Freed]) -> None:
+        shared = self.shared.ranges
         for dev, nblocks in freed:
             zone = dev // self.zone_size
+            if zone in shared:
+                self.shared.release(dev, nblocks)
             left = self.zone_live_blocks.get(zone, 0) - nblocks
             if left < 0:
                 raise StateError(f"live block count of zone {zone} went negative")
@@ -483,6 +527,8 @@ class State:
             yield (OpType.ZONE_STATE, zone, stream, flags, resets)
         for zone, (resets, data_blocks) in sorted(self.zone_seals.items()):
             yield (OpType.ZONE_SEAL, zone, resets, data_blocks)
+        for dev, nblocks, extra in self.shared.items():
+            yield (OpType.SHARE, dev, nblocks, extra)
 
     def inode_body_ops(self, inode: Inode, max_csum_blocks: int = 65536) -> Iterator[Op]:
         """The snapshot's ops of one inode after its INODE op: names (of a
@@ -511,6 +557,8 @@ class State:
                     n = min(max_csum_blocks, e.nblocks - off)
                     yield (OpType.EXTENT, inode.ino, e.fblock + off, n, e.dev + off * bs,
                            e.csums[off * 4:(off + n) * 4])
+            for lo, hi in self.prealloc.ranges.get(inode.ino, ()):
+                yield (OpType.PREALLOC, inode.ino, lo, hi - lo)
 
 
 #: Ops whose op[1] is an inode they change (for DIRENT_* the directory; the
@@ -518,11 +566,15 @@ class State:
 _CHANGES_INODE = frozenset({
     OpType.INODE, OpType.INODE_FREE, OpType.DIRENT_ADD, OpType.DIRENT_DEL, OpType.EXTENT,
     OpType.TRUNCATE, OpType.SYMLINK, OpType.XATTR_SET, OpType.XATTR_DEL, OpType.DRAIN,
-    OpType.INLINE,
+    OpType.INLINE, OpType.PREALLOC, OpType.PUNCH,
 })
 
 #: Ops that change which bytes a file's blocks hold (State.on_data_changed).
-_DATA_OPS = frozenset({OpType.EXTENT, OpType.TRUNCATE, OpType.INODE_FREE, OpType.INLINE})
+_DATA_OPS = frozenset({OpType.EXTENT, OpType.TRUNCATE, OpType.INODE_FREE, OpType.INLINE,
+                       OpType.PUNCH})
+
+#: Past every file block (file sizes stay below 2**63 bytes, FILE_SIZE_MAX).
+_NO_BLOCK = 1 << 63
 
 
 class Snapshot:

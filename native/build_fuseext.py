@@ -1,0 +1,67 @@
+"""Build `zonefs_py._fuseext` (FALLOCATE, COPY_FILE_RANGE: pyfuse3 does not handle them).
+
+Used by setup.py (`cffi_modules`) next to build_native.py; `python
+native/build_fuseext.py` builds it in place. Needs libfuse3's headers and
+library (Debian 12: libfuse3-dev pkg-config). native/zonefs_fuseext.c says
+how it reaches libfuse; zonefs_py/fuseext.py is its Python side.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+from pathlib import Path
+
+from cffi import FFI
+
+NATIVE_DIR = Path(__file__).resolve().parent
+SOURCE = NATIVE_DIR / "zonefs_fuseext.c"
+
+CDEF = """
+extern "Python" void zfx_py_fallocate(void *req, uint64_t ino, int mode, int64_t offset,
+                                      int64_t length, uint64_t fh);
+void zfx_arm(int on);
+int zfx_installed_flag(void);
+extern "Python" void zfx_py_copy_file_range(void *req, uint64_t fh_in, int64_t off_in,
+                                            uint64_t fh_out, int64_t off_out,
+                                            uint64_t length, int flags);
+int zfx_reply_err(void *req, int err);
+int zfx_reply_write(void *req, uint64_t count);
+"""
+
+
+def _pkg_config(*args: str) -> list[str]:
+    """Return pkg-config's answer for fuse3, or [] if pkg-config is missing."""
+    try:
+        out = subprocess.run(["pkg-config", *args, "fuse3"], check=True,
+                             capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    return shlex.split(out)
+
+
+def _make_builder() -> FFI:
+    builder = FFI()
+    builder.cdef(CDEF)
+    cflags = _pkg_config("--cflags") or ["-I/usr/include/fuse3"]
+    libs = [flag[2:] for flag in _pkg_config("--libs") if flag.startswith("-l")] or ["fuse3"]
+    # The C text goes into the generated module itself (not a separate source),
+    # so that it sees cffi's declaration of the extern "Python" callback.
+    builder.set_source(
+        "zonefs_py._fuseext",
+        SOURCE.read_text(),
+        libraries=[*libs, "dl"],
+        extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter",
+                            *cflags],
+    )
+    return builder
+
+
+ffibuilder = _make_builder()
+
+if __name__ == "__main__":
+    import os
+
+    os.chdir(NATIVE_DIR.parent)
+    # Writes zonefs_py/_fuseext.c and zonefs_py/_fuseext*.so (git-ignored).
+    print(ffibuilder.compile(tmpdir=".", verbose=False))

@@ -1,0 +1,140 @@
+"""FUSE requests pyfuse3 does not pass on: FALLOCATE, COPY_FILE_RANGE (issue 28).
+
+pyfuse3 (up to 3.5 at least) registers no `fallocate` or `copy_file_range`
+handler with libfuse, so libfuse answers them with ENOSYS: the kernel then
+refuses every fallocate(2) on the mount with EOPNOTSUPP, and copies every
+copy_file_range(2) itself through READ and WRITE requests. `zonefs_py._fuseext`
+(native/zonefs_fuseext.c) defines `fuse_session_new` itself.
+`zonefs_py/__init__.py` promotes that module to the global symbol
+scope *before* pyfuse3 is imported: Python loads extension modules with
+RTLD_NOW, so pyfuse3's reference to `fuse_session_new` is bound when it is
+imported, and the global scope is searched before pyfuse3's own libfuse3.
+`install()` arms it: at `pyfuse3.init` it adds our handlers to the table
+pyfuse3 hands to libfuse. Unarmed, our `fuse_session_new` only passes the
+call on.
+
+Requests arrive on the trio thread, inside pyfuse3's call to
+`fuse_session_process_buf`; each is run as a trio system task (the callback
+itself must not block) and answered exactly once (`fuse_reply_err`, or
+`fuse_reply_write` with the bytes a copy made).
+
+Caveats: `install()` must run before `pyfuse3.init`, in the process that
+mounts, and pyfuse3 must be imported after `zonefs_py` (true for the CLI and
+the daemon; a program that imports pyfuse3 first keeps libfuse's own
+function). `installed()` tells whether the handler went in; when not,
+fallocate stays EOPNOTSUPP as before and the adapter logs a warning. One
+mount per process (pyfuse3's limit too).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+log = logging.getLogger(__name__)
+
+#: (ino, fh, mode, offset, length) -> errno (0 for success).
+FallocateHandler = Callable[[int, int, int, int, int], Awaitable[int]]
+#: (fh_in, off_in, fh_out, off_out, length, flags) -> (errno, bytes copied).
+CopyHandler = Callable[[int, int, int, int, int, int], Awaitable[tuple[int, int]]]
+
+_handler: FallocateHandler | None = None
+_copy_handler: CopyHandler | None = None
+_ext: Any = None
+
+
+def _load() -> Any:
+    """Import the extension and put it into the global symbol scope (or None)."""
+    global _ext
+    if _ext is not None:
+        return _ext
+    try:
+        import zonefs_py._fuseext as fuseext_mod
+    except ImportError as exc:
+        log.warning("fallocate unavailable: zonefs_py._fuseext is not built (%s)", exc)
+        return None
+    try:
+        ctypes.CDLL(fuseext_mod.__file__, mode=os.RTLD_GLOBAL | getattr(os, "RTLD_NOLOAD", 0))
+    except OSError as exc:
+        log.warning("fallocate unavailable: %s", exc)
+        return None
+    _register(fuseext_mod)
+    _ext = fuseext_mod
+    return _ext
+
+
+def _register(ext: Any) -> None:
+    @ext.ffi.def_extern()
+    def zfx_py_fallocate(req: Any, ino: int, mode: int, offset: int, length: int,
+                         fh: int) -> None:
+        trio.lowlevel.spawn_system_task(_run_fallocate, req, ino, fh, mode, offset, length,
+                                        name="fuse-fallocate")
+
+    @ext.ffi.def_extern()
+    def zfx_py_copy_file_range(req: Any, fh_in: int, off_in: int, fh_out: int, off_out: int,
+                               length: int, flags: int) -> None:
+        trio.lowlevel.spawn_system_task(_run_copy, req, fh_in, off_in, fh_out, off_out,
+                                        length, flags, name="fuse-copy-file-range")
+
+
+async def _run_copy(req: Any, fh_in: int, off_in: int, fh_out: int, off_out: int,
+                    length: int, flags: int) -> None:
+    """Run the copy handler and answer exactly once: the count, or an errno."""
+    err, count = errno.EIO, 0
+    try:
+        if _copy_handler is not None:
+            err, count = await _copy_handler(fh_in, off_in, fh_out, off_out, length, flags)
+    except trio.Cancelled:
+        err = errno.EINTR
+        raise
+    except Exception:  # noqa: BLE001 - a system task must not raise; EIO answers it
+        log.exception("copy_file_range handler failed")
+    finally:
+        if err:
+            _ext.lib.zfx_reply_err(req, err)
+        else:
+            _ext.lib.zfx_reply_write(req, count)
+
+
+async def _run_fallocate(req: Any, ino: int, fh: int, mode: int, offset: int,
+                         length: int) -> None:
+    """Run the handler and answer the request exactly once, whatever happens."""
+    err = errno.EIO
+    try:
+        if _handler is not None:
+            err = await _handler(ino, fh, mode, offset, length)
+    except trio.Cancelled:
+        err = errno.EINTR
+        raise
+    except Exception:  # noqa: BLE001 - a system task must not raise; EIO answers it
+        log.exception("fallocate handler failed")
+    finally:
+        _ext.lib.zfx_reply_err(req, err)
+
+
+def install(fallocate: FallocateHandler, copy_file_range: CopyHandler) -> bool:
+    """Arm the handlers for the next `pyfuse3.init`; False if unavailable."""
+    global _handler, _copy_handler
+    ext = _load()
+    if ext is None:
+        return False
+    _handler = fallocate
+    _copy_handler = copy_file_range
+    ext.lib.zfx_arm(1)
+    return True
+
+
+def armed() -> bool:
+    """Whether `install` armed the handler."""
+    return _handler is not None
+
+
+def installed() -> bool:
+    """Whether the last `pyfuse3.init` took the handler (call after it)."""
+    return _ext is not None and bool(_ext.lib.zfx_installed_flag())
