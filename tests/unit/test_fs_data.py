@@ -315,3 +315,31 @@ async def test_a_read_arriving_after_a_write_sees_it(fs: ZoneFS, state: str) -> 
     want[100:5100] = new
     assert got == [bytes(want)]
     await fs.release(fh)
+
+
+async def test_pending_bytes_counts_what_is_buffered_or_in_flight(tmp_path: Path) -> None:
+    """The space check's count (`FileWrites.pending_bytes`, O(1)) follows every way
+    bytes enter and leave the write state: buffered, carved, streamed, flushed,
+    inlined, truncated, deleted."""
+    async with mounted(tmp_path / "fs.img", create=True) as fs:
+        w = fs.data.writes
+        fh, attr = await fs.create(ROOT_INO, b"f", 0o100644, os.O_RDWR, CTX)
+        await fs.write(fh, 10, b"x" * 5000)
+        assert w.pending_bytes() == 10 + 5000  # the buffer starts on the block boundary
+        await fs.write(fh, 5010, b"y" * (3 << 20))  # carves whole chunks out of it
+        assert w.pending_bytes() == sum(len(b.data) for b in w.buffers.values()) + sum(
+            len(c.data) for cs in w.inflight.values() for c in cs)
+        await fs.write(fh, 8 << 20, bytes(2 << 20))  # aligned: streamed as it is
+        await fs.fsync(fh, False)
+        assert w.pending_bytes() == 0
+        await fs.write(fh, 1, b"z")
+        await fs.setattr(attr.ino, SetAttrRequest(size=0), CTX)
+        assert w.pending_bytes() == 0
+        await fs.write(fh, 0, b"small")  # small enough to be inlined at release
+        await fs.release(fh)
+        assert w.pending_bytes() == 0
+        fh2, _ = await fs.create(ROOT_INO, b"g", 0o100644, os.O_RDWR, CTX)
+        await fs.write(fh2, 0, b"q" * 9000)
+        await fs.release(fh2)
+        await fs.unlink(ROOT_INO, b"g")
+        assert w.pending_bytes() == 0

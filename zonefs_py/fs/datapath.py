@@ -235,15 +235,18 @@ class DataPath:
             await self.writes.drain(inode.ino)
             data = buf.data
             logical_end = buf.end
+            tail = b""
             if len(data) % bs:
                 tail_start = buf.end
                 tail_end = (tail_start // bs + 1) * bs
                 fill = b""
                 if inode.size > tail_start:
                     fill = await self.reads.read_stored(inode, tail_start,
-                                                   min(tail_end, inode.size) - tail_start)
-                data += fill + bytes(tail_end - tail_start - len(fill))
+                                                        min(tail_end, inode.size) - tail_start)
+                tail = fill + bytes(tail_end - tail_start - len(fill))
+            # Dropped (and its bytes uncounted) before the padding makes it longer.
             self.writes.drop_buffer(inode.ino)
+            data += tail
         else:
             whole = len(buf.data) // bs * bs
             rest = WriteBuffer(buf.start + whole)
