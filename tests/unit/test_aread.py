@@ -254,3 +254,30 @@ async def test_a_file_scattered_by_zone_appends_reads_back_exactly(tmp_path: Pat
     finally:
         dev.close()
     assert_fsck_clean(path)
+
+
+@pytest.mark.parametrize("sqpoll_ms", [0, 2])
+async def test_read_many_of_more_spans_than_the_ring_holds(dev: EmulatedZonedDevice,
+                                                           sqpoll_ms: int) -> None:
+    """A read-ahead segment of a file fragmented into hundreds of 4 KiB pieces is one
+    read_many of more spans than the ring has slots. Slots come back only when
+    their reader takes the result, so read_many must take its own results before
+    it waits for room (it once filled the ring with 128 of its own reads and
+    waited forever; every later read queued behind it: a hung mount under fsx)."""
+    async with ring_reader(dev, sqpoll_ms) as (reader, at, blob):
+        spans = [(at + (i % 256) * 4096, 4096) for i in range(3 * 128 + 7)]
+        want = [blob[(i % 256) * 4096:(i % 256 + 1) * 4096] for i in range(len(spans))]
+        results: dict[int, list[bytes]] = {}
+
+        async def many(k: int) -> None:
+            results[k] = [bytes(b) for b in await reader.read_many(spans)]
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                for k in range(4):  # four of them at once, with single reads between
+                    nursery.start_soon(many, k)
+                    nursery.start_soon(reader.read, at, 4096)
+        assert all(results[k] == want for k in range(4))
+        for ring in (reader._ring, reader._polled):
+            if ring is not None:
+                assert len(ring.free) == len(ring.slots)  # every slot came back

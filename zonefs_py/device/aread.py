@@ -82,6 +82,9 @@ SQPOLL_MAX_READ = 128 << 10
 #: against 0.16-0.19 of a core and p99 4-7 ms with the plain ring. Only a queue
 #: of reads (QD16) gains from skipping the submit syscall.
 SQPOLL_MIN_INFLIGHT = 4
+#: A full submission queue (polled ring) is retried this often, this long apart.
+SQ_FULL_RETRIES = 1000
+SQ_FULL_WAIT_S = 0.0001
 #: Ring size: reads in flight at once (more wait for a free entry).
 RING_ENTRIES = 128
 #: Reads up to this size are returned as a copy (bytes) and their buffer reused
@@ -250,38 +253,55 @@ class AsyncReader:
     async def read_many(self, spans: list[tuple[int, int]],
                         csums: list[bytes | None] | None = None) -> list[bytes | memoryview]:
         """`read` of every (offset, length) in `spans` (with `csums[i]` for span i),
-        the ring reads all in flight at once (a file range that zone appends
+        the ring reads in flight at once (a file range that zone appends
         scattered over several places of a zone is one request's worth of reads,
         not one device round trip after another); results in the order of
         `spans`. Raises the first failure, in that order (reads still in flight
-        then finish unseen)."""
-        sums = csums if csums is not None else [None] * len(spans)
-        slots: list[tuple[_Ring, int] | None] = []
-        waited = 0
+        then finish unseen).
+
+        A slot is free again only once its reader takes the result, so this
+        never waits for a free slot while it holds any: when the ring it needs is
+        full it first takes every result it has in flight (a read-ahead segment
+        of a file fragmented into hundreds of pieces once submitted 128 reads,
+        filled the ring, and waited for room only its own results could make).
+        """
+        sums: list[bytes | None] = list(csums) if csums is not None else [None] * len(spans)
+        out: list[bytes | memoryview | None] = [None] * len(spans)
+        held: list[tuple[int, _Ring, int]] = []  # (span index, ring, slot), in span order
         try:
-            for (offset_bytes, length_bytes), cs in zip(spans, sums, strict=True):
+            for i, ((offset_bytes, length_bytes), cs) in enumerate(zip(spans, sums,
+                                                                        strict=True)):
                 ring, target = self._route(offset_bytes, length_bytes)
                 if ring is None or target is None:
-                    slots.append(None)
-                    continue
+                    continue  # read below, through a thread
+                if not ring.free:
+                    await self._take(held, spans, sums, out)
                 self.ring_reads += 1
-                slots.append((ring, await self._submit(ring, target[0], target[1],
-                                                       offset_bytes, length_bytes, cs)))
-            out: list[bytes | memoryview] = []
-            for sl, (offset_bytes, length_bytes), cs in zip(slots, spans, sums, strict=True):
-                if sl is None:
-                    out.append(await self.read(offset_bytes, length_bytes, cs))
-                else:
-                    out.append(await self._complete(sl[0], sl[1], offset_bytes, length_bytes,
-                                                    cs))
-                waited += 1
-            return out
+                held.append((i, ring, await self._submit(ring, target[0], target[1],
+                                                         offset_bytes, length_bytes, cs)))
+            await self._take(held, spans, sums, out)
+            for i, ((offset_bytes, length_bytes), cs) in enumerate(zip(spans, sums,
+                                                                        strict=True)):
+                if out[i] is None:
+                    out[i] = await self.read(offset_bytes, length_bytes, cs)
+            return out  # type: ignore[return-value]
         finally:
-            for sl in slots[waited:]:
-                if sl is not None:
-                    slot = sl[0].slots[sl[1]]
-                    if slot is not None:
-                        self._abandon(sl[0], sl[1], slot)
+            for _i, ring, n in held:
+                slot = ring.slots[n]
+                if slot is not None:
+                    self._abandon(ring, n, slot)
+
+    async def _take(self, held: list[tuple[int, _Ring, int]], spans: list[tuple[int, int]],
+                    sums: list[bytes | None], out: list[bytes | memoryview | None]) -> None:
+        """Wait for every read in `held`, in order, into `out` (emptying `held`)."""
+        while held:
+            i, ring, n = held[0]
+            offset_bytes, length_bytes = spans[i]
+            try:
+                out[i] = await self._complete(ring, n, offset_bytes, length_bytes, sums[i])
+            finally:
+                # `_complete` frees the slot whether it returns or raises.
+                held.pop(0)
 
     def _route(self, offset_bytes: int, length_bytes: int
                ) -> tuple[_Ring | None, tuple[int, int] | None]:
@@ -307,9 +327,20 @@ class AsyncReader:
             await ring.room.wait()
         buf = self._get_buf(length_bytes)
         n = ring.free.pop()
-        rc = lib.zn_aring_read(ring.ptr, fd, buf, length_bytes, pos, n,
-                               ffi.NULL if csums is None else ffi.from_buffer(csums),
-                               self.block_size)
+        cs = ffi.NULL if csums is None else ffi.from_buffer(csums)
+        try:
+            for _ in range(SQ_FULL_RETRIES):
+                rc = lib.zn_aring_read(ring.ptr, fd, buf, length_bytes, pos, n, cs,
+                                       self.block_size)
+                if rc != -errno.EBUSY:
+                    break
+                # The submission queue is full: a polling kernel thread has not taken
+                # the entries yet (slots never outnumber the ring's completions).
+                await trio.sleep(SQ_FULL_WAIT_S)
+        except BaseException:
+            ring.free.append(n)  # nothing was queued in slot n
+            self._put_buf(length_bytes, buf)
+            raise
         if rc < 0:
             ring.free.append(n)
             self._put_buf(length_bytes, buf)
