@@ -106,6 +106,28 @@ class FakeStore:
         if self.uploads.pop(upload_id, None) is None:
             raise StoreError("missing", "NoSuchUpload")
 
+    def list_parts(self, bucket: str, key: str, upload_id: str) -> dict[int, tuple[str, int]]:
+        self._enter("list_parts")
+        if upload_id not in self.uploads:
+            raise StoreError("missing", "NoSuchUpload")
+        parts = self.uploads[upload_id][3]
+        return {n: (hashlib.md5(d).hexdigest(), len(d)) for n, d in sorted(parts.items())}
+
+    def copy(self, src_bucket: str, src_key: str, bucket: str, key: str, size: int) -> str:
+        self._enter("copy")
+        try:
+            data, _etag, meta = self.objects[(src_bucket, src_key)]
+        except KeyError:
+            raise StoreError("missing", f"no {src_bucket}/{src_key}") from None
+        assert len(data) == size
+        etag = hashlib.md5(data).hexdigest()  # a copy is a new, single-part object
+        self.objects[(bucket, key)] = (data, etag, dict(meta))
+        return etag
+
+    def delete(self, bucket: str, key: str) -> None:
+        self._enter("delete")
+        self.objects.pop((bucket, key), None)
+
     def head(self, bucket: str, key: str) -> ObjectInfo:
         self._enter("head")
         try:
