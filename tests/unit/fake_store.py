@@ -25,6 +25,9 @@ class FakeStore:
         self.stall.set()  # set = not stalled
         self.stalled_calls = 0
         self.stall_only: str | None = None
+        #: When set, upload_part calls past this many fail (transient), as a store that
+        #: goes away mid-upload: the parts before stay stored.
+        self.parts_budget: int | None = None
         self._lock = threading.Lock()
         self._next_id = 0
 
@@ -85,6 +88,11 @@ class FakeStore:
                     data: bytes, md5: bytes) -> str:
         self._enter("upload_part")
         assert md5 == hashlib.md5(data).digest(), "Content-MD5 of other bytes"
+        with self._lock:
+            if self.parts_budget is not None:
+                if self.parts_budget <= 0:
+                    raise StoreError("transient", "upload_part: the store went away")
+                self.parts_budget -= 1
         if upload_id not in self.uploads:
             raise StoreError("missing", "NoSuchUpload")
         self.uploads[upload_id][3][number] = bytes(data)
