@@ -82,6 +82,9 @@ class Drainer:
         self.backoff_until = 0.0
         self._warned: set[object] = set()
         self._cancel = trio.CancelScope()
+        # Registered now, not when run() starts: a stop() before the task first runs
+        # must still stop it (a cancelled scope cancels what it is entered around).
+        manager._drainer = self
         self._next_free = 0.0
         self._qos_next = 0.0
 
@@ -93,7 +96,6 @@ class Drainer:
         if self.fs.options.read_only:
             return
         m = self.m
-        m._drainer = self  # so that the engine's close() can stop us
         with self._cancel:
             m.resume_after_mount()
             async with trio.open_nursery() as nursery:
