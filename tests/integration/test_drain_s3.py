@@ -344,6 +344,51 @@ def test_three_nodes_drain_into_one_cluster(workdir: Path, template_image: Path)
 
 
 @pytest.mark.slow
+def test_volume_server_killed_mid_drain_with_replication_001(
+        image: Path, mount_factory: Mount, workdir: Path) -> None:
+    """A cluster of two volume servers keeping every volume on both (replication 001).
+    One is killed (SIGKILL) while files drain: writes fail or hang meanwhile (a
+    replica is missing; seen: they hang until the client's read timeout), the
+    drainer keeps its uploads; the server comes back, every upload resumes and
+    completes; an independent boto3 client then
+    verifies every object, also with the *other* volume server killed (read from the
+    replica that was down during the drain)."""
+    from .seaweed import SeaweedCluster
+
+    cluster = SeaweedCluster(workdir / "cluster", replication="001")
+    cluster.start()
+    try:
+        cluster.client().create_bucket(Bucket="repl")
+        m = mount_factory.start(*drain_options(cluster, workdir, "drain_rate=6",
+                                               "drain_parallel=2"))
+        d = m.path / "ck"
+        policy(d, "repl", "j")
+        files = {f"ckpt-{i}.pt": os.urandom((10 + 4 * i) * MiB + i) for i in range(4)}
+        for name, data in files.items():
+            write_synced(d / name, data)
+        wait_until(lambda: drain_status(m)["parts_sent"] >= 3, "parts in the store", mount=m)
+        cluster.kill_volume(1)
+        time.sleep(10)  # writes fail or hang meanwhile (a replica is missing)
+        assert any(state(d / n) != "drained" for n in files)
+        cluster.start_volume(1)
+        for name in files:
+            wait_until(lambda name=name: state(d / name) == "drained", f"{name} drained",
+                       timeout_s=300, mount=m)
+        st = drain_status(m)
+        assert st["files_drained"] == len(files)
+        print(f"errors {st['errors']} (last: {st['last_error']}), parts sent "
+              f"{st['parts_sent']}, reused {st['parts_reused']}")
+        assert m.unmount() == 0
+        for name, data in files.items():
+            check_object(cluster, "repl", f"j/{name}", data)
+        cluster.kill_volume(0)
+        for name, data in files.items():
+            check_object(cluster, "repl", f"j/{name}", data)
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.slow
 def test_enospc_relieved_by_evicting_drained_files(image: Path, mount_factory: Mount,
                                                    workdir: Path, store: SeaweedFS,
                                                    bucket: str) -> None:
