@@ -271,6 +271,24 @@ def test_corrupt_object_is_eio(image: Path, mount_factory: Mount, workdir: Path,
     assert m.unmount() == 0
 
 
+def test_drain_status_wait_returns_when_drained(image: Path, mount_factory: Mount,
+                                                workdir: Path, store: SeaweedFS,
+                                                bucket: str) -> None:
+    """`drain status --wait` returns once nothing is queued or uploading; without a
+    terminal it prints no progress, only the status at the end."""
+    m = mount_factory.start(*drain_options(store, workdir, "drain_rate=10"))
+    d = m.path / "ck"
+    policy(d, bucket, "w")
+    names = [f"f{i}.pt" for i in range(3)]
+    for name in names:
+        write_synced(d / name, os.urandom(6 * MiB))
+    proc = zonefs("drain", "status", "--wait", str(m.path))
+    assert [state(d / n) for n in names] == ["drained"] * 3
+    assert proc.stderr == ""  # no progress bar without a terminal
+    assert "files_drained" in proc.stdout
+    assert m.unmount() == 0
+
+
 def test_wrong_credentials_one_log_line(image: Path, mount_factory: Mount, workdir: Path,
                                         store: SeaweedFS, bucket: str) -> None:
     m = mount_factory.start(*drain_options(store, workdir, secret="wrong-secret"))

@@ -12,8 +12,9 @@ first; each upload:
    created, so the checksum must be known first).
 3. Small files: one PUT. Larger: a multipart upload (`drain_part_mb`
    parts, `drain_parts` in flight in worker threads), UPLOADING with its
-   upload id journaled first. Every part carries Content-MD5 (the store
-   refuses a part damaged in transit). An upload that UPLOADING names already
+   upload id journaled first. Every part's ETag must be the MD5 we computed
+   of it (a part damaged in transit is sent again before completion; a single
+   PUT carries Content-MD5). An upload that UPLOADING names already
    (after a crash, an unmount or a store error) resumes: ListParts, and a
    part is sent only if the store lacks it or holds other bytes (its ETag is
    not the MD5 of our part); the hash pass is skipped (the record holds the
@@ -292,6 +293,7 @@ class Drainer:
                 etag = await trio.to_thread.run_sync(m.store.put, bucket, key, data, meta,
                                                      digest)
                 m.parts_sent += 1
+                m.bytes_uploaded += len(data)
                 want = digest.hex()
             else:
                 if not upload_id:
@@ -482,6 +484,7 @@ class Drainer:
         async def send(i: int, data: bytes) -> None:
             try:
                 etags[i] = await trio.to_thread.run_sync(md5_and_send, i, data)
+                m.bytes_uploaded += len(data)
             except StoreError as exc:
                 failure.append(exc)
                 nursery.cancel_scope.cancel()
@@ -515,8 +518,11 @@ class Drainer:
                                   "the upload was created for)")
         for i, e in enumerate(etags):
             if e != md5s[i].hex():
-                raise StoreError("fatal", f"part {i + 1} of s3://{bucket}/{key}: ETag {e} "
-                                          "is not its MD5")
+                # Damaged on the way (or a store whose ETag is not the MD5): transient,
+                # so the upload is kept and resumed, and ListParts shows that part's
+                # ETag differs from our MD5: only it is sent again.
+                raise StoreError("transient", f"part {i + 1} of s3://{bucket}/{key}: "
+                                              f"ETag {e} is not its MD5")
         etag = await trio.to_thread.run_sync(m.store.complete_multipart, bucket, key,
                                              upload_id, etags)
         log.debug("drain: %d parts of s3://%s/%s in %.2f s (%d sent, %d already stored)",

@@ -148,6 +148,8 @@ class DrainManager:
         self.last_error: str | None = None
         self.auth_error: str | None = None
         self.parts_sent = 0
+        #: Bytes the store holds through finished parts (sent or found stored).
+        self.bytes_uploaded = 0
         #: Parts a resumed upload found already stored (ListParts) and did not send.
         self.parts_reused = 0
         self.files_moved = 0
@@ -657,6 +659,9 @@ class DrainManager:
             "lag_seconds": round(now - oldest, 3) if oldest is not None else 0.0,
             "uploading": self.fs.path_of(min(self.uploading)) if self.uploading else None,
             "uploading_files": len(self.uploading),
+            "uploading_bytes": sum(self.state.inodes[i].size for i in self.uploading
+                                   if i in self.state.inodes),
+            "bytes_uploaded": self.bytes_uploaded,
             "parts_sent": self.parts_sent,
             "parts_reused": self.parts_reused,
             "files_moved": self.files_moved,

@@ -187,9 +187,16 @@ class S3Store:
 
     def upload_part(self, bucket: str, key: str, upload_id: str, number: int,
                     data: bytes, md5: bytes) -> str:
+        """Send one part; its ETag (the caller compares it with `md5`).
+
+        No Content-MD5 header: the ETag of a part is the MD5 the store computed
+        of what it received, and the drainer checks it against `md5` before it
+        completes the upload (a damaged part is sent again, never completed).
+        The header made SeaweedFS verify each part before storing it: 0.75 ->
+        0.96 of boto3's throughput in one A/B on a loaded machine (DESIGN 6.5).
+        """
         r = self._call(f"part {number} of s3://{bucket}/{key}", "upload_part", Bucket=bucket,
-                       Key=key, UploadId=upload_id, PartNumber=number, Body=data,
-                       ContentMD5=b64(md5))
+                       Key=key, UploadId=upload_id, PartNumber=number, Body=data)
         return str(r["ETag"]).strip('"')
 
     def complete_multipart(self, bucket: str, key: str, upload_id: str,
