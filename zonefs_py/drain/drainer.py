@@ -212,7 +212,16 @@ class Drainer:
         except StoreError as exc:
             self._store_failed(ino, exc)
             return
-        self._succeeded()
+        except errors.ZoneFSError as exc:
+            # The journal refused the record (device error, failsafe): nothing moved
+            # that a record does not name; retried after a long pause.
+            m.errors += 1
+            m.last_error = f"{self.fs.path_of(ino)}: {exc}"
+            log.error("drain: cannot journal the move of %s: %s", self.fs.path_of(ino), exc)
+            self._requeue_if_needed(ino, BACKOFF_MAX_S, keep_upload=True)
+            return
+        if moved:
+            self._succeeded()
         m.queued_since.pop(ino, None)
         rec = m.record(ino)
         if moved and rec is not None and m.needs_move(inode, rec):
@@ -231,6 +240,8 @@ class Drainer:
         """Queue the file again after a failure. A multipart upload is kept (to resume)
         if `keep_upload`; else UPLOADING goes back to QUEUED (a fresh upload)."""
         m = self.m
+        if self.fs.failsafe is not None or self.fs.options.read_only:
+            return  # nothing can be journaled; the next mount resumes from the log
         rec = m.record(ino)
         if rec is not None and rec.state == DrainState.UPLOADING and not (
                 keep_upload and rec.token):
