@@ -9,7 +9,8 @@ first; each upload:
    the filesystem) and pin their zones (INV-8: none is reset under us, even
    if the file is overwritten meanwhile).
 2. Read it once to compute its xxh3 (S3 metadata is set when an upload is
-   created, so the checksum must be known first).
+   created, so the checksum must be known first); a file of at most
+   `drain_parts` parts keeps them for step 3 (read once in all).
 3. Small files: one PUT. Larger: a multipart upload (`drain_part_mb`
    parts, `drain_parts` in flight in worker threads), UPLOADING with its
    upload id journaled first. Every part's ETag must be the MD5 we computed
@@ -115,6 +116,12 @@ class Drainer:
     async def _one(self, ino: int) -> None:
         try:
             await self.drain_one(ino)
+        except errors.ZoneFSError as exc:
+            # The journal refused a state change (failsafe, device error): this file
+            # waits for the next mount, the other files in flight go on.
+            self.m.errors += 1
+            self.m.last_error = f"{self.fs.path_of(ino)}: {exc}"
+            log.error("drain: %s: %s", self.fs.path_of(ino), exc)
         finally:
             self.m.uploading.discard(ino)
             self.m.wake.set()  # a slot is free
@@ -290,15 +297,17 @@ class Drainer:
             self.fs.alloc.pin_read(z)
         try:
             resumed = await self._resumable(snap, url)
+            kept: list[bytes] | None = None
             if resumed is not None:
                 xxh, upload_id, stored = resumed
             else:
-                xxh = await self._hash(snap, gen)
+                xxh, kept = await self._hash(snap, gen)
                 upload_id, stored = "", {}
             meta = object_metadata(snap.size, xxh)
             if snap.size <= m.part_bytes:
                 self._set_uploading(ino, gen, url, snap.size, xxh, b"")
-                data = await self._read(snap, 0, snap.size, gen)
+                data = kept[0] if kept else await self._read(snap, 0, snap.size, gen)
+                self._check_gen(ino, gen)
                 await self._rate(len(data))
                 digest = hashlib.md5(data).digest()  # small: at most one part
                 etag = await trio.to_thread.run_sync(m.store.put, bucket, key, data, meta,
@@ -321,7 +330,7 @@ class Drainer:
                     await self.fs.journal.commit()
                 try:
                     etag, want = await self._parts(snap, gen, bucket, key, upload_id, stored,
-                                                   xxh)
+                                                   xxh, kept)
                 except (UploadAbandoned, errors.ZoneFSError):
                     await self._abort_shielded(bucket, key, upload_id)
                     raise
@@ -446,12 +455,20 @@ class Drainer:
             return self.fs.inline.read(snap, snap.size, offset, length)
         return await self.fs.data._read_stored(snap, offset, length)
 
-    async def _hash(self, snap: Inode, gen: int) -> int:
+    async def _hash(self, snap: Inode, gen: int) -> tuple[int, list[bytes] | None]:
+        """The xxh3 of the snapshot, and its parts if it has at most `drain_parts` of
+        them (kept for the upload, which then reads nothing again: the memory is
+        what those parts in flight would take anyway)."""
         h = xxhash.xxh3_64()
         step = self.m.part_bytes
+        keep = snap.size <= self.m.parts_in_flight * step
+        parts: list[bytes] = []
         for off in range(0, snap.size, step):
-            h.update(await self._read(snap, off, min(step, snap.size - off), gen))
-        return h.intdigest()
+            data = await self._read(snap, off, min(step, snap.size - off), gen)
+            h.update(data)
+            if keep:
+                parts.append(data)
+        return h.intdigest(), parts if keep else None
 
     async def _rate(self, nbytes: int) -> None:
         """Token bucket of `drain_rate` bytes/s (at most one part of burst)."""
@@ -465,7 +482,8 @@ class Drainer:
             await trio.sleep(wait)
 
     async def _parts(self, snap: Inode, gen: int, bucket: str, key: str, upload_id: str,
-                     stored: dict[int, tuple[str, int]], xxh: int) -> tuple[str, str]:
+                     stored: dict[int, tuple[str, int]], xxh: int,
+                     kept: list[bytes] | None = None) -> tuple[str, str]:
         """Upload every part the store lacks (`stored`: number -> (ETag, size) from
         ListParts), `drain_parts` in flight; return (ETag, expected ETag).
 
@@ -508,7 +526,12 @@ class Drainer:
                 await limiter.acquire_on_behalf_of(i)
                 off = i * step
                 try:
-                    data = await self._read(snap, off, min(step, snap.size - off), gen)
+                    if kept is not None:
+                        data = kept[i]
+                        kept[i] = b""  # sent: not held twice
+                        self._check_gen(snap.ino, gen)
+                    else:
+                        data = await self._read(snap, off, min(step, snap.size - off), gen)
                 except (UploadAbandoned, errors.ZoneFSError) as exc:
                     # Raised here it would reach the caller wrapped in an ExceptionGroup.
                     limiter.release_on_behalf_of(i)
