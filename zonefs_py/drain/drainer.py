@@ -431,12 +431,15 @@ class Drainer:
 
     async def _admit_read(self, nbytes: int) -> None:
         """The read-QoS rule (fs/qos.py) with a bucket of the drainer's own: while
-        training reads are served and the read-latency controller limits writers,
-        drain reads pass at the controller's current write allowance. Sharing the
-        appends' bucket halved a checkpoint writer's speed (measured)."""
+        training reads are served, drain reads pass at `drain_rate_reads=` (MB/s,
+        all files together), or at the read-latency controller's current write
+        allowance when it limits writers and that is lower. Sharing the appends'
+        bucket halved a checkpoint writer's speed (measured); without a rate of
+        its own while reads ran, a drain that keeps up doubled the reader's p99
+        (DESIGN 6.5: the controller's allowance stays unlimited without appends)."""
         qos = self.fs.data.qos
         now = trio.current_time()
-        rate = qos.allowance
+        rate = min(qos.allowance, self.m.rate_reads_bytes_s or math.inf)
         if not qos.enabled or rate == math.inf or not qos.reads_active(now):
             self._qos_next = now
             return

@@ -125,6 +125,8 @@ class DrainManager:
         self.files_in_flight = o.drain_parallel
         self.delay_s = o.drain_delay_s
         self.rate_bytes_s = o.drain_rate_mb_s * 1e6
+        #: The drain's rate while foreground reads run (0: no limit of its own).
+        self.rate_reads_bytes_s = o.drain_rate_reads_mb_s * 1e6
         #: ino -> trio time at which its upload may start (insertion = queue order).
         self.queue: dict[int, float] = {}
         #: ino -> time it was queued (for the lag in stat).

@@ -75,6 +75,8 @@ class FsOptions:
     drain_part_mb: int = 16
     #: Files uploaded (or moved) at once, each with up to `drain_parts` parts in flight.
     drain_parallel: int = 2
+    #: Drain rate, MB/s, while foreground reads are served (reads first; 0: none).
+    drain_rate_reads_mb_s: float = 32.0
     #: Seconds a queued file waits before its upload starts (a rename into place
     #: right after the fsync+close then names the object).
     drain_delay_s: float = 1.0
@@ -99,6 +101,7 @@ class FsOptions:
         "drain_rate": ("drain_rate_mb_s", float),
         "drain_parts": ("drain_parts", int),
         "drain_parallel": ("drain_parallel", int),
+        "drain_rate_reads": ("drain_rate_reads_mb_s", float),
         "drain_part_mb": ("drain_part_mb", int),
         "drain_delay": ("drain_delay_s", float),
     }
@@ -151,6 +154,8 @@ class FsOptions:
                 or not 1 <= result.drain_parallel <= 64:
             raise ValueError("drain_part_mb must be 5..5120 (S3's part sizes), "
                              "drain_parts and drain_parallel 1..64")
+        if not result.drain_rate_reads_mb_s >= 0 or not result.drain_rate_mb_s >= 0:
+            raise ValueError("drain_rate and drain_rate_reads must be 0 (no limit) or MB/s")
         return result, rest
 
     def replace(self, **changes: object) -> FsOptions:
