@@ -322,7 +322,8 @@ def check_inv21_drain_records(state: State, report: Report) -> None:
             report.add("INV-21", f"drain record of inode {ino}, which is not a regular file")
             continue
         if rec.state in (DrainState.DRAINED, DrainState.EVICTED) and \
-                (not rec.url.startswith(b"s3://") or not rec.token):
+                (not rec.url.startswith(b"s3://") or not (rec.token or rec.moving_to)
+                 or (rec.moving_to and not rec.moving_to.startswith(b"s3://"))):
             report.add("INV-21", f"inode {ino} is {rec.state.name} without an object URL "
                                  "or ETag")
         if rec.state == DrainState.EVICTED:

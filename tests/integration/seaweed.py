@@ -17,6 +17,8 @@ credentials are refused as on a real store.
 
 from __future__ import annotations
 
+import http.client
+import http.server
 import json
 import os
 import shutil
@@ -24,8 +26,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.parse
 import urllib.request
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -211,13 +216,101 @@ class SeaweedFS:
         self.stop()
 
 
+class CountingProxy:
+    """An HTTP proxy on 127.0.0.1 in front of a store that counts the S3 requests it
+    forwards, by kind ("upload_part", "create_multipart", "list_parts", "complete",
+    "copy", "put", ...): what a test asserts was *sent to the store*, counted on
+    the wire rather than by the client. Requests pass unchanged (the Host header
+    too, so the SigV4 signatures still verify); `with CountingProxy(port) as p:`.
+    """
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+                pass  # quiet
+
+            def _forward(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                conn = http.client.HTTPConnection("127.0.0.1", proxy.target_port, timeout=120)
+                try:
+                    conn.putrequest(self.command, self.path, skip_host=True,
+                                    skip_accept_encoding=True)
+                    for name, value in self.headers.items():
+                        if name.lower() not in ("expect", "connection"):
+                            conn.putheader(name, value)
+                    conn.endheaders(body)
+                    resp = conn.getresponse()
+                    data = resp.read()
+                finally:
+                    conn.close()
+                if resp.status < 300:
+                    proxy.count(self.command, self.path, self.headers)
+                head = self.command == "HEAD"  # its Content-Length is the object's
+                self.send_response_only(resp.status, resp.reason)
+                for name, value in resp.getheaders():
+                    if name.lower() not in ("transfer-encoding", "connection") and (
+                            head or name.lower() != "content-length"):
+                        self.send_header(name, value)
+                if not head:
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def count(self, method: str, path: str, headers: Any) -> None:
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(path).query,
+                                      keep_blank_values=True)
+        if method == "PUT" and "partNumber" in query:
+            kind = "upload_part_copy" if headers.get("x-amz-copy-source") else "upload_part"
+        elif method == "POST" and "uploads" in query:
+            kind = "create_multipart"
+        elif method == "POST" and "uploadId" in query:
+            kind = "complete"
+        elif method == "GET" and "uploadId" in query:
+            kind = "list_parts"
+        elif method == "PUT":
+            kind = "copy" if headers.get("x-amz-copy-source") else "put"
+        else:
+            kind = method.lower()
+        with self._lock:
+            self.counts[kind] += 1
+
+    def __enter__(self) -> CountingProxy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 class SeaweedCluster(SeaweedFS):
     """A SeaweedFS cluster as separate processes: master, two volume servers, a filer
-    and the S3 gateway, all on 127.0.0.1 (the scale-out test's shared store)."""
+    and the S3 gateway, all on 127.0.0.1 (the scale-out test's shared store).
+    `replication="001"` keeps every volume on two servers of the same rack."""
 
-    def __init__(self, data_dir: Path, volumes: int = 2) -> None:
+    def __init__(self, data_dir: Path, volumes: int = 2, replication: str = "") -> None:
         super().__init__(data_dir)
         self.volume_ports = [free_ports(2) for _ in range(volumes)]
+        self.replication = replication
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def commands(self) -> list[list[str]]:
@@ -228,12 +321,15 @@ class SeaweedCluster(SeaweedFS):
         cmds = [[w, "master", *local, f"-port={self.master_port}",
                  f"-port.grpc={self.master_grpc}", f"-mdir={d / 'master'}",
                  "-telemetry=false", "-telemetry.url=http://127.0.0.1:9/",
-                 "-volumeSizeLimitMB=64"]]
+                 "-volumeSizeLimitMB=64",
+                 *([f"-defaultReplication={self.replication}"] if self.replication else [])]]
         for i, (port, grpc) in enumerate(self.volume_ports):
             cmds.append([w, "volume", *local, f"-port={port}", f"-port.grpc={grpc}",
                          f"-dir={d / f'volume{i}'}", f"-mserver={master}", "-max=0",
                          "-preStopSeconds=0"])
         cmds.append([w, "filer", *local, f"-port={self.filer_port}",
+                     *([f"-defaultReplicaPlacement={self.replication}"]
+                       if self.replication else []),
                      f"-port.grpc={self.filer_grpc}", f"-master={master}",
                      f"-defaultStoreDir={d / 'filer'}", f"-localSocket={d / 'filer.sock'}"])
         cmds.append([w, "s3", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-port={self.s3_port}",
@@ -259,6 +355,20 @@ class SeaweedCluster(SeaweedFS):
                 raise RuntimeError(f"SeaweedFS cluster did not start:\n{self.log_tail()}")
             time.sleep(0.3)
         return self
+
+    def kill_volume(self, i: int) -> None:
+        """SIGKILL volume server i (its data stays; `start_volume(i)` brings it back)."""
+        proc = self.procs[1 + i]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=20)
+
+    def start_volume(self, i: int) -> None:
+        """Start volume server i again on its port and data."""
+        with open(self.log, "ab") as logf:
+            self.procs[1 + i] = subprocess.Popen(self.commands()[1 + i],
+                                                 stdin=subprocess.DEVNULL, stdout=logf,
+                                                 stderr=subprocess.STDOUT, cwd=self.dir,
+                                                 start_new_session=True)
 
     def volume_servers(self) -> int:
         """Volume servers the master knows (from its /dir/status)."""

@@ -25,6 +25,9 @@ class FakeStore:
         self.stall.set()  # set = not stalled
         self.stalled_calls = 0
         self.stall_only: str | None = None
+        #: When set, upload_part calls past this many fail (transient), as a store that
+        #: goes away mid-upload: the parts before stay stored.
+        self.parts_budget: int | None = None
         self._lock = threading.Lock()
         self._next_id = 0
 
@@ -85,6 +88,11 @@ class FakeStore:
                     data: bytes, md5: bytes) -> str:
         self._enter("upload_part")
         assert md5 == hashlib.md5(data).digest(), "Content-MD5 of other bytes"
+        with self._lock:
+            if self.parts_budget is not None:
+                if self.parts_budget <= 0:
+                    raise StoreError("transient", "upload_part: the store went away")
+                self.parts_budget -= 1
         if upload_id not in self.uploads:
             raise StoreError("missing", "NoSuchUpload")
         self.uploads[upload_id][3][number] = bytes(data)
@@ -105,6 +113,28 @@ class FakeStore:
         self._enter("abort_multipart")
         if self.uploads.pop(upload_id, None) is None:
             raise StoreError("missing", "NoSuchUpload")
+
+    def list_parts(self, bucket: str, key: str, upload_id: str) -> dict[int, tuple[str, int]]:
+        self._enter("list_parts")
+        if upload_id not in self.uploads:
+            raise StoreError("missing", "NoSuchUpload")
+        parts = self.uploads[upload_id][3]
+        return {n: (hashlib.md5(d).hexdigest(), len(d)) for n, d in sorted(parts.items())}
+
+    def copy(self, src_bucket: str, src_key: str, bucket: str, key: str, size: int) -> str:
+        self._enter("copy")
+        try:
+            data, _etag, meta = self.objects[(src_bucket, src_key)]
+        except KeyError:
+            raise StoreError("missing", f"no {src_bucket}/{src_key}") from None
+        assert len(data) == size
+        etag = hashlib.md5(data).hexdigest()  # a copy is a new, single-part object
+        self.objects[(bucket, key)] = (data, etag, dict(meta))
+        return etag
+
+    def delete(self, bucket: str, key: str) -> None:
+        self._enter("delete")
+        self.objects.pop((bucket, key), None)
 
     def head(self, bucket: str, key: str) -> ObjectInfo:
         self._enter("head")

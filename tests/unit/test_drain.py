@@ -120,8 +120,22 @@ def test_legal_path_and_refusals() -> None:
         model.upload_done(model.queue(None), b"e")
     with pytest.raises(DrainTransitionError):
         model.start_upload(rec, b"", 0, 0, b"")
+    # A multipart upload in flight resumes (its id kept); a single PUT restarts.
+    up = model.start_upload(model.queue(None), b"u", 1, 1, b"x")
+    assert model.after_recovery(up) == up
     assert model.after_recovery(model.start_upload(model.queue(None), b"u", 1, 1,
-                                                   b"x")).state == DrainState.QUEUED
+                                                   b"")).state == DrainState.QUEUED
+    # A move keeps the state (drained/evicted) and names both keys until it is done.
+    mv = model.start_move(rec, b"s3://b/k2")
+    assert (mv.state, mv.url, mv.moving_to) == (DrainState.DRAINED, b"s3://b/k", b"s3://b/k2")
+    assert model.evict(mv).moving_to == b"s3://b/k2"
+    done = model.move_done(model.evict(mv), b"e2")
+    assert (done.state, done.url, done.token, done.moving_to) == (
+        DrainState.EVICTED, b"s3://b/k2", b"e2", b"")
+    with pytest.raises(DrainTransitionError):
+        model.move_done(rec, b"e")  # no move in flight
+    with pytest.raises(DrainTransitionError):
+        model.start_move(model.queue(None), b"s3://b/k2")
     assert model.state_name(None) == "local"
     assert model.state_name(ev) == "evicted"
 
@@ -135,6 +149,20 @@ def test_drain_op_round_trip(state: DrainState) -> None:
     (back,) = decode_ops(encode_ops([op]))
     assert back == op
     assert DrainRecord.from_op(back) == (None if state == DrainState.LOCAL else rec)
+
+
+@pytest.mark.parametrize("state", [DrainState.DRAINED, DrainState.EVICTED])
+def test_moving_record_round_trip(state: DrainState) -> None:
+    """A move in flight: bit 7 of the state byte, the destination as the token."""
+    rec = DrainRecord(state, b"s3://bucket/old.pt", 5, 6, b"", b"s3://bucket/new.pt")
+    op = rec.op(7)
+    assert op[2] == int(state) | model.MOVING_BIT
+    assert op[6] == b"s3://bucket/new.pt"
+    (back,) = decode_ops(encode_ops([op]))
+    assert DrainRecord.from_op(back) == rec
+    for bad in (int(DrainState.QUEUED) | model.MOVING_BIT, model.MOVING_BIT):
+        with pytest.raises(ValueError):
+            DrainRecord.from_op((OpType.DRAIN, 7, bad, 5, 6, b"s3://b/x", b"s3://b/y"))
 
 
 def test_parse_url() -> None:
@@ -197,8 +225,9 @@ async def test_every_state_survives_a_crash(tmp_path: Path, via: str) -> None:
         assert await fs.getxattr(inos[DrainState.EVICTED], STATE_XATTR) == b"evicted"
         assert await fs.getxattr(local_ino, STATE_XATTR) == b"local"
         fs.drain.resume_after_mount()
-        assert fs.state.drain[inos[DrainState.UPLOADING]].state == DrainState.QUEUED
-        assert fs.drain.stale_uploads == [("ckpts", "run1/f2", "up-7")]
+        # The multipart upload is kept, to resume (ListParts) under its id.
+        assert fs.state.drain[inos[DrainState.UPLOADING]] == records[DrainState.UPLOADING]
+        assert fs.drain.stale_uploads == []
         assert set(fs.drain.queue) == {inos[DrainState.QUEUED], inos[DrainState.UPLOADING]}
         await fs.close()
     finally:

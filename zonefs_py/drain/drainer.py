@@ -1,18 +1,25 @@
 """The drainer: a background task that uploads queued files to the object store.
 
 `Drainer(manager).run()` runs for the life of the mount (started by the
-daemon next to the engine's background work; `stop()` ends it). One file
-at a time, oldest queued first:
+daemon next to the engine's background work; `stop()` ends it). Up to
+`drain_parallel` files at once (uploads and moves, mover.py), oldest queued
+first; each upload:
 
 1. Snapshot the file's extents and size (the version queued, complete on
    the filesystem) and pin their zones (INV-8: none is reset under us, even
    if the file is overwritten meanwhile).
 2. Read it once to compute its xxh3 (S3 metadata is set when an upload is
-   created, so the checksum must be known first).
+   created, so the checksum must be known first); a file of at most
+   `drain_parts` parts keeps them for step 3 (read once in all).
 3. Small files: one PUT. Larger: a multipart upload (`drain_part_mb`
    parts, `drain_parts` in flight in worker threads), UPLOADING with its
-   upload id journaled first. Every part carries Content-MD5 (the store
-   refuses a part damaged in transit).
+   upload id journaled first. Every part's ETag must be the MD5 we computed
+   of it (a part damaged in transit is sent again before completion; a single
+   PUT carries Content-MD5). An upload that UPLOADING names already
+   (after a crash, an unmount or a store error) resumes: ListParts, and a
+   part is sent only if the store lacks it or holds other bytes (its ETag is
+   not the MD5 of our part); the hash pass is skipped (the record holds the
+   xxh3) and the parts' xxh3 is checked against it before completion.
 4. Verify: the returned ETag equals the MD5 (single PUT) or the multipart
    ETag computed from the parts' MD5s, and a HEAD shows the size and xxh3.
    Only then DRAINED (with the ETag) is journaled, and retention runs.
@@ -23,9 +30,12 @@ WRITER_WAIT_S per part: the burst first), and the upload passes a token
 bucket (`drain_rate=`).
 A file modified, renamed or deleted while uploading (its generation moves)
 loses that upload: it is aborted and the file re-queues when it is complete
-again. Store errors: transient ones back off (1 s doubling to 60 s, for the
-whole store: a dead store sees one attempt per step); auth errors log one
-line, show in stat, and retry every 5 minutes (or on `drain resume`).
+again; a transient store error or a stop keeps the upload, to resume it.
+Store errors: transient ones back off (1 s doubling to 60 s, for the whole
+store: a dead store sees one attempt per step, however many files are in
+flight); auth errors log one line, show in stat, and retry every 5 minutes
+(or on `drain resume`). The token buckets (`drain_rate=`, the read-QoS
+gate) are the drainer's, shared by every file in flight.
 """
 
 from __future__ import annotations
@@ -40,7 +50,8 @@ import xxhash
 
 from zonefs_py import errors
 from zonefs_py.drain.manager import DrainManager, object_metadata, object_url, snapshot_inode
-from zonefs_py.drain.store import META_SIZE, META_XXH3, StoreError, multipart_etag
+from zonefs_py.drain.mover import MoveDeferred, move_object
+from zonefs_py.drain.store import META_SIZE, META_XXH3, StoreError, multipart_etag, parse_url
 from zonefs_py.model import drain as model
 from zonefs_py.model.drain import DrainState
 from zonefs_py.model.state import Inode
@@ -60,12 +71,22 @@ class UploadAbandoned(Exception):
     """The file changed (or went away) while it was being uploaded."""
 
 
+class KeyBusy(UploadAbandoned):
+    """The object key is still another file's (its object waits to be moved)."""
+
+
 class Drainer:
     def __init__(self, manager: DrainManager) -> None:
         self.m = manager
         self.fs = manager.fs
         self.backoff_s = 0.0
+        #: trio time before which no new file starts (a store error's backoff).
+        self.backoff_until = 0.0
+        self._warned: set[object] = set()
         self._cancel = trio.CancelScope()
+        # Registered now, not when run() starts: a stop() before the task first runs
+        # must still stop it (a cancelled scope cancels what it is entered around).
+        manager._drainer = self
         self._next_free = 0.0
         self._qos_next = 0.0
 
@@ -73,40 +94,52 @@ class Drainer:
         self._cancel.cancel()
 
     async def run(self) -> None:
-        """Upload queued files until `stop()`."""
+        """Upload (and move) queued files, `drain_parallel` at once, until `stop()`."""
         if self.fs.options.read_only:
             return
-        self.m._drainer = self  # so that the engine's close() can stop us
+        m = self.m
         with self._cancel:
-            self.m.resume_after_mount()
-            await self._abort_stale()
-            while True:
-                ino, wait = self._next_ready()
-                if ino is None:
-                    self.m.wake = trio.Event()
-                    with trio.move_on_after(wait):
-                        await self.m.wake.wait()
-                    continue
-                await self.drain_one(ino)
-                if self.backoff_s:
-                    with trio.move_on_after(self.backoff_s):
-                        await self._resumed()
+            m.resume_after_mount()
+            async with trio.open_nursery() as nursery:
+                while True:
+                    await self._abort_stale()
+                    ino, wait = self._next_ready()
+                    if ino is None:
+                        m.wake = trio.Event()
+                        with trio.move_on_after(wait):
+                            await m.wake.wait()
+                        continue
+                    m.queue.pop(ino, None)
+                    m.uploading.add(ino)  # no await before the task owns it
+                    nursery.start_soon(self._one, ino)
 
-    async def _resumed(self) -> None:
-        """Return when `drain resume` is asked for (cuts a backoff short)."""
-        while True:
-            self.m.wake = trio.Event()
-            await self.m.wake.wait()
-            if not self.m.paused and self.m.auth_error is None:
-                return
+    async def _one(self, ino: int) -> None:
+        try:
+            await self.drain_one(ino)
+        except errors.ZoneFSError as exc:
+            # The journal refused a state change (failsafe, device error): this file
+            # waits for the next mount, the other files in flight go on.
+            self.m.errors += 1
+            self.m.last_error = f"{self.fs.path_of(ino)}: {exc}"
+            log.error("drain: %s: %s", self.fs.path_of(ino), exc)
+        finally:
+            self.m.uploading.discard(ino)
+            self.m.wake.set()  # a slot is free
 
     def _next_ready(self) -> tuple[int | None, float]:
         """The next file whose upload may start, or (None, seconds to wait)."""
-        if self.m.paused or self.fs.failsafe is not None:
+        m = self.m
+        if m.paused or self.fs.failsafe is not None:
             return None, 3600.0
+        if len(m.uploading) >= m.files_in_flight:
+            return None, 3600.0  # woken when one ends
         now = trio.current_time()
+        if self.backoff_until > now:
+            return None, self.backoff_until - now
         soonest = 3600.0
-        for ino, at in self.m.queue.items():
+        for ino, at in m.queue.items():
+            if ino in m.uploading:
+                continue  # its previous attempt still runs (and will see it changed)
             if at <= now:
                 return ino, 0.0
             soonest = min(soonest, at - now)
@@ -126,27 +159,34 @@ class Drainer:
 
     # -- one file -------------------------------------------------------------------
     async def drain_one(self, ino: int) -> None:
-        """Try to upload one queued file; on failure re-queue it with a backoff."""
+        """Upload (or move) one queued file; on failure re-queue it with a backoff."""
         m = self.m
-        m.queue.pop(ino, None)
         rec = m.record(ino)
         inode = self.fs.state.inodes.get(ino)
-        if rec is None or rec.state not in (DrainState.QUEUED, DrainState.UPLOADING) \
-                or inode is None:
+        if rec is None or inode is None:
+            m.queued_since.pop(ino, None)
+            return
+        if rec.state in (DrainState.DRAINED, DrainState.EVICTED):
+            await self._move_one(inode)
+            return
+        if rec.state not in (DrainState.QUEUED, DrainState.UPLOADING):
             m.queued_since.pop(ino, None)
             return
         target = m.policy_of(inode) if inode.nlink else None
         if target is None:
             # Deleted, unlinked or moved out of every drain directory: nothing to do.
+            m._forget_upload(ino, rec)
             m._txn([model.local_op(ino)])
             m.queued_since.pop(ino, None)
             return
-        m.uploading = ino
         try:
             etag = await self._upload(inode, *target)
+        except KeyBusy as exc:
+            log.debug("drain: %s waits: %s", self.fs.path_of(ino), exc)
+            self._requeue_if_needed(ino, max(1.0, m.delay_s), keep_upload=False)
         except UploadAbandoned as exc:
             log.info("drain: upload of %s abandoned: %s", self.fs.path_of(ino), exc)
-            self._requeue_if_needed(ino, max(1.0, m.delay_s))  # never a busy loop
+            self._requeue_if_needed(ino, max(1.0, m.delay_s), keep_upload=False)
         except StoreError as exc:
             self._store_failed(ino, exc)
         except errors.ZoneFSError as exc:
@@ -154,34 +194,78 @@ class Drainer:
             m.errors += 1
             m.last_error = f"{self.fs.path_of(ino)}: {exc}"
             log.error("drain: cannot read %s for upload: %s", self.fs.path_of(ino), exc)
-            self._requeue_if_needed(ino, BACKOFF_MAX_S)
+            self._requeue_if_needed(ino, BACKOFF_MAX_S, keep_upload=False)
         else:
-            self.backoff_s = 0.0
-            m.auth_error = None
+            self._succeeded()
             m.queued_since.pop(ino, None)
             m.files_drained += 1
             log.info("drain: %s -> s3://%s/%s (%d bytes, ETag %s)", self.fs.path_of(ino),
                      target[0], target[1], inode.size, etag)
+            rec = m.record(ino)
+            if rec is not None and m.needs_move(inode, rec):
+                m._schedule(ino, 0.0)  # a directory above was renamed meanwhile
             parent = self.fs.state.inodes.get(inode.parent)
             if parent is not None:
                 m.retention(parent)
-        finally:
-            m.uploading = None
 
-    def _requeue_if_needed(self, ino: int, delay_s: float) -> None:
-        rec = self.m.record(ino)
-        if rec is not None and rec.state == DrainState.UPLOADING:
-            self.m._txn([model.upload_failed(rec).op(ino)])
-            rec = self.m.record(ino)
-        if rec is not None and rec.state == DrainState.QUEUED:
-            self.m._schedule(ino, delay_s)
+    async def _move_one(self, inode: Inode) -> None:
+        m = self.m
+        ino = inode.ino
+        try:
+            moved = await move_object(m, inode, self._warned)
+        except MoveDeferred:
+            m._schedule(ino, max(1.0, m.delay_s))
+            return
+        except StoreError as exc:
+            self._store_failed(ino, exc)
+            return
+        except errors.ZoneFSError as exc:
+            # The journal refused the record (device error, failsafe): nothing moved
+            # that a record does not name; retried after a long pause.
+            m.errors += 1
+            m.last_error = f"{self.fs.path_of(ino)}: {exc}"
+            log.error("drain: cannot journal the move of %s: %s", self.fs.path_of(ino), exc)
+            self._requeue_if_needed(ino, BACKOFF_MAX_S, keep_upload=True)
+            return
+        if moved:
+            self._succeeded()
+        m.queued_since.pop(ino, None)
+        rec = m.record(ino)
+        if moved and rec is not None and m.needs_move(inode, rec):
+            m._schedule(ino, 0.0)  # renamed again while it moved
+        elif moved:
+            parent = self.fs.state.inodes.get(inode.parent)
+            if parent is not None:
+                m.retention(parent)  # eviction was refused while it moved
+
+    def _succeeded(self) -> None:
+        self.backoff_s = 0.0
+        self.backoff_until = 0.0
+        self.m.auth_error = None
+
+    def _requeue_if_needed(self, ino: int, delay_s: float, keep_upload: bool) -> None:
+        """Queue the file again after a failure. A multipart upload is kept (to resume)
+        if `keep_upload`; else UPLOADING goes back to QUEUED (a fresh upload)."""
+        m = self.m
+        if self.fs.failsafe is not None or self.fs.options.read_only:
+            return  # nothing can be journaled; the next mount resumes from the log
+        rec = m.record(ino)
+        if rec is not None and rec.state == DrainState.UPLOADING and not (
+                keep_upload and rec.token):
+            m._txn([model.upload_failed(rec).op(ino)])
+            rec = m.record(ino)
+        inode = self.fs.state.inodes.get(ino)
+        if rec is not None and (rec.state in (DrainState.QUEUED, DrainState.UPLOADING) or (
+                inode is not None and m.needs_move(inode, rec))):
+            m._schedule(ino, delay_s)
         else:
-            self.m.queued_since.pop(ino, None)
+            m.queued_since.pop(ino, None)
 
     def _store_failed(self, ino: int, exc: StoreError) -> None:
         m = self.m
         m.errors += 1
         m.last_error = str(exc)
+        now = trio.current_time()
         if exc.kind == "auth":
             if m.auth_error is None:
                 log.error("drain: the object store refused our credentials: %s. Uploads "
@@ -190,11 +274,14 @@ class Drainer:
                           "~/.aws)", exc, AUTH_RETRY_S)
             m.auth_error = str(exc)
             self.backoff_s = AUTH_RETRY_S
-        else:
+            self.backoff_until = now + self.backoff_s
+        elif self.backoff_until <= now:
+            # One step per attempt window: files failing together double it once.
             self.backoff_s = min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, self.backoff_s * 2))
-            log.warning("drain: upload of %s failed (%s); retrying in %.0f s",
-                        self.fs.path_of(ino), exc, self.backoff_s)
-        self._requeue_if_needed(ino, 0.0)
+            self.backoff_until = now + self.backoff_s
+            log.warning("drain: %s failed (%s); retrying in %.0f s", self.fs.path_of(ino),
+                        exc, self.backoff_s)
+        self._requeue_if_needed(ino, 0.0, keep_upload=exc.kind == "transient")
 
     async def _upload(self, inode: Inode, bucket: str, key: str) -> str:
         m = self.m
@@ -202,33 +289,55 @@ class Drainer:
         gen = m.gen.get(ino, 0)
         if ino in self.fs.data.buffers or ino in self.fs.data.inflight:
             raise UploadAbandoned("it is being written")
+        url = object_url(bucket, key)
+        self._check_key(ino, url)
         snap = snapshot_inode(inode)
         zones = sorted({e.dev // self.fs.data.zone_size for e in snap.extents or ()})
         for z in zones:
             self.fs.alloc.pin_read(z)
         try:
-            xxh = await self._hash(snap, gen)
-            url = object_url(bucket, key)
+            resumed = await self._resumable(snap, url)
+            kept: list[bytes] | None = None
+            if resumed is not None:
+                xxh, upload_id, stored = resumed
+            else:
+                xxh, kept = await self._hash(snap, gen)
+                upload_id, stored = "", {}
             meta = object_metadata(snap.size, xxh)
             if snap.size <= m.part_bytes:
                 self._set_uploading(ino, gen, url, snap.size, xxh, b"")
-                data = await self._read(snap, 0, snap.size, gen)
+                data = kept[0] if kept else await self._read(snap, 0, snap.size, gen)
+                self._check_gen(ino, gen)
                 await self._rate(len(data))
                 digest = hashlib.md5(data).digest()  # small: at most one part
                 etag = await trio.to_thread.run_sync(m.store.put, bucket, key, data, meta,
                                                      digest)
+                m.parts_sent += 1
+                m.bytes_uploaded += len(data)
                 want = digest.hex()
             else:
-                upload_id = await trio.to_thread.run_sync(m.store.create_multipart, bucket,
-                                                          key, meta)
-                self._set_uploading(ino, gen, url, snap.size, xxh, upload_id.encode())
-                # Durable now: a crash mid-upload then knows the upload id to abort.
-                await self.fs.journal.commit()
+                if not upload_id:
+                    upload_id = await trio.to_thread.run_sync(m.store.create_multipart,
+                                                              bucket, key, meta)
+                    try:
+                        self._set_uploading(ino, gen, url, snap.size, xxh,
+                                            upload_id.encode())
+                    except UploadAbandoned:
+                        with trio.CancelScope(shield=True):
+                            await self._try_abort(bucket, key, upload_id)
+                        raise
+                    # Durable now: a crash mid-upload then resumes this upload.
+                    await self.fs.journal.commit()
                 try:
-                    etag, want = await self._parts(snap, gen, bucket, key, upload_id)
-                except BaseException:
-                    with trio.CancelScope(shield=True):
-                        await self._try_abort(bucket, key, upload_id)
+                    etag, want = await self._parts(snap, gen, bucket, key, upload_id, stored,
+                                                   xxh, kept)
+                except (UploadAbandoned, errors.ZoneFSError):
+                    await self._abort_shielded(bucket, key, upload_id)
+                    raise
+                except StoreError as exc:
+                    # Transient: kept to resume (ListParts). Else it is of no use.
+                    if exc.kind != "transient":
+                        await self._abort_shielded(bucket, key, upload_id)
                     raise
             if etag != want:
                 raise StoreError("fatal", f"s3://{bucket}/{key}: ETag {etag} is not the "
@@ -248,9 +357,48 @@ class Drainer:
             for z in zones:
                 self.fs.alloc.unpin_read(z)
 
+    async def _resumable(self, snap: Inode, url: bytes
+                         ) -> tuple[int, str, dict[int, tuple[str, int]]] | None:
+        """(xxh3, upload id, stored parts) of the multipart upload the record names, if
+        it can go on: same key and size, and the store still has it (ListParts).
+        Else None, and an upload the record named is handed to `_abort_stale`."""
+        m = self.m
+        rec = m.record(snap.ino)
+        if rec is None or rec.state != DrainState.UPLOADING or not rec.token:
+            return None
+        if rec.url == url and rec.size == snap.size and snap.size > m.part_bytes:
+            bucket, key = parse_url(url.decode())
+            try:
+                stored = await trio.to_thread.run_sync(m.store.list_parts, bucket, key,
+                                                       rec.token.decode())
+            except StoreError as exc:
+                if exc.kind != "missing":
+                    raise
+                log.info("drain: the upload of %s to resume is gone from the store; "
+                         "starting again", url.decode())
+                return None
+            log.info("drain: resuming the upload of %s (%d part(s) stored)", url.decode(),
+                     len(stored))
+            return rec.xxh3, rec.token.decode(), stored
+        try:
+            bucket, key = parse_url(rec.url.decode())
+            m.stale_uploads.append((bucket, key, rec.token.decode()))
+        except ValueError:
+            pass
+        return None
+
+    def _check_key(self, ino: int, url: bytes) -> None:
+        """Raise KeyBusy if another linked file's record still names the key (INV-20:
+        its object must not be overwritten before it moved away)."""
+        holder = self.m.key_holder(ino, url)
+        if holder is not None:
+            raise KeyBusy(f"{url.decode()} still holds the object of "
+                          f"{self.fs.path_of(holder)} (waiting for its move)")
+
     def _set_uploading(self, ino: int, gen: int, url: bytes, size: int, xxh: int,
                        upload_id: bytes) -> None:
         self._check_gen(ino, gen)
+        self._check_key(ino, url)  # no await since: the record claims the key
         rec = self.m.record(ino)
         self.m._txn([model.start_upload(rec, url, size, xxh, upload_id).op(ino)])
 
@@ -259,6 +407,10 @@ class Drainer:
         if self.m.gen.get(ino, 0) != gen or rec is None or ino not in self.fs.state.inodes \
                 or rec.state not in (DrainState.QUEUED, DrainState.UPLOADING):
             raise UploadAbandoned("it changed while it was uploading")
+
+    async def _abort_shielded(self, bucket: str, key: str, upload_id: str) -> None:
+        with trio.CancelScope(shield=True):
+            await self._try_abort(bucket, key, upload_id)
 
     async def _try_abort(self, bucket: str, key: str, upload_id: str) -> None:
         try:
@@ -279,12 +431,15 @@ class Drainer:
 
     async def _admit_read(self, nbytes: int) -> None:
         """The read-QoS rule (fs/qos.py) with a bucket of the drainer's own: while
-        training reads are served and the read-latency controller limits writers,
-        drain reads pass at the controller's current write allowance. Sharing the
-        appends' bucket halved a checkpoint writer's speed (measured)."""
+        training reads are served, drain reads pass at `drain_rate_reads=` (MB/s,
+        all files together), or at the read-latency controller's current write
+        allowance when it limits writers and that is lower. Sharing the appends'
+        bucket halved a checkpoint writer's speed (measured); without a rate of
+        its own while reads ran, a drain that keeps up doubled the reader's p99
+        (DESIGN 6.5: the controller's allowance stays unlimited without appends)."""
         qos = self.fs.data.qos
         now = trio.current_time()
-        rate = qos.allowance
+        rate = min(qos.allowance, self.m.rate_reads_bytes_s or math.inf)
         if not qos.enabled or rate == math.inf or not qos.reads_active(now):
             self._qos_next = now
             return
@@ -303,12 +458,20 @@ class Drainer:
             return self.fs.inline.read(snap, snap.size, offset, length)
         return await self.fs.data._read_stored(snap, offset, length)
 
-    async def _hash(self, snap: Inode, gen: int) -> int:
+    async def _hash(self, snap: Inode, gen: int) -> tuple[int, list[bytes] | None]:
+        """The xxh3 of the snapshot, and its parts if it has at most `drain_parts` of
+        them (kept for the upload, which then reads nothing again: the memory is
+        what those parts in flight would take anyway)."""
         h = xxhash.xxh3_64()
         step = self.m.part_bytes
+        keep = snap.size <= self.m.parts_in_flight * step
+        parts: list[bytes] = []
         for off in range(0, snap.size, step):
-            h.update(await self._read(snap, off, min(step, snap.size - off), gen))
-        return h.intdigest()
+            data = await self._read(snap, off, min(step, snap.size - off), gen)
+            h.update(data)
+            if keep:
+                parts.append(data)
+        return h.intdigest(), parts if keep else None
 
     async def _rate(self, nbytes: int) -> None:
         """Token bucket of `drain_rate` bytes/s (at most one part of burst)."""
@@ -321,9 +484,16 @@ class Drainer:
         if wait > 0:
             await trio.sleep(wait)
 
-    async def _parts(self, snap: Inode, gen: int, bucket: str, key: str,
-                     upload_id: str) -> tuple[str, str]:
-        """Upload every part, `drain_parts` in flight; return (ETag, expected ETag)."""
+    async def _parts(self, snap: Inode, gen: int, bucket: str, key: str, upload_id: str,
+                     stored: dict[int, tuple[str, int]], xxh: int,
+                     kept: list[bytes] | None = None) -> tuple[str, str]:
+        """Upload every part the store lacks (`stored`: number -> (ETag, size) from
+        ListParts), `drain_parts` in flight; return (ETag, expected ETag).
+
+        Every part is read in order (its MD5 is needed for the ETag check, and the
+        xxh3 of all of them must equal `xxh`, the version the upload was created
+        for); a stored part is kept only if its ETag is the MD5 of our bytes.
+        """
         m = self.m
         step = m.part_bytes
         nparts = (snap.size + step - 1) // step
@@ -331,15 +501,22 @@ class Drainer:
         md5s: list[bytes] = [b""] * nparts
         limiter = trio.CapacityLimiter(m.parts_in_flight)
         failure: list[BaseException] = []
+        hasher = xxhash.xxh3_64()
+        sent = [0]
 
         def md5_and_send(i: int, data: bytes) -> str:
             # Worker thread: the MD5 of a part (~30 ms per 16 MiB) stays off the trio thread.
             md5s[i] = hashlib.md5(data).digest()
+            have = stored.get(i + 1)
+            if have is not None and have == (md5s[i].hex(), len(data)):
+                return have[0]  # the store holds exactly these bytes: not sent again
+            sent[0] += 1
             return m.store.upload_part(bucket, key, upload_id, i + 1, data, md5s[i])
 
         async def send(i: int, data: bytes) -> None:
             try:
                 etags[i] = await trio.to_thread.run_sync(md5_and_send, i, data)
+                m.bytes_uploaded += len(data)
             except StoreError as exc:
                 failure.append(exc)
                 nursery.cancel_scope.cancel()
@@ -352,25 +529,39 @@ class Drainer:
                 await limiter.acquire_on_behalf_of(i)
                 off = i * step
                 try:
-                    data = await self._read(snap, off, min(step, snap.size - off), gen)
+                    if kept is not None:
+                        data = kept[i]
+                        kept[i] = b""  # sent: not held twice
+                        self._check_gen(snap.ino, gen)
+                    else:
+                        data = await self._read(snap, off, min(step, snap.size - off), gen)
                 except (UploadAbandoned, errors.ZoneFSError) as exc:
                     # Raised here it would reach the caller wrapped in an ExceptionGroup.
                     limiter.release_on_behalf_of(i)
                     failure.append(exc)
                     nursery.cancel_scope.cancel()
                     break
-                await self._rate(len(data))
+                hasher.update(data)
+                if i + 1 not in stored:
+                    await self._rate(len(data))
                 nursery.start_soon(send, i, data)
+        m.parts_sent += sent[0]
+        m.parts_reused += nparts - sent[0] if not failure else 0
         if failure:
             raise failure[0]
         self._check_gen(snap.ino, gen)
+        if hasher.intdigest() != xxh:
+            raise UploadAbandoned(f"its bytes no longer hash to {xxh:016x} (the version "
+                                  "the upload was created for)")
         for i, e in enumerate(etags):
             if e != md5s[i].hex():
-                raise StoreError("fatal", f"part {i + 1} of s3://{bucket}/{key}: ETag {e} "
-                                          "is not its MD5")
+                # Damaged on the way (or a store whose ETag is not the MD5): transient,
+                # so the upload is kept and resumed, and ListParts shows that part's
+                # ETag differs from our MD5: only it is sent again.
+                raise StoreError("transient", f"part {i + 1} of s3://{bucket}/{key}: "
+                                              f"ETag {e} is not its MD5")
         etag = await trio.to_thread.run_sync(m.store.complete_multipart, bucket, key,
                                              upload_id, etags)
-        log.debug("drain: %d parts of s3://%s/%s in %.2f s", nparts, bucket, key,
-                  time.monotonic() - t0)
+        log.debug("drain: %d parts of s3://%s/%s in %.2f s (%d sent, %d already stored)",
+                  nparts, bucket, key, time.monotonic() - t0, sent[0], nparts - sent[0])
         return etag, multipart_etag(md5s)
-

@@ -121,8 +121,12 @@ class DrainManager:
             credentials_file=o.drain_credentials))
         self.part_bytes = o.drain_part_mb << 20
         self.parts_in_flight = o.drain_parts
+        #: Files (uploads and moves) in flight at once (`drain_parallel=`).
+        self.files_in_flight = o.drain_parallel
         self.delay_s = o.drain_delay_s
         self.rate_bytes_s = o.drain_rate_mb_s * 1e6
+        #: The drain's rate while foreground reads run (0: no limit of its own).
+        self.rate_reads_bytes_s = o.drain_rate_reads_mb_s * 1e6
         #: ino -> trio time at which its upload may start (insertion = queue order).
         self.queue: dict[int, float] = {}
         #: ino -> time it was queued (for the lag in stat).
@@ -145,7 +149,14 @@ class DrainManager:
         self.errors = 0
         self.last_error: str | None = None
         self.auth_error: str | None = None
-        self.uploading: int | None = None
+        self.parts_sent = 0
+        #: Bytes the store holds through finished parts (sent or found stored).
+        self.bytes_uploaded = 0
+        #: Parts a resumed upload found already stored (ListParts) and did not send.
+        self.parts_reused = 0
+        self.files_moved = 0
+        #: Files the drainer is uploading or moving now.
+        self.uploading: set[int] = set()
         self.recovered = False
         #: trio time of the last user write (the drainer yields to writers, drainer.py).
         self.last_write = float("-inf")
@@ -158,34 +169,38 @@ class DrainManager:
             self._drainer.stop()
 
     def pause(self, paused: bool) -> None:
-        """`zonefs-py drain pause|resume`: resume also retries after an auth error."""
+        """`zonefs-py drain pause|resume`: resume also retries at once after a store or
+        auth error (cuts the backoff short)."""
         self.paused = paused
         if not paused:
             self.auth_error = None
+            if self._drainer is not None:
+                self._drainer.backoff_until = 0.0
         self.wake.set()
 
     # -- recovery -------------------------------------------------------------------
     def resume_after_mount(self) -> None:
-        """Queue what a previous mount left queued or uploading (drainer start)."""
+        """Queue what a previous mount left to do (drainer start): QUEUED files; a
+        multipart upload in flight (UPLOADING with its id: resumed, ListParts first);
+        a single PUT in flight (restarts); a move in flight, or a drained file whose
+        path no longer gives its object's key (a rename whose move was not journaled)."""
         if self.recovered:
             return
         self.recovered = True
         now = trio.current_time()
         for ino, rec in list(self.state.drain.items()):
-            if rec.state == DrainState.UPLOADING:
-                if rec.token:
-                    try:
-                        bucket, key = parse_url(rec.url.decode())
-                        self.stale_uploads.append((bucket, key, rec.token.decode()))
-                    except ValueError:
-                        pass
-                self._txn([model.upload_failed(rec).op(ino)])
-                rec = self.state.drain[ino]
-            if rec.state == DrainState.QUEUED:
+            after = model.after_recovery(rec)
+            if after != rec:
+                self._txn([after.op(ino)])
+                rec = after
+            inode = self.state.inodes.get(ino)
+            if rec.state in (DrainState.QUEUED, DrainState.UPLOADING) or (
+                    inode is not None and self.needs_move(inode, rec)):
                 self.queue[ino] = now
                 self.queued_since[ino] = now
         if self.queue:
-            log.info("drain: %d file(s) left queued by the previous mount", len(self.queue))
+            log.info("drain: %d file(s) left to upload or move by the previous mount",
+                     len(self.queue))
 
     # -- helpers -----------------------------------------------------------------------
     def _txn(self, ops: list[Op]) -> None:
@@ -199,6 +214,43 @@ class DrainManager:
 
     def record(self, ino: int) -> DrainRecord | None:
         return self.state.drain.get(ino)
+
+    def target_url(self, inode: Inode) -> bytes | None:
+        """s3://bucket/key the file's current path drains to (None: no policy, unlinked)."""
+        target = self.policy_of(inode) if inode.nlink else None
+        return object_url(*target) if target is not None else None
+
+    def needs_move(self, inode: Inode, rec: DrainRecord) -> bool:
+        """A drained/evicted file whose object must move: a move in flight, or its
+        path now gives another key than its object's (renamed, or a directory above)."""
+        if rec.state not in (DrainState.DRAINED, DrainState.EVICTED):
+            return False
+        if rec.moving_to:
+            return True
+        url = self.target_url(inode)
+        return url is not None and url != rec.url
+
+    def key_holder(self, ino: int, url: bytes) -> int | None:
+        """Another linked file whose record names `url` (its object, or the one it is
+        being moved to or uploaded as): nothing may write or delete that key now."""
+        for other, rec in self.state.drain.items():
+            if other == ino or url not in (rec.url, rec.moving_to):
+                continue
+            inode = self.state.inodes.get(other)
+            if inode is not None and inode.nlink and rec.state != DrainState.QUEUED:
+                return other
+        return None
+
+    def _forget_upload(self, ino: int, rec: DrainRecord) -> None:
+        """A multipart upload waiting to resume is dropped: abort it in the store (an
+        upload in flight is aborted by its own task)."""
+        if rec.state == DrainState.UPLOADING and rec.token and ino not in self.uploading:
+            try:
+                bucket, key = parse_url(rec.url.decode())
+            except ValueError:
+                return
+            self.stale_uploads.append((bucket, key, rec.token.decode()))
+            self.wake.set()
 
     def _name_in(self, d: Inode, ino: int) -> bytes | None:
         for name, child in (d.entries or {}).items():
@@ -264,6 +316,7 @@ class DrainManager:
         if rec.state == DrainState.EVICTED:
             raise errors.IOFailure("the file is evicted; open it again to restore it")
         model.modify(rec)
+        self._forget_upload(ino, rec)
         self.gen[ino] = self.gen.get(ino, 0) + 1
         self.queue.pop(ino, None)
         self.queued_since.pop(ino, None)
@@ -312,20 +365,49 @@ class DrainManager:
 
     def on_rename(self, inode: Inode) -> None:
         """A file got a new name: queue it if written and closed; an upload in
-        flight under the old name is discarded and restarts under the new one."""
+        flight under the old name is discarded and restarts under the new one; a
+        drained or evicted file's object moves to the new key. A directory: every
+        drained or evicted file below it moves (uploads in flight finish under the
+        old key, then move)."""
         ino = inode.ino
+        if inode.is_dir:
+            self._move_below(inode)
+            return
         if not inode.is_reg:
             return
         rec = self.state.drain.get(ino)
         if rec is not None and rec.state == DrainState.UPLOADING:
+            self._forget_upload(ino, rec)
             self.gen[ino] = self.gen.get(ino, 0) + 1
             self._txn([model.upload_failed(rec).op(ino)])
             self._schedule(ino, self.delay_s)
+            return
+        if rec is not None and self.needs_move(inode, rec):
+            self._schedule(ino, 0.0)
             return
         if ino in self.written:
             self.renamed.add(ino)
             if inode.opens == 0:
                 self._queue(inode)
+
+    def _move_below(self, d: Inode) -> None:
+        """Schedule the move of every drained/evicted file below directory d."""
+        if not self.state.drain:
+            return
+        todo, seen = [d.ino], 0
+        while todo and seen < len(self.state.inodes):
+            cur = self.state.inodes.get(todo.pop())
+            seen += 1
+            for child in (cur.entries or {}).values() if cur is not None else ():
+                inode = self.state.inodes.get(child)
+                if inode is None:
+                    continue
+                if inode.is_dir:
+                    todo.append(child)
+                    continue
+                rec = self.state.drain.get(child)
+                if rec is not None and self.needs_move(inode, rec):
+                    self._schedule(child, 0.0)
 
     def _queue(self, inode: Inode) -> None:
         ino = inode.ino
@@ -475,13 +557,28 @@ class DrainManager:
                      self.fs.path_of(inode.ino), rec.size, rec.url.decode(),
                      time.monotonic() - t0)
 
+    async def _restore_source(self, rec: DrainRecord) -> tuple[str, str]:
+        """(bucket, key) to fetch from: the record's object, or, while a move is in
+        flight (DESIGN 6.3), its destination once the old key is gone. Raises
+        IOFailure if the store cannot say."""
+        bucket, key = parse_url(rec.url.decode())
+        if not rec.moving_to:
+            return bucket, key
+        try:
+            await trio.to_thread.run_sync(self.store.head, bucket, key)
+            return bucket, key
+        except StoreError as exc:
+            if exc.kind != "missing":
+                raise errors.IOFailure(f"restore from {rec.url.decode()} failed: {exc}") from None
+        return parse_url(rec.moving_to.decode())
+
     async def _fetch_and_place(self, inode: Inode, rec: DrainRecord) -> list[Any]:
         """GET the object in parts (several in flight), hash in order, append to zones.
 
         Returns the placed (unapplied) EXTENT ops; on any failure the placed
         pieces are given back as garbage and IOFailure is raised.
         """
-        bucket, key = parse_url(rec.url.decode())
+        bucket, key = await self._restore_source(rec)
         size, part = rec.size, self.part_bytes
         nparts = (size + part - 1) // part
         results: dict[int, bytes | StoreError] = {}
@@ -562,7 +659,14 @@ class DrainManager:
             "queue_files": len(self.queue),
             "queue_bytes": queue_bytes,
             "lag_seconds": round(now - oldest, 3) if oldest is not None else 0.0,
-            "uploading": self.fs.path_of(self.uploading) if self.uploading else None,
+            "uploading": self.fs.path_of(min(self.uploading)) if self.uploading else None,
+            "uploading_files": len(self.uploading),
+            "uploading_bytes": sum(self.state.inodes[i].size for i in self.uploading
+                                   if i in self.state.inodes),
+            "bytes_uploaded": self.bytes_uploaded,
+            "parts_sent": self.parts_sent,
+            "parts_reused": self.parts_reused,
+            "files_moved": self.files_moved,
             "bytes_drained": self.bytes_drained,
             "files_drained": self.files_drained,
             "bytes_restored": self.bytes_restored,

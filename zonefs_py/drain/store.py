@@ -87,6 +87,19 @@ class ObjectStore(Protocol):
 
     def abort_multipart(self, bucket: str, key: str, upload_id: str) -> None: ...
 
+    def list_parts(self, bucket: str, key: str, upload_id: str) -> dict[int, tuple[str, int]]:
+        """Part number -> (ETag, size) of the parts an upload holds (`missing` if the
+        upload is gone: aborted, completed or expired)."""
+        ...
+
+    def copy(self, src_bucket: str, src_key: str, bucket: str, key: str, size: int) -> str:
+        """Server-side copy of an object of `size` bytes, metadata included; its ETag."""
+        ...
+
+    def delete(self, bucket: str, key: str) -> None:
+        """Delete an object (no error if it is not there)."""
+        ...
+
     def head(self, bucket: str, key: str) -> ObjectInfo: ...
 
     def get_range(self, bucket: str, key: str, start: int, end: int) -> bytes: ...
@@ -96,6 +109,12 @@ _AUTH_CODES = frozenset({
     "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
     "InvalidToken", "AuthorizationHeaderMalformed", "403", "401", "AllAccessDisabled",
 })
+#: S3 refuses a CopyObject of more than 5 GiB: larger objects copy in parts.
+COPY_MAX_BYTES = 5 << 30
+COPY_PART_BYTES = 1 << 30
+#: ListParts pages (1000 parts each): S3 allows at most 10,000 parts per upload.
+MAX_LIST_PAGES = 10
+
 _MISSING_CODES = frozenset({"NoSuchKey", "404", "NotFound", "NoSuchBucket", "NoSuchUpload"})
 
 
@@ -168,9 +187,16 @@ class S3Store:
 
     def upload_part(self, bucket: str, key: str, upload_id: str, number: int,
                     data: bytes, md5: bytes) -> str:
+        """Send one part; its ETag (the caller compares it with `md5`).
+
+        No Content-MD5 header: the ETag of a part is the MD5 the store computed
+        of what it received, and the drainer checks it against `md5` before it
+        completes the upload (a damaged part is sent again, never completed).
+        The header made SeaweedFS verify each part before storing it: 0.75 ->
+        0.96 of boto3's throughput in one A/B on a loaded machine (DESIGN 6.5).
+        """
         r = self._call(f"part {number} of s3://{bucket}/{key}", "upload_part", Bucket=bucket,
-                       Key=key, UploadId=upload_id, PartNumber=number, Body=data,
-                       ContentMD5=b64(md5))
+                       Key=key, UploadId=upload_id, PartNumber=number, Body=data)
         return str(r["ETag"]).strip('"')
 
     def complete_multipart(self, bucket: str, key: str, upload_id: str,
@@ -184,6 +210,48 @@ class S3Store:
     def abort_multipart(self, bucket: str, key: str, upload_id: str) -> None:
         self._call(f"abort upload of s3://{bucket}/{key}", "abort_multipart_upload",
                    Bucket=bucket, Key=key, UploadId=upload_id)
+
+    def list_parts(self, bucket: str, key: str, upload_id: str) -> dict[int, tuple[str, int]]:
+        parts: dict[int, tuple[str, int]] = {}
+        marker = 0
+        for _ in range(MAX_LIST_PAGES):  # bounded: at most 10,000 parts
+            r = self._call(f"list parts of s3://{bucket}/{key}", "list_parts", Bucket=bucket,
+                           Key=key, UploadId=upload_id, PartNumberMarker=marker)
+            for p in r.get("Parts") or []:
+                parts[int(p["PartNumber"])] = (str(p["ETag"]).strip('"'), int(p["Size"]))
+            if not r.get("IsTruncated"):
+                break
+            marker = int(r.get("NextPartNumberMarker") or 0)
+        return parts
+
+    def copy(self, src_bucket: str, src_key: str, bucket: str, key: str, size: int) -> str:
+        what = f"copy s3://{src_bucket}/{src_key} to s3://{bucket}/{key}"
+        source = {"Bucket": src_bucket, "Key": src_key}
+        if size <= COPY_MAX_BYTES:
+            r = self._call(what, "copy_object", Bucket=bucket, Key=key, CopySource=source,
+                           MetadataDirective="COPY")
+            return str(r["CopyObjectResult"]["ETag"]).strip('"')
+        # Larger: a multipart upload whose parts are ranges of the source (UploadPartCopy).
+        meta = self.head(src_bucket, src_key).metadata
+        upload_id = self.create_multipart(bucket, key, meta)
+        try:
+            etags = []
+            for n, start in enumerate(range(0, size, COPY_PART_BYTES), 1):
+                end = min(size, start + COPY_PART_BYTES) - 1
+                r = self._call(f"{what} (part {n})", "upload_part_copy", Bucket=bucket,
+                               Key=key, UploadId=upload_id, PartNumber=n, CopySource=source,
+                               CopySourceRange=f"bytes={start}-{end}")
+                etags.append(str(r["CopyPartResult"]["ETag"]).strip('"'))
+            return self.complete_multipart(bucket, key, upload_id, etags)
+        except BaseException:
+            try:
+                self.abort_multipart(bucket, key, upload_id)
+            except StoreError:
+                pass
+            raise
+
+    def delete(self, bucket: str, key: str) -> None:
+        self._call(f"DELETE s3://{bucket}/{key}", "delete_object", Bucket=bucket, Key=key)
 
     def head(self, bucket: str, key: str) -> ObjectInfo:
         r = self._call(f"HEAD s3://{bucket}/{key}", "head_object", Bucket=bucket, Key=key)

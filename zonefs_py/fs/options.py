@@ -77,6 +77,10 @@ class FsOptions:
     drain_rate_mb_s: float = 0.0
     drain_parts: int = 4
     drain_part_mb: int = 16
+    #: Files uploaded (or moved) at once, each with up to `drain_parts` parts in flight.
+    drain_parallel: int = 2
+    #: Drain rate, MB/s, while foreground reads are served (reads first; 0: none).
+    drain_rate_reads_mb_s: float = 32.0
     #: Seconds a queued file waits before its upload starts (a rename into place
     #: right after the fsync+close then names the object).
     drain_delay_s: float = 1.0
@@ -101,6 +105,8 @@ class FsOptions:
         "drain_credentials": ("drain_credentials", str),
         "drain_rate": ("drain_rate_mb_s", float),
         "drain_parts": ("drain_parts", int),
+        "drain_parallel": ("drain_parallel", int),
+        "drain_rate_reads": ("drain_rate_reads_mb_s", float),
         "drain_part_mb": ("drain_part_mb", int),
         "drain_delay": ("drain_delay_s", float),
     }
@@ -149,9 +155,12 @@ class FsOptions:
             raise ValueError("cache_mb must be at least 1 (MiB of checksums kept in memory)")
         if not result.read_latency_ms >= 0:
             raise ValueError("read_latency_ms must be 0 (off) or a positive number of ms")
-        if not 5 <= result.drain_part_mb <= 5120 or not 1 <= result.drain_parts <= 64:
+        if not 5 <= result.drain_part_mb <= 5120 or not 1 <= result.drain_parts <= 64 \
+                or not 1 <= result.drain_parallel <= 64:
             raise ValueError("drain_part_mb must be 5..5120 (S3's part sizes), "
-                             "drain_parts 1..64")
+                             "drain_parts and drain_parallel 1..64")
+        if not result.drain_rate_reads_mb_s >= 0 or not result.drain_rate_mb_s >= 0:
+            raise ValueError("drain_rate and drain_rate_reads must be 0 (no limit) or MB/s")
         return result, rest
 
     def replace(self, **changes: object) -> FsOptions:

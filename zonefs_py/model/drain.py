@@ -7,7 +7,14 @@ A file below a directory with a drain policy (`user.zonefs.drain`) goes
                         +------------------+                            v
                                                          DRAINED <--restore-- EVICTED(ETag)
 
-and any change of its content or size (`modify`) sends it back to LOCAL,
+A DRAINED or EVICTED file whose path (so its object key) changed moves
+its object (`start_move` .. `move_done`, DESIGN 6.3): while the move is in
+flight the record keeps the old URL and names the destination in
+`moving_to`; the state stays DRAINED or EVICTED (eviction and restore work
+as before), so only the encoding sees it (bit 7 of the state byte, with the
+destination URL as the token instead of the ETag).
+
+Any change of its content or size (`modify`) sends it back to LOCAL,
 except from EVICTED, which must be restored first (there is nothing local
 to modify). LOCAL is "no record": files without a policy never have one.
 
@@ -34,6 +41,9 @@ from dataclasses import dataclass, replace
 from zonefs_py.format.constants import OpType
 from zonefs_py.format.ops import Op
 
+#: Bit 7 of a DRAIN op's state byte: a move is in flight; the token is its destination.
+MOVING_BIT = 0x80
+
 
 class DrainState(enum.IntEnum):
     LOCAL = 0
@@ -57,14 +67,26 @@ class DrainRecord:
     xxh3: int = 0
     #: Upload id (UPLOADING, empty for a single PUT) or ETag (DRAINED, EVICTED).
     token: bytes = b""
+    #: DRAINED/EVICTED only: s3://bucket/key the object is being moved to (a rename);
+    #: the object is complete under `url` or under this, never missing from both.
+    moving_to: bytes = b""
 
     def op(self, ino: int) -> Op:
+        if self.moving_to:
+            return (OpType.DRAIN, ino, int(self.state) | MOVING_BIT, self.size, self.xxh3,
+                    self.url, self.moving_to)
         return (OpType.DRAIN, ino, int(self.state), self.size, self.xxh3, self.url, self.token)
 
     @classmethod
     def from_op(cls, op: Op) -> DrainRecord | None:
-        """The record an op sets (None for LOCAL). Raises ValueError for an unknown state."""
+        """The record an op sets (None for LOCAL). Raises ValueError for an unknown state
+        (also the moving bit on a state other than DRAINED/EVICTED)."""
         _, _ino, state, size, xxh, url, token = op
+        if state & MOVING_BIT:
+            st = DrainState(state & ~MOVING_BIT)
+            if st not in (DrainState.DRAINED, DrainState.EVICTED) or not token:
+                raise ValueError(f"moving bit on state {st.name}")
+            return cls(st, url, size, xxh, b"", token)
         st = DrainState(state)
         if st == DrainState.LOCAL:
             return None
@@ -104,7 +126,8 @@ def upload_done(rec: DrainRecord | None, etag: bytes) -> DrainRecord:
 
 
 def upload_failed(rec: DrainRecord | None) -> DrainRecord:
-    """The upload will be retried from the start (its upload id is abandoned)."""
+    """The upload will be retried from the start (its upload id is abandoned; a
+    transient failure keeps UPLOADING instead, to resume the same upload)."""
     _need(rec, DrainState.UPLOADING, DrainState.QUEUED)
     return DrainRecord(DrainState.QUEUED)
 
@@ -121,6 +144,21 @@ def restored(rec: DrainRecord | None) -> DrainRecord:
     return replace(r, state=DrainState.DRAINED)
 
 
+def start_move(rec: DrainRecord | None, dest_url: bytes) -> DrainRecord:
+    """The file's object key changed (a rename): its object is to be copied to
+    `dest_url`, then the old one deleted. The state (drained/evicted) stays."""
+    r = _need(rec, DrainState.DRAINED, DrainState.EVICTED)
+    return replace(r, moving_to=dest_url, token=b"")
+
+
+def move_done(rec: DrainRecord | None, etag: bytes) -> DrainRecord:
+    """The object is complete under the destination and gone from the old key."""
+    r = _need(rec, DrainState.DRAINED, DrainState.EVICTED)
+    if not r.moving_to:
+        raise DrainTransitionError("no move in flight")
+    return replace(r, url=r.moving_to, moving_to=b"", token=etag)
+
+
 def modify(rec: DrainRecord | None) -> None:
     """The file's content or size changes: the record goes (LOCAL). EVICTED is refused."""
     _need(rec, DrainState.LOCAL, DrainState.QUEUED, DrainState.UPLOADING, DrainState.DRAINED)
@@ -128,9 +166,10 @@ def modify(rec: DrainRecord | None) -> None:
 
 
 def after_recovery(rec: DrainRecord) -> DrainRecord:
-    """The state to resume from after a mount: an upload in flight restarts (QUEUED);
-    its upload id is kept in the caller's hands to be aborted in the store."""
-    if rec.state == DrainState.UPLOADING:
+    """The state to resume from after a mount: a multipart upload in flight resumes
+    (UPLOADING with its upload id: ListParts, then only the missing parts); a single
+    PUT in flight restarts (QUEUED); a move in flight resumes as it is."""
+    if rec.state == DrainState.UPLOADING and not rec.token:
         return DrainRecord(DrainState.QUEUED)
     return rec
 
