@@ -124,6 +124,12 @@ def serve_reporting(cfg: MountConfig, report: Reporter | None) -> int:
     signal.signal(signal.SIGTERM, _signal_after_shutdown)
     try:
         status = trio.run(serve, cfg, report or (lambda _err: None), state, notifier)
+        if _SHUTDOWN_DONE:
+            # Nothing is left to protect: ignore SIGTERM for the rest of the exit.
+            # (A Python handler would be reset to the default by the interpreter's
+            # own teardown, and a SIGTERM then, e.g. systemd's after `umount`,
+            # turned a clean exit into a death by signal: -15.)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
     except KeyboardInterrupt:
         state.update(state="stopped", last_error="interrupted")
         notifier.status("stopped: interrupted")
