@@ -7,7 +7,13 @@ are accepted and only grow the file size, reads return zeros up to the size.
 Whatever a Python FUSE filesystem does, it cannot be faster than this one on
 the same machine, so it is the ceiling that zonefs-py is compared with.
 
-Usage: noopfs.py MOUNTPOINT  (always foreground; unmount with fusermount3 -u)
+Usage: noopfs.py MOUNTPOINT [--census FILE]
+       (always foreground; unmount with fusermount3 -u)
+
+--census FILE: count every FUSE request by opcode (zonefs-py's request
+census, `zonefs_py.fuseext`, the same C counters the daemon uses) and write
+the counts as JSON to FILE on each SIGUSR1, so bench/metadata compares
+requests per file with zonefs-py's in one run.
 
 Caveats:
 - Like pyfuse3's examples it runs every handler in the trio loop without
@@ -18,19 +24,34 @@ Caveats:
   writes through zonefs-py's writeback cache can beat it. No permission
   checks beyond `default_permissions`.
 - torch.load of a checkpoint written here fails (the bytes read back are zeros).
+- No extended attributes: pyfuse3 answers GETXATTR with ENOSYS, so the kernel
+  stops asking after the first (zonefs-py serves xattrs, and so gets the
+  kernel's security.capability probe on every write(2)).
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
+import json
 import os
+import signal
 import stat
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
-import pyfuse3
-import trio
+# zonefs_py before pyfuse3: its request census hooks libfuse's fuse_session_new
+# (zonefs_py/fuseext.py says why the order matters).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+try:
+    from zonefs_py import fuseext
+except ImportError:  # zonefs-py not built here: no census, the ceiling still runs
+    fuseext = None  # type: ignore[assignment]
+
+import pyfuse3  # noqa: E402
+import trio  # noqa: E402
 
 #: Largest read reply we build; bigger requests are capped (the kernel asks for
 #: at most max_read bytes, 128 KiB by default, anyway).
@@ -224,11 +245,28 @@ class NoopOperations(pyfuse3.Operations):
         return None
 
 
-async def serve(mountpoint: str) -> None:
+async def serve(mountpoint: str, census_file: str | None) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(set_readahead, mountpoint, 4096)
+        if census_file is not None:
+            nursery.start_soon(write_census_on_signal, census_file)
         await pyfuse3.main()
         nursery.cancel_scope.cancel()
+
+
+async def write_census_on_signal(path: str) -> None:
+    """On every SIGUSR1, write the request counts since the mount to `path` (atomically)."""
+    with trio.open_signal_receiver(signal.SIGUSR1) as signals:
+        async for _ in signals:
+            counts = fuseext.census() if fuseext is not None else {}
+            await trio.to_thread.run_sync(_write_json, path, counts)
+
+
+def _write_json(path: str, doc: dict[str, int]) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f)
+    os.replace(tmp, path)
 
 
 async def set_readahead(mountpoint: str, kib: int) -> None:
@@ -249,12 +287,16 @@ def main() -> None:
     """Mount the no-op filesystem in the foreground until unmounted."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mountpoint")
+    parser.add_argument("--census", metavar="FILE",
+                        help="count requests by opcode; write them to FILE on SIGUSR1")
     args = parser.parse_args()
     options = set(pyfuse3.default_options)
     options.add("fsname=bench-noopfs")
+    if args.census is not None and (fuseext is None or not fuseext.census_arm()):
+        sys.exit("noopfs: --census needs zonefs-py's FUSE extension (zonefs_py._fuseext)")
     pyfuse3.init(NoopOperations(), args.mountpoint, options)
     try:
-        trio.run(serve, os.path.abspath(args.mountpoint))
+        trio.run(serve, os.path.abspath(args.mountpoint), args.census)
     finally:
         pyfuse3.close(unmount=True)
 

@@ -27,6 +27,13 @@ extern "Python" void zfx_py_copy_file_range(void *req, uint64_t fh_in, int64_t o
                                             uint64_t length, int flags);
 int zfx_reply_err(void *req, int err);
 int zfx_reply_write(void *req, uint64_t count);
+void zfx_census_arm(int on);
+int zfx_census_slots(void);
+const char *zfx_census_name(int slot);
+uint64_t zfx_census_count(int slot);
+const char *zfx_census_xattr(int i, uint64_t *count);
+void zfx_set_no_caps(int on);
+uint64_t zfx_caps_answered_count(void);
 """
 
 

@@ -15,6 +15,13 @@
  * thread in pyfuse3) and hand the request to Python (`zfx_py_fallocate`,
  * `zfx_py_copy_file_range`: extern "Python" callbacks), which answers later
  * with zfx_reply_err or zfx_reply_write.
+ *
+ * The request census (issue 29): when `zfx_census_arm(1)` was called, every
+ * handler in the table is wrapped by one that counts the request by opcode
+ * (and GETXATTR by attribute name) before calling pyfuse3's. Counting is a
+ * plain increment: libfuse calls the handlers on one thread (pyfuse3's).
+ * Requests libfuse answers without a handler (ENOSYS for a NULL member,
+ * INTERRUPT) are not counted.
  * Conventions as native/zonefs_native.c: 0 or -errno, no Python objects here.
  */
 #define FUSE_USE_VERSION 35
@@ -56,6 +63,212 @@ static void zfx_copy_file_range(fuse_req_t req, fuse_ino_t ino_in, off_t off_in,
                            (uint64_t)len, flags);
 }
 
+/* ---- the request census --------------------------------------------------- */
+
+/* Opcode slots; the names are in zfx_census_name(), in this order. */
+enum {
+    ZC_INIT, ZC_LOOKUP, ZC_FORGET, ZC_BATCH_FORGET, ZC_GETATTR, ZC_SETATTR, ZC_READLINK,
+    ZC_MKNOD, ZC_MKDIR, ZC_UNLINK, ZC_RMDIR, ZC_SYMLINK, ZC_RENAME, ZC_LINK, ZC_OPEN,
+    ZC_READ, ZC_WRITE, ZC_FLUSH, ZC_RELEASE, ZC_FSYNC, ZC_OPENDIR, ZC_READDIR,
+    ZC_READDIRPLUS, ZC_RELEASEDIR, ZC_FSYNCDIR, ZC_STATFS, ZC_SETXATTR, ZC_GETXATTR,
+    ZC_LISTXATTR, ZC_REMOVEXATTR, ZC_ACCESS, ZC_CREATE, ZC_FALLOCATE, ZC_COPY_FILE_RANGE,
+    ZC_FORGOTTEN, /* inodes named by FORGET and BATCH_FORGET (not requests) */
+    ZC_NSLOTS
+};
+
+static const char *const zfx_census_names[ZC_NSLOTS] = {
+    "INIT", "LOOKUP", "FORGET", "BATCH_FORGET", "GETATTR", "SETATTR", "READLINK",
+    "MKNOD", "MKDIR", "UNLINK", "RMDIR", "SYMLINK", "RENAME", "LINK", "OPEN",
+    "READ", "WRITE", "FLUSH", "RELEASE", "FSYNC", "OPENDIR", "READDIR",
+    "READDIRPLUS", "RELEASEDIR", "FSYNCDIR", "STATFS", "SETXATTR", "GETXATTR",
+    "LISTXATTR", "REMOVEXATTR", "ACCESS", "CREATE", "FALLOCATE", "COPY_FILE_RANGE",
+    "forgotten_inodes",
+};
+
+#define ZC_XATTR_NAMES 16
+#define ZC_XATTR_LEN 64
+static uint64_t zfx_counts[ZC_NSLOTS];
+/* GETXATTR by name: the first ZC_XATTR_NAMES - 1 names seen, then "(other)". */
+static char zfx_xattr_name[ZC_XATTR_NAMES][ZC_XATTR_LEN];
+static uint64_t zfx_xattr_count[ZC_XATTR_NAMES];
+static int zfx_xattr_used;
+static int zfx_census_armed;
+static struct fuse_lowlevel_ops zfx_orig;
+
+static void zfx_count_xattr(const char *name)
+{
+    int i;
+    for (i = 0; i < zfx_xattr_used; i++)
+        if (strncmp(zfx_xattr_name[i], name, ZC_XATTR_LEN - 1) == 0) {
+            zfx_xattr_count[i]++;
+            return;
+        }
+    if (zfx_xattr_used < ZC_XATTR_NAMES - 1) {
+        i = zfx_xattr_used++;
+        strncpy(zfx_xattr_name[i], name, ZC_XATTR_LEN - 1);
+    } else {
+        i = ZC_XATTR_NAMES - 1;
+        strcpy(zfx_xattr_name[i], "(other)");
+    }
+    zfx_xattr_count[i]++;
+}
+
+/* One counting wrapper per handler: count, then call pyfuse3's (or ours). */
+#define ZC_WRAP(op, slot, params, args)                                              \
+    static void zc_##op params                                                       \
+    {                                                                                \
+        zfx_counts[slot]++;                                                          \
+        zfx_orig.op args;                                                            \
+    }
+
+typedef struct fuse_file_info zfi;
+ZC_WRAP(lookup, ZC_LOOKUP, (fuse_req_t r, fuse_ino_t p, const char *n), (r, p, n))
+ZC_WRAP(getattr, ZC_GETATTR, (fuse_req_t r, fuse_ino_t i, zfi *fi), (r, i, fi))
+ZC_WRAP(setattr, ZC_SETATTR, (fuse_req_t r, fuse_ino_t i, struct stat *a, int s, zfi *fi),
+        (r, i, a, s, fi))
+ZC_WRAP(readlink, ZC_READLINK, (fuse_req_t r, fuse_ino_t i), (r, i))
+ZC_WRAP(mknod, ZC_MKNOD, (fuse_req_t r, fuse_ino_t p, const char *n, mode_t m, dev_t d),
+        (r, p, n, m, d))
+ZC_WRAP(mkdir, ZC_MKDIR, (fuse_req_t r, fuse_ino_t p, const char *n, mode_t m), (r, p, n, m))
+ZC_WRAP(unlink, ZC_UNLINK, (fuse_req_t r, fuse_ino_t p, const char *n), (r, p, n))
+ZC_WRAP(rmdir, ZC_RMDIR, (fuse_req_t r, fuse_ino_t p, const char *n), (r, p, n))
+ZC_WRAP(symlink, ZC_SYMLINK, (fuse_req_t r, const char *l, fuse_ino_t p, const char *n),
+        (r, l, p, n))
+ZC_WRAP(rename, ZC_RENAME, (fuse_req_t r, fuse_ino_t p, const char *n, fuse_ino_t np,
+                            const char *nn, unsigned int f), (r, p, n, np, nn, f))
+ZC_WRAP(link, ZC_LINK, (fuse_req_t r, fuse_ino_t i, fuse_ino_t np, const char *nn),
+        (r, i, np, nn))
+ZC_WRAP(open, ZC_OPEN, (fuse_req_t r, fuse_ino_t i, zfi *fi), (r, i, fi))
+ZC_WRAP(read, ZC_READ, (fuse_req_t r, fuse_ino_t i, size_t s, off_t o, zfi *fi),
+        (r, i, s, o, fi))
+ZC_WRAP(write, ZC_WRITE, (fuse_req_t r, fuse_ino_t i, const char *b, size_t s, off_t o,
+                          zfi *fi), (r, i, b, s, o, fi))
+ZC_WRAP(write_buf, ZC_WRITE, (fuse_req_t r, fuse_ino_t i, struct fuse_bufvec *b, off_t o,
+                              zfi *fi), (r, i, b, o, fi))
+ZC_WRAP(flush, ZC_FLUSH, (fuse_req_t r, fuse_ino_t i, zfi *fi), (r, i, fi))
+ZC_WRAP(release, ZC_RELEASE, (fuse_req_t r, fuse_ino_t i, zfi *fi), (r, i, fi))
+ZC_WRAP(fsync, ZC_FSYNC, (fuse_req_t r, fuse_ino_t i, int d, zfi *fi), (r, i, d, fi))
+ZC_WRAP(opendir, ZC_OPENDIR, (fuse_req_t r, fuse_ino_t i, zfi *fi), (r, i, fi))
+ZC_WRAP(readdir, ZC_READDIR, (fuse_req_t r, fuse_ino_t i, size_t s, off_t o, zfi *fi),
+        (r, i, s, o, fi))
+ZC_WRAP(readdirplus, ZC_READDIRPLUS, (fuse_req_t r, fuse_ino_t i, size_t s, off_t o,
+                                      zfi *fi), (r, i, s, o, fi))
+ZC_WRAP(releasedir, ZC_RELEASEDIR, (fuse_req_t r, fuse_ino_t i, zfi *fi), (r, i, fi))
+ZC_WRAP(fsyncdir, ZC_FSYNCDIR, (fuse_req_t r, fuse_ino_t i, int d, zfi *fi), (r, i, d, fi))
+ZC_WRAP(statfs, ZC_STATFS, (fuse_req_t r, fuse_ino_t i), (r, i))
+ZC_WRAP(setxattr, ZC_SETXATTR, (fuse_req_t r, fuse_ino_t i, const char *n, const char *v,
+                                size_t s, int f), (r, i, n, v, s, f))
+ZC_WRAP(listxattr, ZC_LISTXATTR, (fuse_req_t r, fuse_ino_t i, size_t s), (r, i, s))
+ZC_WRAP(removexattr, ZC_REMOVEXATTR, (fuse_req_t r, fuse_ino_t i, const char *n), (r, i, n))
+ZC_WRAP(access, ZC_ACCESS, (fuse_req_t r, fuse_ino_t i, int m), (r, i, m))
+ZC_WRAP(create, ZC_CREATE, (fuse_req_t r, fuse_ino_t p, const char *n, mode_t m, zfi *fi),
+        (r, p, n, m, fi))
+ZC_WRAP(fallocate, ZC_FALLOCATE, (fuse_req_t r, fuse_ino_t i, int m, off_t o, off_t l,
+                                  zfi *fi), (r, i, m, o, l, fi))
+ZC_WRAP(copy_file_range, ZC_COPY_FILE_RANGE,
+        (fuse_req_t r, fuse_ino_t ii, off_t oi, zfi *fi, fuse_ino_t io, off_t oo, zfi *fo,
+         size_t l, int f), (r, ii, oi, fi, io, oo, fo, l, f))
+
+static void zc_init(void *u, struct fuse_conn_info *c)
+{
+    zfx_counts[ZC_INIT]++;
+    zfx_orig.init(u, c);
+}
+
+static void zc_forget(fuse_req_t r, fuse_ino_t i, uint64_t n)
+{
+    zfx_counts[ZC_FORGET]++;
+    zfx_counts[ZC_FORGOTTEN]++;
+    zfx_orig.forget(r, i, n);
+}
+
+static void zc_forget_multi(fuse_req_t r, size_t count, struct fuse_forget_data *f)
+{
+    zfx_counts[ZC_BATCH_FORGET]++;
+    zfx_counts[ZC_FORGOTTEN] += count;
+    zfx_orig.forget_multi(r, count, f);
+}
+
+/* Set by Python (zfx_set_no_caps) while no file has a security.capability xattr. */
+static int zfx_no_caps;
+static uint64_t zfx_caps_answered;
+
+static void zc_getxattr(fuse_req_t r, fuse_ino_t i, const char *n, size_t s)
+{
+    zfx_counts[ZC_GETXATTR]++;
+    zfx_count_xattr(n);
+    /* The kernel asks this before every write(2) (security_inode_need_killpriv:
+     * FUSE has no SB_NOSEC without FUSE_HANDLE_KILLPRIV_V2, which libfuse 3.14
+     * cannot ask for). While no file has the attribute the answer is known:
+     * give it here, without a trip through Python. */
+    if (zfx_no_caps && strcmp(n, "security.capability") == 0) {
+        zfx_caps_answered++;
+        fuse_reply_err(r, ENODATA);
+        return;
+    }
+    zfx_orig.getxattr(r, i, n, s);
+}
+
+void zfx_set_no_caps(int on)
+{
+    zfx_no_caps = on;
+}
+
+uint64_t zfx_caps_answered_count(void)
+{
+    return zfx_caps_answered;
+}
+
+#define ZC_HOOK(op)                                                                  \
+    do {                                                                             \
+        if (zfx_ops.op != NULL)                                                      \
+            zfx_ops.op = zc_##op;                                                    \
+    } while (0)
+
+/* Replace every handler present in zfx_ops by its counting wrapper. */
+static void zfx_census_wrap(void)
+{
+    zfx_orig = zfx_ops;
+    ZC_HOOK(init); ZC_HOOK(lookup); ZC_HOOK(forget); ZC_HOOK(forget_multi);
+    ZC_HOOK(getattr); ZC_HOOK(setattr); ZC_HOOK(readlink); ZC_HOOK(mknod);
+    ZC_HOOK(mkdir); ZC_HOOK(unlink); ZC_HOOK(rmdir); ZC_HOOK(symlink); ZC_HOOK(rename);
+    ZC_HOOK(link); ZC_HOOK(open); ZC_HOOK(read); ZC_HOOK(write); ZC_HOOK(write_buf);
+    ZC_HOOK(flush); ZC_HOOK(release); ZC_HOOK(fsync); ZC_HOOK(opendir);
+    ZC_HOOK(readdir); ZC_HOOK(readdirplus); ZC_HOOK(releasedir); ZC_HOOK(fsyncdir);
+    ZC_HOOK(statfs); ZC_HOOK(setxattr); ZC_HOOK(getxattr); ZC_HOOK(listxattr);
+    ZC_HOOK(removexattr); ZC_HOOK(access); ZC_HOOK(create); ZC_HOOK(fallocate);
+    ZC_HOOK(copy_file_range);
+}
+
+void zfx_census_arm(int on)
+{
+    zfx_census_armed = on;
+}
+
+int zfx_census_slots(void)
+{
+    return ZC_NSLOTS;
+}
+
+const char *zfx_census_name(int slot)
+{
+    return slot >= 0 && slot < ZC_NSLOTS ? zfx_census_names[slot] : NULL;
+}
+
+uint64_t zfx_census_count(int slot)
+{
+    return slot >= 0 && slot < ZC_NSLOTS ? zfx_counts[slot] : 0;
+}
+
+/* The i-th GETXATTR name seen (NULL past the last) and its count. */
+const char *zfx_census_xattr(int i, uint64_t *count)
+{
+    if (i < 0 || i >= ZC_XATTR_NAMES || zfx_xattr_name[i][0] == '\0')
+        return NULL;
+    *count = zfx_xattr_count[i];
+    return zfx_xattr_name[i];
+}
+
 struct fuse_session *fuse_session_new(struct fuse_args *args,
                                       const struct fuse_lowlevel_ops *op,
                                       size_t op_size, void *userdata)
@@ -72,13 +285,17 @@ struct fuse_session *fuse_session_new(struct fuse_args *args,
         errno = ENOSYS;
         return NULL;
     }
-    if (!zfx_armed)
+    if (!zfx_armed && !zfx_census_armed)
         return real(args, op, op_size, userdata);
     memset(&zfx_ops, 0, sizeof zfx_ops);
     memcpy(&zfx_ops, op, op_size < sizeof zfx_ops ? op_size : sizeof zfx_ops);
-    zfx_ops.fallocate = zfx_fallocate;
-    zfx_ops.copy_file_range = zfx_copy_file_range;
-    zfx_installed = 1;
+    if (zfx_armed) {
+        zfx_ops.fallocate = zfx_fallocate;
+        zfx_ops.copy_file_range = zfx_copy_file_range;
+        zfx_installed = 1;
+    }
+    if (zfx_census_armed)
+        zfx_census_wrap();
     return real(args, &zfx_ops, sizeof zfx_ops, userdata);
 }
 

@@ -59,17 +59,22 @@ def _require_root(ctx: Ctx) -> None:
         raise errors.NotPermitted("the zonefs-py control xattrs are for root only")
 
 
-def status_document(fs: FileSystemAPI, failsafe_reason: str | None) -> dict[str, Any]:
-    """Return the status JSON object: the engine's figures plus the daemon's own."""
+def status_document(fs: FileSystemAPI, failsafe_reason: str | None,
+                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Return the status JSON object: the engine's figures plus the daemon's own, plus
+    `extra` (the FUSE adapter's: the request census)."""
     doc: dict[str, Any] = dict(fs.status())
     daemon = dict(doc.get("daemon", {})) if isinstance(doc.get("daemon"), dict) else {}
     daemon.update(DAEMON_INFO)
     daemon.update({"pid": os.getpid(), "failsafe": failsafe_reason})
     doc["daemon"] = daemon
+    if extra:
+        doc.update(extra)
     return doc
 
 
-def get(fs: FileSystemAPI, name: bytes, ctx: Ctx, failsafe_reason: str | None) -> bytes:
+def get(fs: FileSystemAPI, name: bytes, ctx: Ctx, failsafe_reason: str | None,
+        extra: dict[str, Any] | None = None) -> bytes:
     """Answer getxattr of a control name. Raises NotPermitted, NoAttribute, ValueTooLarge."""
     if name == USER_STATUS_XATTR:
         if ctx.uid not in (0, os.getuid()):
@@ -79,7 +84,7 @@ def get(fs: FileSystemAPI, name: bytes, ctx: Ctx, failsafe_reason: str | None) -
         _require_root(ctx)
     if name not in (STATUS_XATTR, USER_STATUS_XATTR):
         raise errors.NoAttribute(name.decode(errors="replace"))
-    blob = json.dumps(status_document(fs, failsafe_reason), separators=(",", ":"),
+    blob = json.dumps(status_document(fs, failsafe_reason, extra), separators=(",", ":"),
                       sort_keys=True, default=str).encode()
     if len(blob) > XATTR_SIZE_MAX:
         raise errors.ValueTooLarge(f"status is {len(blob)} bytes, over the xattr limit")

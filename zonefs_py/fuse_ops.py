@@ -56,6 +56,7 @@ import pyfuse3
 
 from zonefs_py import control, errors, fuseext
 from zonefs_py.fs.api import (
+    CAPABILITY_XATTR,
     ROOT_INO,
     Attr,
     Ctx,
@@ -425,12 +426,25 @@ class Operations(pyfuse3.Operations):
             return exc.errno, 0
 
     def install_extra_handlers(self) -> bool:
-        """Arm the requests pyfuse3 does not handle (FALLOCATE, COPY_FILE_RANGE) for
-        the next `pyfuse3.init`; False when the extension is not available."""
+        """Arm the requests pyfuse3 does not handle (FALLOCATE, COPY_FILE_RANGE) and the
+        request census for the next `pyfuse3.init`; False when the extension is not
+        available."""
+        fuseext.census_arm()
         return fuseext.install(self.fallocate, self.copy_file_range)
 
+    def status_extra(self) -> dict[str, Any]:
+        """The adapter's part of the status document: FUSE requests by opcode since
+        the mount (the census, issue 29), so that every round trip is visible."""
+        return {"requests": fuseext.census()}
+
+    def _sync_capability_probe(self) -> None:
+        """Let the C side answer the kernel's security.capability probe while no file
+        has one (fuseext.set_no_capabilities); called at INIT and after xattr changes."""
+        fuseext.set_no_capabilities(not self.fs.capability_xattrs_present())
+
     def init(self) -> None:
-        """FUSE_INIT arrived: say whether fallocate is served."""
+        """FUSE_INIT arrived: say whether fallocate is served; arm the capability probe."""
+        self._sync_capability_probe()
         if fuseext.armed() and not fuseext.installed():
             log.warning("fallocate is not served (libfuse's fuse_session_new was not "
                         "intercepted): fallocate(2) gets EOPNOTSUPP")
@@ -485,7 +499,8 @@ class Operations(pyfuse3.Operations):
     async def getxattr(self, inode: int, name: bytes,
                        ctx: pyfuse3.RequestContext) -> bytes:
         if inode == ROOT_INO and control.is_control_name(name):
-            return control.get(self.fs, name, ctx_of(ctx), self.failsafe_reason)
+            return control.get(self.fs, name, ctx_of(ctx), self.failsafe_reason,
+                               self.status_extra())
         return await self.fs.getxattr(inode, name)
 
     @_handler
@@ -495,7 +510,12 @@ class Operations(pyfuse3.Operations):
             await control.command(self.fs, name, value, ctx_of(ctx))
             return
         # pyfuse3 has already enforced XATTR_CREATE / XATTR_REPLACE (module caveats).
-        await self.fs.setxattr(inode, name, value, XattrFlags.NONE, ctx_of(ctx))
+        if name == CAPABILITY_XATTR:
+            fuseext.set_no_capabilities(False)  # before: the change may await a commit
+        try:
+            await self.fs.setxattr(inode, name, value, XattrFlags.NONE, ctx_of(ctx))
+        finally:
+            self._sync_capability_probe()
 
     @_handler
     async def listxattr(self, inode: int,
@@ -507,7 +527,10 @@ class Operations(pyfuse3.Operations):
                           ctx: pyfuse3.RequestContext) -> None:
         if inode == ROOT_INO and control.is_control_name(name):
             raise errors.NotPermitted(f"{name!r} cannot be removed")
-        await self.fs.removexattr(inode, name, ctx_of(ctx))
+        try:
+            await self.fs.removexattr(inode, name, ctx_of(ctx))
+        finally:
+            self._sync_capability_probe()
 
 
 __all__ = ["ERRNO_OF", "Operations", "ctx_of", "errno_of"]

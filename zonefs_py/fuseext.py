@@ -1,4 +1,5 @@
-"""FUSE requests pyfuse3 does not pass on: FALLOCATE, COPY_FILE_RANGE (issue 28).
+"""FUSE requests pyfuse3 does not pass on (FALLOCATE, COPY_FILE_RANGE: issue 28), and
+the request census (issue 29).
 
 pyfuse3 (up to 3.5 at least) registers no `fallocate` or `copy_file_range`
 handler with libfuse, so libfuse answers them with ENOSYS: the kernel then
@@ -17,6 +18,12 @@ Requests arrive on the trio thread, inside pyfuse3's call to
 `fuse_session_process_buf`; each is run as a trio system task (the callback
 itself must not block) and answered exactly once (`fuse_reply_err`, or
 `fuse_reply_write` with the bytes a copy made).
+
+The census: `census_arm()` (before `pyfuse3.init`) wraps every handler in
+libfuse's table with a C counter; `census()` returns the counts by opcode
+name since the mount, GETXATTR also by attribute name (`GETXATTR:<name>`).
+It costs one increment per request, so the daemon always arms it; the no-op
+server in bench/ arms it too, so requests per file compare in one run.
 
 Caveats: `install()` must run before `pyfuse3.init`, in the process that
 mounts, and pyfuse3 must be imported after `zonefs_py` (true for the CLI and
@@ -128,6 +135,43 @@ def install(fallocate: FallocateHandler, copy_file_range: CopyHandler) -> bool:
     _copy_handler = copy_file_range
     ext.lib.zfx_arm(1)
     return True
+
+
+def census_arm() -> bool:
+    """Count every request of the next `pyfuse3.init` by opcode; False if unavailable."""
+    ext = _load()
+    if ext is None:
+        return False
+    ext.lib.zfx_census_arm(1)
+    return True
+
+
+def census() -> dict[str, int]:
+    """Requests by FUSE opcode since the mount (only those seen), plus GETXATTR by name
+    as `GETXATTR:<name>` and `forgotten_inodes`; {} when the census is not armed."""
+    ext = _ext
+    if ext is None:
+        return {}
+    lib, ffi = ext.lib, ext.ffi
+    out: dict[str, int] = {}
+    for slot in range(lib.zfx_census_slots()):
+        count = int(lib.zfx_census_count(slot))
+        if count:
+            out[ffi.string(lib.zfx_census_name(slot)).decode()] = count
+    count_p = ffi.new("uint64_t *")
+    for i in range(64):
+        name = lib.zfx_census_xattr(i, count_p)
+        if name == ffi.NULL:
+            break
+        out["GETXATTR:" + ffi.string(name).decode(errors="replace")] = int(count_p[0])
+    return out
+
+
+def set_no_capabilities(on: bool) -> None:
+    """Say whether no file has a security.capability xattr: while True, the C side
+    answers the kernel's probe for it (before every write(2)) with ENODATA itself."""
+    if _ext is not None:
+        _ext.lib.zfx_set_no_caps(1 if on else 0)
 
 
 def armed() -> bool:

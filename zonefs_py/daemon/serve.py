@@ -294,8 +294,11 @@ async def _serve_mounted(cfg: MountConfig, fs: Any, ops: Any, signals: Any,
     failed: list[BaseException] = []
     serving = trio.Event()
 
+    def status_doc() -> dict[str, Any]:
+        return control.status_document(fs, ops.failsafe_reason, ops.status_extra())
+
     def status_line() -> str:
-        return serving_line(control.status_document(fs, ops.failsafe_reason))
+        return serving_line(status_doc())
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_run_background, fs, ops)
@@ -312,7 +315,7 @@ async def _serve_mounted(cfg: MountConfig, fs: Any, ops: Any, signals: Any,
         nursery.start_soon(GcFreezer().run)
         await start_exporters(
             nursery, cfg.device, cfg.metrics_addr, cfg.metrics_textfile_dir,
-            cfg.metrics_interval_s, lambda: control.status_document(fs, ops.failsafe_reason))
+            cfg.metrics_interval_s, status_doc)
         try:
             # pyfuse3 ends a task that finds more than min_tasks others waiting
             # for a request, and starts one whenever none waits: with min_tasks=1

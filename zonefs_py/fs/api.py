@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from zonefs_py import errors
+from zonefs_py.model.state import CAPABILITY_XATTR as CAPABILITY_XATTR
 
 ROOT_INO = 1
 NAME_MAX = 255
@@ -132,6 +133,10 @@ class FileSystemAPI(abc.ABC):
     @abc.abstractmethod
     def add_lookup(self, ino: int) -> None:
         """Count one kernel reference handed out by READDIRPLUS (an accepted entry)."""
+
+    def capability_xattrs_present(self) -> bool:
+        """Whether any file may have a security.capability xattr (False: none has)."""
+        return True
 
     @abc.abstractmethod
     def forget(self, forgets: Sequence[tuple[int, int]]) -> None:

@@ -28,7 +28,6 @@ empty skips the buffer: its bytes object becomes the chunk (no copy).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable
 
 import trio
@@ -39,6 +38,7 @@ from zonefs_py.device.base import ZonedDevice
 from zonefs_py.format.constants import C_USER_BYTES, OpType
 from zonefs_py.format.ops import Op
 from zonefs_py.fs.append_order import AppendOrder
+from zonefs_py.fs.clock import now_ns
 from zonefs_py.fs.prefetch import Prefetcher
 from zonefs_py.fs.qos import ReadLatencyController
 from zonefs_py.fs.readpath import ReadPath
@@ -207,7 +207,7 @@ class DataPath:
     def write_time(self) -> int:
         """The mtime/ctime a write gives its file: now, or 0 (unchanged) when the
         caller owns the times."""
-        return time.time_ns() if self.stamp_times else 0
+        return now_ns() if self.stamp_times else 0
 
     async def flush(self, inode: Inode) -> None:
         """Write the file's buffer and in-flight chunks to the device (not yet durable:

@@ -54,6 +54,7 @@ from zonefs_py.fs.api import (
     SetAttrRequest,
     StatFs,
 )
+from zonefs_py.fs.clock import now_ns
 from zonefs_py.fs.datapath import DataPath
 from zonefs_py.fs.inline import InlineData, drop_idle_lock, inline_threshold
 from zonefs_py.fs.latency import Histogram
@@ -401,6 +402,9 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         """Count one kernel reference handed out by readdirplus."""
         self.inode(ino).lookups += 1
 
+    def capability_xattrs_present(self) -> bool:
+        return bool(self.state.caps_inos)
+
     def forget(self, forgets: Sequence[tuple[int, int]]) -> None:
         for ino, n in forgets:
             inode = self.state.inodes.get(ino)
@@ -415,7 +419,7 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
     async def setattr(self, ino: int, req: SetAttrRequest, ctx: Ctx) -> Attr:
         self._writable()
         inode = self.inode(ino)
-        now = time.time_ns()
+        now = now_ns()
         ops: list[Op] = []
         if req.size is not None:
             if inode.is_dir:
@@ -501,7 +505,7 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         fh = self._new_fh(ino)
         if flags & os.O_TRUNC and inode.is_reg and self.data.visible_size(inode) > 0:
             try:
-                ops = await self.data.truncate(inode, 0, time.time_ns())
+                ops = await self.data.truncate(inode, 0, now_ns())
                 ops += self.inline.truncate_ops(inode, 0)
                 self.journal.add(ops)
             except BaseException:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import stat as statmod
-import time
 
 from zonefs_py import errors
 from zonefs_py.alloc.streams import STREAM_XATTR, classify, parse_stream_name
@@ -28,6 +27,7 @@ from zonefs_py.fs.api import (
     RenameFlags,
     XattrFlags,
 )
+from zonefs_py.fs.clock import now_ns
 from zonefs_py.fs.quota import QUOTA_XATTR, QuotaTracker
 from zonefs_py.journal.journal import Journal
 from zonefs_py.model.state import Inode, State
@@ -78,7 +78,7 @@ class NamespaceOps:
 
     def _new_inode_op(self, mode: int, ctx: Ctx, parent: Inode, nlink: int, rdev: int = 0,
                       size: int = 0, flags: int = 0) -> Op:
-        now = time.time_ns()
+        now = now_ns()
         gid = ctx.gid
         if parent.mode & statmod.S_ISGID:
             gid = parent.gid
@@ -88,7 +88,7 @@ class NamespaceOps:
         return (OpType.INODE, ino, mode, ctx.uid, gid, nlink, rdev, size, now, now, now, flags)
 
     def _touch_dir(self, d: Inode, nlink_delta: int = 0) -> Op:
-        now = time.time_ns()
+        now = now_ns()
         return d.op(mtime=now, ctime=now, nlink=d.nlink + nlink_delta)
 
     # -- namespace changes ---------------------------------------------------------------
@@ -186,7 +186,7 @@ class NamespaceOps:
             raise errors.TooManyLinks(f"inode {ino} has {inode.nlink} links")
         if inode.nlink == 0:
             raise errors.NotFound("cannot link an unlinked file")
-        now = time.time_ns()
+        now = now_ns()
         self._txn([inode.op(nlink=inode.nlink + 1, ctime=now),
                    (OpType.DIRENT_ADD, d.ino, ino, new_name), self._touch_dir(d)])
         inode.lookups += 1
@@ -202,7 +202,7 @@ class NamespaceOps:
         child = self.inode(child_ino)
         if child.is_dir:
             raise errors.IsDirectory(f"{name!r} is a directory")
-        now = time.time_ns()
+        now = now_ns()
         self._txn([(OpType.DIRENT_DEL, d.ino, name),
                    child.op(nlink=child.nlink - 1, ctime=now), self._touch_dir(d)])
         self._free_if_unused(child)
@@ -223,7 +223,7 @@ class NamespaceOps:
             raise errors.NotDirectory(f"{name!r} is not a directory")
         if child.entries:
             raise errors.NotEmpty(f"{name!r} is not empty")
-        now = time.time_ns()
+        now = now_ns()
         self._txn([(OpType.DIRENT_DEL, d.ino, name), child.op(nlink=0, ctime=now),
                    self._touch_dir(d, -1)])
         self._free_if_unused(child)
@@ -281,7 +281,7 @@ class NamespaceOps:
                 raise errors.IsDirectory(f"{new_name!r} is a directory")
             if dst.is_dir and dst.entries:
                 raise errors.NotEmpty(f"{new_name!r} is not empty")
-        now = time.time_ns()
+        now = now_ns()
         nlink_delta: dict[int, int] = {old_parent_ino: 0, new_parent_ino: 0}
         ops: list[Op] = []
         if flags & RenameFlags.EXCHANGE:
@@ -377,7 +377,7 @@ class NamespaceOps:
             except ValueError:
                 raise errors.InvalidArgument("quota must be a byte count") from None
         self._txn([(OpType.XATTR_SET, ino, name, bytes(value)),
-                   inode.op(ctime=time.time_ns())])
+                   inode.op(ctime=now_ns())])
         if name == QUOTA_XATTR:
             self.quota.stale = True
 
@@ -391,6 +391,6 @@ class NamespaceOps:
         self._check_xattr_name(name)
         if not inode.xattrs or name not in inode.xattrs:
             raise errors.NoAttribute(f"no attribute {name!r}")
-        self._txn([(OpType.XATTR_DEL, ino, name), inode.op(ctime=time.time_ns())])
+        self._txn([(OpType.XATTR_DEL, ino, name), inode.op(ctime=now_ns())])
         if name == QUOTA_XATTR:
             self.quota.stale = True

@@ -32,7 +32,6 @@ file rewrites its inline bytes instead of blocks.
 
 from __future__ import annotations
 
-import time
 from typing import Protocol
 
 from zonefs_py import errors
@@ -40,6 +39,7 @@ from zonefs_py.alloc.allocator import Allocator
 from zonefs_py.format.constants import OpType
 from zonefs_py.format.ops import Op
 from zonefs_py.fs.api import FILE_SIZE_MAX, FallocFlags
+from zonefs_py.fs.clock import now_ns
 from zonefs_py.fs.datapath import DataPath
 from zonefs_py.journal.journal import Journal
 from zonefs_py.model.prealloc import mapped_in
@@ -152,7 +152,7 @@ class Fallocator:
                     raise errors.NotFound("the file was freed meanwhile")
                 ops: list[Op] = [(OpType.PREALLOC, inode.ino, lo, hi - lo)]
                 if grows and end > inode.size:
-                    now = time.time_ns()
+                    now = now_ns()
                     ops.append(inode.op(size=end, mtime=now, ctime=now))
                 self.fs._txn(ops)
 
@@ -199,7 +199,7 @@ class Fallocator:
             raise errors.NotFound("the file was freed meanwhile")
         # From here to the journal: no await (one transaction, applied as queued).
         ops = self.data.apply_placed(inode, placed)
-        now = time.time_ns()
+        now = now_ns()
         new_size = size if keep_size else max(size, end)
         tail: list[Op] = []
         if whi > wlo:

@@ -25,13 +25,13 @@ drained destination becomes LOCAL first, as for a truncate.
 
 from __future__ import annotations
 
-import time
 from typing import Protocol
 
 from zonefs_py import errors
 from zonefs_py.format.constants import OpType
 from zonefs_py.format.ops import Op
 from zonefs_py.fs.api import FILE_SIZE_MAX
+from zonefs_py.fs.clock import now_ns
 from zonefs_py.fs.datapath import DataPath
 from zonefs_py.model.state import Inode, State
 
@@ -138,7 +138,7 @@ class Copier:
             ops.append((OpType.EXTENT, dst.ino, lo_out + (p.fblock - lo_in), p.nblocks,
                         p.dev, p.csums))
             ops.append((OpType.SHARE, p.dev, p.nblocks, 1))
-        now = time.time_ns()
+        now = now_ns()
         ops.append(dst.op(size=max(dst.size, off_out + length), mtime=now, ctime=now))
         self.fs._txn(ops)
         self.shared_copies += 1

@@ -25,6 +25,9 @@ from zonefs_py.model.extents import EMPTY_EXTENTS, ExtentMap, Freed
 from zonefs_py.model.prealloc import Reservations
 from zonefs_py.model.shared import SharedBlocks
 
+#: The xattr the kernel looks for before every write(2) (file capabilities).
+CAPABILITY_XATTR = b"security.capability"
+
 
 class _Rare:
     """The fields of an Inode that almost every inode leaves empty (see Inode.rare)."""
@@ -215,6 +218,10 @@ class State:
         #: Device blocks referenced by several extents (instant copies, SHARE ops):
         #: zone_live_blocks counts references, this the extra ones.
         self.shared = SharedBlocks(block_size, zone_size)
+        #: Inodes that were given a security.capability xattr (a superset: a freed
+        #: inode is not taken out). While empty, the FUSE adapter answers the
+        #: kernel's capability probe before every write(2) without the engine.
+        self.caps_inos: set[int] = set()
         self._dispatch = {
             OpType.INODE: self._apply_inode,
             OpType.INODE_FREE: self._apply_inode_free,
@@ -411,6 +418,8 @@ class State:
         if inode.xattrs is None:
             inode.xattrs = {}
         inode.xattrs[op[2]] = op[3]
+        if op[2] == CAPABILITY_XATTR:
+            self.caps_inos.add(op[1])
 
     def _apply_xattr_del(self, op: Op) -> None:
         inode = self.get(op[1])
@@ -418,6 +427,8 @@ class State:
             raise StateError(f"XATTR_DEL of missing attribute on {op[1]}")
         if not inode.xattrs:
             inode.xattrs = None
+        if op[2] == CAPABILITY_XATTR:
+            self.caps_inos.discard(op[1])
 
     def _apply_zone_state(self, op: Op) -> None:
         _, zone, stream, flags, resets = op
