@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -73,6 +74,11 @@ class Contender:
 
     def fs_stats(self) -> dict[str, object] | None:
         """Return the filesystem's own counters (zonefs-py: write amplification), if any."""
+        return None
+
+    def census(self) -> dict[str, int] | None:
+        """FUSE requests by opcode since the mount (issue 29's census), or None when
+        this contender has no FUSE server that counts them."""
         return None
 
     def daemon_cpu_s(self) -> float | None:
@@ -212,12 +218,30 @@ class NoopCeiling(_Served):
     @contextmanager
     def mounted(self, size_bytes: int) -> Iterator[None]:
         self._reset_dir()
-        self._start(FuseServer([sys.executable, str(BENCH_DIR / "noopfs.py"), str(self.root)],
+        self._census_file = self.work_dir / "census.json"
+        self._start(FuseServer([sys.executable, str(BENCH_DIR / "noopfs.py"), str(self.root),
+                                "--census", str(self._census_file)],
                                self.root, self.work_dir / "noopfs.log"))
         try:
             yield
         finally:
             self._stop()
+
+
+    def census(self) -> dict[str, int] | None:
+        """Ask the server (SIGUSR1) to write its counts, and read them."""
+        pid = self.daemon_pid()
+        if pid is None:
+            return None
+        path = self._census_file
+        before = path.stat().st_mtime_ns if path.exists() else 0
+        os.kill(pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if path.exists() and path.stat().st_mtime_ns != before:
+                return {k: int(v) for k, v in json.loads(path.read_text()).items()}
+            time.sleep(0.005)
+        raise BenchError("the no-op server did not write its request census")
 
 
 class Ext4Loop(Contender):
@@ -311,6 +335,8 @@ class ZonefsPy(_Served):
         if zoned_dev and not variant:
             self.label = f"zonefs-py ({zoned_dev})"
         self.image = Path(zoned_dev) if zoned_dev else self.work_dir / "zoned.img"
+        #: Status probes made of each daemon (by pid), taken out of its census.
+        self._census_probes: dict[int | None, int] = {}
 
     def _cli(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "zonefs_py.cli.main", *args]
@@ -364,6 +390,22 @@ class ZonefsPy(_Served):
         start = time.perf_counter()
         self._start(self._new_server())
         return dropped, time.perf_counter() - start
+
+    def census(self) -> dict[str, int] | None:
+        """The daemon's request census (status document), less the probe's own GETXATTR."""
+        try:
+            doc = json.loads(os.getxattr(self.root, "trusted.zonefs.status"))
+        except (OSError, json.JSONDecodeError):
+            return None
+        counts = {k: int(v) for k, v in doc.get("requests", {}).items()}
+        # Every probe of this daemon so far (this one included: it is counted before
+        # it is answered) is a GETXATTR of the status name: leave them out.
+        pid = self.daemon_pid()
+        probes = self._census_probes[pid] = self._census_probes.get(pid, 0) + 1
+        for key in ("GETXATTR", "GETXATTR:trusted.zonefs.status"):
+            if key in counts:
+                counts[key] -= probes
+        return counts
 
     def fs_stats(self) -> dict[str, object] | None:
         try:
