@@ -53,6 +53,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 import pyfuse3
+import trio
 
 from zonefs_py import control, errors, fuseext
 from zonefs_py.fs.api import (
@@ -170,6 +171,8 @@ class Operations(pyfuse3.Operations):
         #: Set once the first unexpected error switched the mount to failsafe.
         self.failsafe_reason: str | None = None
         self._failsafe_repeats = 0
+        #: Inodes whose kernel-cached attributes were dropped (invalidate_changed).
+        self.invalidations = 0
         #: mtime_ns and size of each inode when the kernel last had it open, for keep_cache.
         self._cached_version: dict[int, tuple[int, int]] = {}
         #: Open file handle -> inode, to record the version on release.
@@ -432,10 +435,30 @@ class Operations(pyfuse3.Operations):
         fuseext.census_arm()
         return fuseext.install(self.fallocate, self.copy_file_range)
 
+    async def invalidate_changed(self) -> None:
+        """Run for the mount's life: drop the kernel's cached attributes of every inode
+        the engine changes on its own (`FileSystemAPI.changed_behind_kernel`).
+
+        `pyfuse3.invalidate_inode` writes a notification to /dev/fuse, which the
+        kernel may answer only after requests it waits for: it runs in a worker
+        thread, never in the trio thread that serves those requests. ENOENT (the
+        kernel has forgotten the inode) means there was nothing to drop."""
+        while True:
+            await self._invalidate(await self.fs.changed_behind_kernel())
+
+    async def _invalidate(self, inodes: list[int]) -> None:
+        for ino in inodes:
+            self.invalidations += 1
+            try:
+                await trio.to_thread.run_sync(pyfuse3.invalidate_inode, ino, True)
+            except OSError as exc:
+                if exc.errno != errno.ENOENT:
+                    log.warning("dropping the kernel's attributes of inode %d: %s", ino, exc)
+
     def status_extra(self) -> dict[str, Any]:
         """The adapter's part of the status document: FUSE requests by opcode since
         the mount (the census, issue 29), so that every round trip is visible."""
-        return {"requests": fuseext.census()}
+        return {"requests": fuseext.census(), "kernel_invalidations": self.invalidations}
 
     def _sync_capability_probe(self) -> None:
         """Let the C side answer the kernel's security.capability probe while no file
@@ -508,6 +531,9 @@ class Operations(pyfuse3.Operations):
                        ctx: pyfuse3.RequestContext) -> None:
         if inode == ROOT_INO and control.is_control_name(name):
             await control.command(self.fs, name, value, ctx_of(ctx))
+            # A command that changed files (an eviction) returns once the kernel has
+            # dropped their attributes: a stat right after it sees the change.
+            await self._invalidate(self.fs.take_changed_behind_kernel())
             return
         # pyfuse3 has already enforced XATTR_CREATE / XATTR_REPLACE (module caveats).
         if name == CAPABILITY_XATTR:
@@ -516,6 +542,8 @@ class Operations(pyfuse3.Operations):
             await self.fs.setxattr(inode, name, value, XattrFlags.NONE, ctx_of(ctx))
         finally:
             self._sync_capability_probe()
+        # user.zonefs.state evicts or fetches the file: its new st_blocks, at once.
+        await self._invalidate(self.fs.take_changed_behind_kernel())
 
     @_handler
     async def listxattr(self, inode: int,

@@ -123,6 +123,22 @@ def families(doc: dict[str, Any]) -> Iterator[Metric]:
         buckets.append(("+Inf", float(summary.get("count", 0))))
         fam.add_metric([], buckets, sum_value=float(hist["sum_seconds"]))
         yield fam
+    census = doc.get("requests") or {}
+    if census:
+        req = CounterMetricFamily("zonefs_fuse_requests",
+                                  "FUSE requests since the mount, by opcode (the census).",
+                                  labels=["op"])
+        for op, count in sorted(census.items()):
+            if ":" not in op and op != "forgotten_inodes":
+                req.add_metric([op], _num(count))
+        yield req
+        probe = CounterMetricFamily("zonefs_fuse_getxattr_requests",
+                                    "GETXATTR requests since the mount, by attribute name.",
+                                    labels=["name"])
+        for op, count in sorted(census.items()):
+            if op.startswith("GETXATTR:"):
+                probe.add_metric([op.partition(":")[2]], _num(count))
+        yield probe
     daemon = doc.get("daemon", {})
     fs = doc.get("filesystem", {})
     yield GaugeMetricFamily("zonefs_failsafe", "1 while the mount is in read-only failsafe.",

@@ -171,6 +171,7 @@ def summary_lines(doc: dict[str, Any], now: float | None = None) -> list[str]:
             lat.append(f"{op} p50 {human_us(s.get('p50_us'))}, p99 {human_us(s.get('p99_us'))}"
                        f" ({_int(s.get('count'))} {op}s)")
     rows.append(("latency", "; ".join(lat) or "no reads or writes yet this mount"))
+    rows.append(("requests", requests_line(doc.get("requests") or {})))
     rows.append(("drain", drain_line(drain)))
     reason = failsafe_reason(doc)
     rows.append(("health", f"READ-ONLY failsafe: {reason}" if reason else
@@ -186,6 +187,21 @@ def summary_lines(doc: dict[str, Any], now: float | None = None) -> list[str]:
                              placeholder=" [...]") or [f"  {label}"]
     out.append("(--all: every figure; --watch: rates; --json, --format prometheus)")
     return out
+
+
+def total_requests(census: dict[str, Any]) -> int:
+    """FUSE requests in a census (`forgotten_inodes` and per-name counts are not)."""
+    return sum(_int(v) for k, v in census.items() if ":" not in k and k != "forgotten_inodes")
+
+
+def requests_line(census: dict[str, Any]) -> str:
+    """FUSE requests since the mount, the most frequent opcodes first (the census)."""
+    if not census:
+        return "not counted (zonefs_py._fuseext is not built)"
+    ops = {k: v for k, v in census.items() if ":" not in k and k != "forgotten_inodes"}
+    top = sorted(ops.items(), key=lambda kv: (-_int(kv[1]), kv[0]))[:8]
+    return (f"{total_requests(census)} FUSE requests this mount: "
+            + ", ".join(f"{k} {_int(v)}" for k, v in top))
 
 
 def drain_line(drain: dict[str, Any]) -> str:
@@ -275,16 +291,18 @@ def interval_figures(prev: dict[str, Any], cur: dict[str, Any], seconds: float) 
         "drain_queue_files": _int(drain.get("queue_files")),
         "drain_queue_bytes": _int(drain.get("queue_bytes")),
         "free_bytes": _int(_section(cur, "space").get("free_bytes")),
+        "requests_per_s": round(max(0, total_requests(cur.get("requests") or {})
+                                    - total_requests(prev.get("requests") or {})) / dt, 1),
     }
 
 
 #: `--watch` columns: (title, width, figure key, format).
 WATCH_COLUMNS: tuple[tuple[str, int, str], ...] = (
     ("time", 8, "time"), ("rd MiB/s", 8, "read_mib_s"), ("rd IOPS", 7, "read_iops"),
-    ("rd p99", 8, "read_p99_us"), ("wr MiB/s", 8, "write_mib_s"), ("wr IOPS", 7, "write_iops"),
+    ("rd p99", 7, "read_p99_us"), ("wr MiB/s", 8, "write_mib_s"), ("wr IOPS", 7, "write_iops"),
     ("WA", 5, "write_amplification"), ("cl MiB/s", 8, "cleaner_mib_s"),
     ("dr MiB/s", 8, "drain_mib_s"), ("dr queue", 8, "drain_queue_files"),
-    ("free", 11, "free_bytes"),
+    ("free", 9, "free_bytes"), ("req/s", 6, "requests_per_s"),
 )
 
 
@@ -304,7 +322,7 @@ def _cell(key: str, value: Any) -> str:
         return human_bytes(value).replace(" ", "")
     if key == "write_amplification":
         return f"{value:.2f}"
-    if key.endswith("_iops") or key == "drain_queue_files":
+    if key.endswith("_iops") or key in ("drain_queue_files", "requests_per_s"):
         return f"{value:.0f}"
     return f"{value:.1f}"
 

@@ -425,3 +425,31 @@ def test_enospc_relieved_by_evicting_drained_files(image: Path, mount_factory: M
     assert (d / "new.pt").read_bytes() == second
     check_object(store, bucket, "e/old.pt", first)
     assert m.unmount() == 0
+
+
+def test_eviction_and_restore_are_seen_by_stat_at_once(image: Path, mount_factory: Mount,
+                                                       workdir: Path, store: SeaweedFS,
+                                                       bucket: str) -> None:
+    """The kernel caches attributes for 60 s (DESIGN 4.3); eviction and restore change
+    st_blocks without a request of the kernel's, so the daemon invalidates them
+    (issue 29): a stat right after shows the new figure, by hand or by retention."""
+    m = mount_factory.start(*drain_options(store, workdir))
+    d = m.path / "ck"
+    policy(d, bucket, "e", keep=1)
+    data = os.urandom(3 * MiB)
+    write_synced(d / "a.pt", data)
+    wait_until(lambda: state(d / "a.pt") == "drained", "a.pt drained", mount=m)
+    assert os.stat(d / "a.pt").st_blocks > 0  # now in the kernel's cache
+    zonefs("evict", str(d / "a.pt"))
+    st = os.stat(d / "a.pt")
+    assert st.st_blocks == 0
+    assert st.st_size == len(data)
+    assert (d / "a.pt").read_bytes() == data  # restored on read
+    wait_until(lambda: os.stat(d / "a.pt").st_blocks > 0, "restored blocks seen", 10, mount=m)
+    # Retention (keep=1) evicts the older file on its own once a newer one drained.
+    assert os.stat(d / "a.pt").st_blocks > 0
+    write_synced(d / "b.pt", os.urandom(MiB))
+    wait_until(lambda: state(d / "a.pt") == "evicted", "a.pt evicted by retention", mount=m)
+    wait_until(lambda: os.stat(d / "a.pt").st_blocks == 0, "eviction seen by stat", 5,
+               mount=m)
+    assert m.unmount() == 0

@@ -302,6 +302,7 @@ async def _serve_mounted(cfg: MountConfig, fs: Any, ops: Any, signals: Any,
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_run_background, fs, ops)
+        nursery.start_soon(ops.invalidate_changed)
         if getattr(fs, "drain", None) is not None:  # uploads to an object store (drain/)
             from zonefs_py.drain.drainer import Drainer
 

@@ -474,6 +474,8 @@ class DrainManager:
             self.fs._writable()
         rec = self.state.drain[inode.ino]
         self._txn([(OpType.TRUNCATE, inode.ino, 0), model.evict(rec).op(inode.ino)])
+        # st_blocks fell to 0: the kernel's cached attributes are stale (DESIGN 4.3).
+        self.fs.note_changed_behind_kernel(inode.ino)
         self.files_evicted += 1
         self.fs.wake_background()
         return True
@@ -548,6 +550,7 @@ class DrainManager:
             op = model.restored(rec).op(inode.ino)
             self.state.apply(op)
             self.fs.journal.add([*ops, op])
+            self.fs.note_changed_behind_kernel(inode.ino)
             if inode.opens == 0:
                 to_finish: list[int] = []
                 self.fs.alloc.release_owner(inode.ino, to_finish)

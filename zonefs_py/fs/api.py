@@ -20,6 +20,8 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import trio
+
 from zonefs_py import errors
 from zonefs_py.model.state import CAPABILITY_XATTR as CAPABILITY_XATTR
 
@@ -258,6 +260,17 @@ class FileSystemAPI(abc.ABC):
     @abc.abstractmethod
     async def serve_background(self) -> None:
         """Run periodic commits, checkpoints, resets and cleaning until `close()`."""
+
+    async def changed_behind_kernel(self) -> list[int]:
+        """Wait for, and return, inodes whose attributes the engine changed on its own
+        (not in answer to a request: drain eviction and restore), so that the adapter
+        drops what the kernel caches of them. The default never returns."""
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    def take_changed_behind_kernel(self) -> list[int]:
+        """`changed_behind_kernel` without waiting: what is pending now (maybe [])."""
+        return []
 
     @abc.abstractmethod
     async def close(self) -> None:

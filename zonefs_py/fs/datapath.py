@@ -49,6 +49,9 @@ from zonefs_py.journal.journal import Journal
 from zonefs_py.model.state import Inode, State
 
 CHUNK_BYTES = 1 << 20
+#: A close returns before its file's last chunk is on the device only while at most
+#: this many bytes of all files are buffered or in flight (DataPath._can_send_and_go).
+ASYNC_CLOSE_MAX_BYTES = 32 << 20
 
 __all__ = ["CHUNK_BYTES", "Chunk", "DataPath", "WriteBuffer"]
 
@@ -209,30 +212,54 @@ class DataPath:
         caller owns the times."""
         return now_ns() if self.stamp_times else 0
 
-    async def flush(self, inode: Inode) -> None:
+    async def flush(self, inode: Inode, wait: bool = True) -> None:
         """Write the file's buffer and in-flight chunks to the device (not yet durable:
-        see Journal.commit); raise the error of a chunk that could not be written."""
+        see Journal.commit); raise the error of a chunk that could not be written.
+
+        `wait=False` (a close: FUSE FLUSH) sends the buffer and returns without
+        waiting for the device when that is safe (`_can_send_and_go`); the error
+        of that chunk, if any, is raised by the next flush or fsync of the file.
+        """
         ino = inode.ino
         if not self.writes.has_state(ino) and ino not in self.writes.write_errors:
             return
         with self.qos.expedited(ino):
             async with self.lock(ino):
-                await self._flush_locked(inode, final=True)
+                await self._flush_locked(inode, final=True, wait=wait)
 
-    async def _flush_locked(self, inode: Inode, final: bool) -> None:
+    def _can_send_and_go(self, inode: Inode, buf: WriteBuffer | None) -> bool:
+        """Whether a close may return once the buffer is queued: nothing of the file is
+        in flight (so no stored bytes are needed to pad the last block, and the chunk
+        has no predecessor to wait for), the file holds no bytes past the buffer, and
+        not too many bytes are in flight already (memory stays bounded)."""
+        return (buf is not None and inode.ino not in self.writes.inflight
+                and inode.size <= buf.end
+                and self.writes.pending_bytes() <= ASYNC_CLOSE_MAX_BYTES)
+
+    async def _flush_locked(self, inode: Inode, final: bool, wait: bool = True) -> None:
         """Send the buffer's whole blocks to the device (all of it, padded, if `final`).
 
         Non-final flushes (a full streaming chunk) return once the chunk is
-        queued; final ones return once everything of the file is applied.
+        queued; final ones return once everything of the file is applied, unless
+        `wait` is False and `_can_send_and_go` (then once the chunk is queued).
         """
         buf = self.buffers.get(inode.ino)
+        if final and not wait and self._can_send_and_go(inode, buf):
+            err = self.writes.write_errors.pop(inode.ino, None)
+            if err is not None:
+                raise err
+            final = wait = False
+            go_padded = True
+        else:
+            go_padded = False
         if buf is None:
             if final:
                 await self.writes.drain(inode.ino)
             return
         bs = self.bs
-        if final:
-            await self.writes.drain(inode.ino)
+        if final or go_padded:
+            if final:
+                await self.writes.drain(inode.ino)
             data = buf.data
             logical_end = buf.end
             tail = b""
@@ -248,6 +275,7 @@ class DataPath:
             self.writes.drop_buffer(inode.ino)
             data += tail
         else:
+            assert not go_padded
             whole = len(buf.data) // bs * bs
             rest = WriteBuffer(buf.start + whole)
             rest.data = buf.data[whole:]
@@ -265,6 +293,13 @@ class DataPath:
         # holds the buffer any more (dropped, or its tail moved to `rest`).
         await self.pipe.queue_chunk(inode, buf.start // bs, data, logical_end,
                                     buf.mtime, final)
+
+    async def wait_written(self, inode: Inode) -> None:
+        """Wait until every chunk of the file in flight is applied, without taking the
+        error of a chunk that failed (the next flush or fsync reports it)."""
+        chunks = self.writes.inflight.get(inode.ino)
+        if chunks:
+            await chunks[-1].applied.wait()
 
 
     # -- hooks for fallocate (fs/prealloc.py) ------------------------------------------

@@ -144,6 +144,10 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         self._stop = trio.Event()
         self._wake = trio.Event()
         self._closed = False
+        #: Inodes changed by the engine on its own, for the kernel's caches to drop
+        #: (`changed_behind_kernel`); a set, so a burst of evictions is one batch.
+        self._behind: set[int] = set()
+        self._behind_event = trio.Event()
         self.mounted_ns = time.time_ns()
 
     # -- lifecycle ------------------------------------------------------------------
@@ -215,6 +219,21 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
     def wake_background(self) -> None:
         self._wake.set()
 
+    def note_changed_behind_kernel(self, ino: int) -> None:
+        """The engine changed `ino`'s attributes without a request (never awaits)."""
+        self._behind.add(ino)
+        self._behind_event.set()
+
+    async def changed_behind_kernel(self) -> list[int]:
+        while not self._behind:
+            await self._behind_event.wait()
+            self._behind_event = trio.Event()
+        return self.take_changed_behind_kernel()
+
+    def take_changed_behind_kernel(self) -> list[int]:
+        out, self._behind = sorted(self._behind), set()
+        return out
+
     async def close(self) -> None:
         """Clean unmount: write buffers, commit, checkpoint (unless the newest one
         holds everything already), flush, release the device."""
@@ -231,13 +250,15 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
             if self.data.reader is not None:
                 await self.data.reader.aclose()
 
-    async def _flush_file(self, inode: Inode) -> None:
-        """Flush a file's buffer: a small whole file inline, else as blocks."""
+    async def _flush_file(self, inode: Inode, wait: bool = True) -> None:
+        """Flush a file's buffer: a small whole file inline, else as blocks (`wait`:
+        see DataPath.flush)."""
         if not self.inline.flush(inode):
-            await self.data.flush(inode)
+            await self.data.flush(inode, wait)
 
     async def _flush_all(self) -> None:
-        for ino in list(self.data.buffers):
+        # Files with chunks in flight and no buffer (sent by a close) are waited for too.
+        for ino in list(self.data.buffers) + list(self.data.writes.inflight):
             inode = self.state.inodes.get(ino)
             if inode is not None:
                 await self._flush_file(inode)
@@ -575,7 +596,10 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
     async def flush(self, fh: int) -> None:
         inode = self._fh_inode(fh)
         if self.failsafe is None and not self.options.read_only:
-            await self._flush_file(inode)
+            # A close: the data goes to the device without the caller waiting for it
+            # (close(2) promises no durability; fsync does, DESIGN 4.3). RELEASE, which
+            # the kernel sends without making anyone wait, waits for it.
+            await self._flush_file(inode, wait=False)
 
     async def release(self, fh: int) -> None:
         ino = self.files.pop(fh, None)
@@ -587,7 +611,15 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         inode.opens -= 1
         if inode.opens == 0:
             if self.failsafe is None and not self.options.read_only:
-                await self._flush_file(inode)
+                await self._flush_file(inode, wait=False)
+                # The chunk a close sent lands before the file's zones and drain
+                # state are let go; its error, if any, stays for the next fsync or
+                # close of the file (write_errors), as a writeback error would.
+                await self.data.wait_written(inode)
+                err = self.data.writes.write_errors.get(ino)
+                if err is not None:
+                    log.error("writing inode %d after its last close failed: %s (the "
+                              "next fsync or close of the file reports it)", ino, err)
                 drop_idle_lock(self.data, ino)
                 to_finish: list[int] = []
                 self.alloc.release_owner(ino, to_finish)
