@@ -33,6 +33,7 @@ const char *zfx_census_name(int slot);
 uint64_t zfx_census_count(int slot);
 const char *zfx_census_xattr(int i, uint64_t *count);
 void zfx_set_no_caps(int on);
+void zfx_set_no_system_ns(int on);
 uint64_t zfx_caps_answered_count(void);
 """
 

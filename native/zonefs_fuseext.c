@@ -156,10 +156,7 @@ ZC_WRAP(readdirplus, ZC_READDIRPLUS, (fuse_req_t r, fuse_ino_t i, size_t s, off_
 ZC_WRAP(releasedir, ZC_RELEASEDIR, (fuse_req_t r, fuse_ino_t i, zfi *fi), (r, i, fi))
 ZC_WRAP(fsyncdir, ZC_FSYNCDIR, (fuse_req_t r, fuse_ino_t i, int d, zfi *fi), (r, i, d, fi))
 ZC_WRAP(statfs, ZC_STATFS, (fuse_req_t r, fuse_ino_t i), (r, i))
-ZC_WRAP(setxattr, ZC_SETXATTR, (fuse_req_t r, fuse_ino_t i, const char *n, const char *v,
-                                size_t s, int f), (r, i, n, v, s, f))
 ZC_WRAP(listxattr, ZC_LISTXATTR, (fuse_req_t r, fuse_ino_t i, size_t s), (r, i, s))
-ZC_WRAP(removexattr, ZC_REMOVEXATTR, (fuse_req_t r, fuse_ino_t i, const char *n), (r, i, n))
 ZC_WRAP(access, ZC_ACCESS, (fuse_req_t r, fuse_ino_t i, int m), (r, i, m))
 ZC_WRAP(create, ZC_CREATE, (fuse_req_t r, fuse_ino_t p, const char *n, mode_t m, zfi *fi),
         (r, p, n, m, fi))
@@ -191,6 +188,8 @@ static void zc_forget_multi(fuse_req_t r, size_t count, struct fuse_forget_data 
 
 /* Set by Python (zfx_set_no_caps) while no file has a security.capability xattr. */
 static int zfx_no_caps;
+/* Set by Python (zfx_set_no_system_ns) when the engine stores no system.* xattr. */
+static int zfx_no_system_ns;
 static uint64_t zfx_caps_answered;
 
 static void zc_getxattr(fuse_req_t r, fuse_ino_t i, const char *n, size_t s)
@@ -206,7 +205,39 @@ static void zc_getxattr(fuse_req_t r, fuse_ino_t i, const char *n, size_t s)
         fuse_reply_err(r, ENODATA);
         return;
     }
+    if (zfx_no_system_ns && strncmp(n, "system.", 7) == 0) {
+        fuse_reply_err(r, EOPNOTSUPP);
+        return;
+    }
     zfx_orig.getxattr(r, i, n, s);
+}
+
+/* `cp -a` asks for and sets system.posix_acl_access on every file; the engine
+ * stores no system.* attribute (ACLs are off), so the answer is known. */
+static void zc_setxattr(fuse_req_t r, fuse_ino_t i, const char *n, const char *v, size_t s,
+                        int f)
+{
+    zfx_counts[ZC_SETXATTR]++;
+    if (zfx_no_system_ns && strncmp(n, "system.", 7) == 0) {
+        fuse_reply_err(r, EOPNOTSUPP);
+        return;
+    }
+    zfx_orig.setxattr(r, i, n, v, s, f);
+}
+
+static void zc_removexattr(fuse_req_t r, fuse_ino_t i, const char *n)
+{
+    zfx_counts[ZC_REMOVEXATTR]++;
+    if (zfx_no_system_ns && strncmp(n, "system.", 7) == 0) {
+        fuse_reply_err(r, EOPNOTSUPP);
+        return;
+    }
+    zfx_orig.removexattr(r, i, n);
+}
+
+void zfx_set_no_system_ns(int on)
+{
+    zfx_no_system_ns = on;
 }
 
 void zfx_set_no_caps(int on)

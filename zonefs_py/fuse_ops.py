@@ -466,8 +466,10 @@ class Operations(pyfuse3.Operations):
         fuseext.set_no_capabilities(not self.fs.capability_xattrs_present())
 
     def init(self) -> None:
-        """FUSE_INIT arrived: say whether fallocate is served; arm the capability probe."""
+        """FUSE_INIT arrived: say whether fallocate is served; arm the answers the C side
+        gives alone (the capability probe, system.* xattrs while none is stored)."""
         self._sync_capability_probe()
+        fuseext.set_no_system_namespace(b"system." not in self.fs.xattr_namespaces())
         if fuseext.armed() and not fuseext.installed():
             log.warning("fallocate is not served (libfuse's fuse_session_new was not "
                         "intercepted): fallocate(2) gets EOPNOTSUPP")

@@ -174,6 +174,13 @@ def set_no_capabilities(on: bool) -> None:
         _ext.lib.zfx_set_no_caps(1 if on else 0)
 
 
+def set_no_system_namespace(on: bool) -> None:
+    """Say whether the engine stores no `system.*` xattr: while True the C side answers
+    getxattr/setxattr/removexattr of those names (cp -a's ACL probes) with EOPNOTSUPP."""
+    if _ext is not None:
+        _ext.lib.zfx_set_no_system_ns(1 if on else 0)
+
+
 def armed() -> bool:
     """Whether `install` armed the handler."""
     return _handler is not None

@@ -50,14 +50,27 @@ def census_delta(before: dict[str, int] | None, after: dict[str, int] | None
             if after.get(k, 0) != before.get(k, 0)}
 
 
-def per_file(delta: dict[str, int] | None, files: int) -> dict[str, Any]:
-    """`requests_per_file` (every request) and `per_file` by opcode, from a census delta."""
+def cpu_delta(before: float | None, after: float | None) -> float | None:
+    """Server CPU seconds between two readings (None when there is no server)."""
+    if before is None or after is None or after < before:
+        return None
+    return after - before
+
+
+def per_file(delta: dict[str, int] | None, files: int,
+             cpu_s: float | None = None) -> dict[str, Any]:
+    """`requests_per_file` (every request), `per_file` by opcode and, given the server's
+    CPU seconds meanwhile, `cpu_us_per_request`, from a census delta."""
     if delta is None or files <= 0:
         return {}
     total = sum(v for k, v in delta.items() if k not in NOT_REQUESTS and ":" not in k)
-    return {"requests_per_file": round(total / files, 2),
-            "per_file": {k: round(v / files, 2) for k, v in sorted(delta.items())
-                         if round(v / files, 2) and k not in NOT_REQUESTS}}
+    out: dict[str, Any] = {
+        "requests_per_file": round(total / files, 2),
+        "per_file": {k: round(v / files, 2) for k, v in sorted(delta.items())
+                     if round(v / files, 2) and k not in NOT_REQUESTS}}
+    if cpu_s is not None and total:
+        out["cpu_us_per_request"] = round(cpu_s * 1e6 / total, 1)
+    return out
 
 
 def make_source(work_dir: Path, files: int, seed: int = 29) -> tuple[Path, Path, int]:
@@ -132,12 +145,13 @@ def run_step(contender: Any, name: str, cmd: str, files: int) -> dict[str, Any]:
     root = Path(contender.root)
     if name in WARMED:
         _sh(cmd)
-    before = contender.census()
+    before, cpu0 = contender.census(), contender.daemon_cpu_s()
     start = time.perf_counter()
     _sh(cmd)
     if name in SYNCED:
         sync_root(root)
     seconds = time.perf_counter() - start
     fig: dict[str, Any] = {"seconds": round(seconds, 3), "files_per_s": files / seconds}
-    fig.update(per_file(census_delta(before, contender.census()), files))
+    fig.update(per_file(census_delta(before, contender.census()), files,
+                        cpu_delta(cpu0, contender.daemon_cpu_s())))
     return fig

@@ -417,3 +417,31 @@ async def test_fsck_of_a_fresh_image_is_clean(tmp_path: Path) -> None:
     assert_fsck_clean(tmp_path / "fs.img")
     async with mounted(tmp_path / "fs.img") as fs:
         await write_file(fs, "/x", b"x")
+
+
+async def test_capability_xattrs_are_tracked_across_remounts(tmp_path: Path) -> None:
+    """The adapter answers the kernel's security.capability probe itself only while
+    `capability_xattrs_present()` is False (issue 29): it must turn True with the
+    first capability, stay True after a remount (journal replay and checkpoint),
+    and the namespaces it reports must be exactly those the engine stores."""
+    img = tmp_path / "fs.img"
+    async with mounted(img, create=True) as fs:
+        assert not fs.capability_xattrs_present()
+        f = await mkfile(fs, ROOT_INO, b"tool")
+        await fs.setxattr(f, b"user.other", b"1", XattrFlags.NONE, CTX)
+        assert not fs.capability_xattrs_present()
+        await fs.setxattr(f, b"security.capability", b"\x01" * 20, XattrFlags.NONE, CTX)
+        assert fs.capability_xattrs_present()
+        await fs.sync()
+    async with mounted(img) as fs:  # from the journal
+        assert fs.capability_xattrs_present()
+        await fs.checkpoint()
+    async with mounted(img) as fs:  # from the checkpoint
+        assert fs.capability_xattrs_present()
+        f = (await fs.lookup(ROOT_INO, b"tool")).ino
+        await fs.removexattr(f, b"security.capability", CTX)
+        assert not fs.capability_xattrs_present()
+        for ns in fs.xattr_namespaces():
+            await fs.setxattr(f, ns + b"x", b"v", XattrFlags.NONE, CTX)
+        with pytest.raises(errors.NotSupported):
+            await fs.setxattr(f, b"system.posix_acl_access", b"v", XattrFlags.NONE, CTX)

@@ -136,6 +136,10 @@ class FileSystemAPI(abc.ABC):
     def add_lookup(self, ino: int) -> None:
         """Count one kernel reference handed out by READDIRPLUS (an accepted entry)."""
 
+    def xattr_namespaces(self) -> tuple[bytes, ...]:
+        """Name prefixes of the xattrs this filesystem stores (others: NotSupported)."""
+        return (b"user.", b"trusted.", b"security.", b"system.")
+
     def capability_xattrs_present(self) -> bool:
         """Whether any file may have a security.capability xattr (False: none has)."""
         return True

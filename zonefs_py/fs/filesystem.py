@@ -58,7 +58,7 @@ from zonefs_py.fs.clock import now_ns
 from zonefs_py.fs.datapath import DataPath
 from zonefs_py.fs.inline import InlineData, drop_idle_lock, inline_threshold
 from zonefs_py.fs.latency import Histogram
-from zonefs_py.fs.namespace import NamespaceOps
+from zonefs_py.fs.namespace import XATTR_PREFIXES, NamespaceOps
 from zonefs_py.fs.options import FsOptions
 from zonefs_py.fs.prealloc import Fallocator
 from zonefs_py.fs.qos import ReadLatencyController
@@ -422,6 +422,9 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
     def add_lookup(self, ino: int) -> None:
         """Count one kernel reference handed out by readdirplus."""
         self.inode(ino).lookups += 1
+
+    def xattr_namespaces(self) -> tuple[bytes, ...]:
+        return XATTR_PREFIXES
 
     def capability_xattrs_present(self) -> bool:
         return bool(self.state.caps_inos)

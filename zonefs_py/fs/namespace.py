@@ -35,7 +35,8 @@ from zonefs_py.model.state import Inode, State
 log = logging.getLogger(__name__)
 
 LINK_MAX = 65000
-_XATTR_PREFIXES = (b"user.", b"trusted.", b"security.")
+#: The xattr namespaces stored; system.* (POSIX ACLs) is not: ACLs are off.
+XATTR_PREFIXES = (b"user.", b"trusted.", b"security.")
 
 
 class NamespaceOps:
@@ -331,7 +332,7 @@ class NamespaceOps:
             raise errors.InvalidArgument("empty xattr name")
         if len(name) > XATTR_NAME_MAX:
             raise errors.NameTooLong(f"xattr name of {len(name)} bytes")
-        if not name.startswith(_XATTR_PREFIXES):
+        if not name.startswith(XATTR_PREFIXES):
             raise errors.NotSupported(f"xattr namespace of {name!r} is not supported")
 
     async def getxattr(self, ino: int, name: bytes) -> bytes:
