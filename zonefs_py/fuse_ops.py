@@ -160,8 +160,8 @@ class Operations(pyfuse3.Operations):
     enable_acl = False
 
     def __init__(self, fs: FileSystemAPI, *, writeback_cache: bool = True,
-                 attr_timeout_s: float = 60.0, entry_timeout_s: float = 60.0,
-                 negative_timeout_s: float = 60.0) -> None:
+                 attr_timeout_s: float = 3600.0, entry_timeout_s: float = 3600.0,
+                 negative_timeout_s: float = 3600.0) -> None:
         super().__init__()
         self.fs = fs
         self.enable_writeback_cache = writeback_cache

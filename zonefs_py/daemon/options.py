@@ -36,7 +36,7 @@ DAEMON_OPTIONS = {
     "max_tasks": "N: most FUSE requests handled at once (default 64)",
     "min_tasks": "N: FUSE request tasks kept waiting while idle (default 16, at most "
                  "max_tasks; fewer makes pyfuse3 start a task for most requests under load)",
-    "attr_timeout": "S: seconds the kernel caches attributes and entries (default 60)",
+    "attr_timeout": "S: seconds the kernel caches attributes and entries (default 3600)",
     "readahead_kb": "N: kernel readahead window of the mount in KiB (default 4096; 0 keeps "
                     "the kernel's 128)",
     "max_background": "N: FUSE background requests (async reads, writeback) in flight "
@@ -97,7 +97,7 @@ class MountConfig:
     writeback_cache: bool = True
     max_tasks: int = 64
     min_tasks: int = 16
-    attr_timeout_s: float = 60.0
+    attr_timeout_s: float = 3600.0
     readahead_kb: int = 4096
     max_background: int = 64
     metrics_addr: tuple[str, int] | None = None
