@@ -70,8 +70,26 @@ def evaluate_targets(results: dict[str, Any]) -> None:
                      "value": ratio, "met": None if ratio is None else ratio <= 2.0,
                      "detail": "not measured" if ratio is None else
                      f"{ratio:.2f}x alone; writer {_fmt(writer)} MiB/s"})
+        rows += _metadata_rows(results, subject)
         targets[subject] = rows
     results["targets"] = targets
+
+
+def _metadata_rows(results: dict[str, Any], subject: str) -> list[dict[str, Any]]:
+    """Issue 29's targets: metadata rates against the ceiling, requests per file."""
+    rows = [_ratio_to(results, subject, wl, ("ceiling",), factor) for wl, factor in (
+        ("meta_create", 0.8), ("meta_stat", 0.8), ("meta_unlink", 0.8),
+        ("tree_untar", 0.8), ("tree_cp_a", 0.8), ("tree_rm_rf", 0.8),
+        ("tree_find_stat", 1.0))]
+    target = "meta_create: requests per created file ≤ ceiling's + 1"
+    mine = median(results, "meta_create", subject, "req/file")
+    theirs = median(results, "meta_create", "ceiling", "req/file")
+    if mine is None or theirs is None:
+        rows.append({"target": target, "value": None, "met": None, "detail": "not measured"})
+    else:
+        rows.append({"target": target, "value": mine, "met": mine <= theirs + 1,
+                     "detail": f"{mine:.2f} vs {theirs:.2f}"})
+    return rows
 
 
 #: Workloads whose daemon CPU per request must stay within 1.5x the ceiling's.

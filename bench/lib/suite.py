@@ -64,6 +64,12 @@ WORKLOADS: tuple[Workload, ...] = (
     Workload("meta_create", "metadata: create small files", workloads.meta_create, "ops/s"),
     Workload("meta_stat", "metadata: stat small files, cold", workloads.meta_stat, "ops/s"),
     Workload("meta_unlink", "metadata: unlink small files", workloads.meta_unlink, "ops/s"),
+    *(Workload(f"tree_{step}", f"dataset tree: {title}", workloads.make_tree_workload(step),
+               "files/s") for step, title in (
+        ("untar", "tar -xf of the tree (+ sync)"), ("cp_a", "cp -a of the tree (+ sync)"),
+        ("find_stat", "find | xargs stat, warm"), ("du", "du -s, warm"),
+        ("rsync", "rsync -a from local disk (+ sync)"),
+        ("rm_rf", "rm -rf of the three copies (+ sync)"))),
 )
 
 #: Workloads that read seq.bin; if seq_write is not selected it is laid out untimed.

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from . import tree
 from .contenders import Contender
 from .util import BenchError
 
@@ -51,6 +52,8 @@ class Config:
     shards: int
     meta_files: int
     meta_dirs: int
+    #: Files of the dataset tree of the tree_* workloads (bench/lib/tree.py).
+    tree_files: int = 20_000
     zonefs_stats: bool = True
     #: contention_paced's read rate: half of zonefs-py's randread_4k_qd16 IOPS in this
     #: run (calibrated at its start) or --paced-iops; 0 = not known.
@@ -63,19 +66,22 @@ class Config:
         """Return the sizes the issue asks for."""
         return cls(quick=False, reps=3, seq_bytes=2 * GiB, contention_write_bytes=2 * GiB,
                    randread_runtime_s=15, torch_bytes=1 * GiB, samples=10_000,
-                   sample_bytes=32 << 10, shards=10, meta_files=100_000, meta_dirs=100)
+                   sample_bytes=32 << 10, shards=10, meta_files=100_000, meta_dirs=100,
+                   tree_files=20_000)
 
     @classmethod
     def smoke(cls) -> Config:
         """Return the --quick sizes: checks that the suite works, not the numbers."""
         return cls(quick=True, reps=1, seq_bytes=128 * MiB, contention_write_bytes=128 * MiB,
                    randread_runtime_s=2, torch_bytes=64 * MiB, samples=1_000,
-                   sample_bytes=32 << 10, shards=10, meta_files=2_000, meta_dirs=10)
+                   sample_bytes=32 << 10, shards=10, meta_files=2_000, meta_dirs=10,
+                   tree_files=300)
 
     def backing_bytes(self) -> int:
         """Return the backing store size: every workload's data, 1.5x, plus 1 GiB for cleaning."""
         data = (self.seq_bytes + self.contention_write_bytes + self.torch_bytes
-                + 2 * self.samples * self.sample_bytes + self.meta_files * 4096)
+                + 2 * self.samples * self.sample_bytes + self.meta_files * 4096
+                + 3 * self.tree_files * 12 * 1024)
         total = int(data * 1.5) + GiB
         return -(-total // GiB) * GiB
 
@@ -301,10 +307,61 @@ def _require_fs(contender: Contender) -> None:
         raise SkipWorkload("no filesystem: raw backing file")
 
 
+def _census_figures(contender: Contender, before: dict[str, int] | None,
+                    files: int) -> dict[str, object]:
+    """`req/file` from the request census, where the contender counts requests."""
+    got = tree.per_file(tree.census_delta(before, contender.census()), files)
+    return {"req/file": float(got["requests_per_file"])} if got else {}
+
+
+def make_tree_workload(step: str) -> Callable[[Contender, Config], dict[str, object]]:
+    """A tree_* workload: one of bench/lib/tree.py's tools on the dataset tree (issue 29).
+
+    The steps share one tree per mount, in the suite's order; a step whose input is
+    missing (e.g. find_stat run alone) unpacks the tree first, untimed."""
+    def run(contender: Contender, cfg: Config) -> dict[str, object]:
+        _require_fs(contender)
+        archive, source, _ = tree.make_source(contender.work_dir.parent / "tree-src",
+                                              cfg.tree_files)
+        root = contender.root / "tree"
+        root.mkdir(exist_ok=True)
+        by_name = {name: (cmd, mult) for name, cmd, mult in tree.steps(root, archive, source)}
+        if step not in ("untar", "rsync") and not (root / "untar").exists():
+            subprocess.run(by_name["untar"][0], shell=True, check=True)
+        if step == "rm_rf":
+            for name in ("cp_a", "rsync"):
+                if not (root / name).exists():
+                    subprocess.run(by_name[name][0], shell=True, check=True)
+        cmd, mult = by_name[step]
+        fig = tree.run_step(_CensusView(contender, root), step, cmd, cfg.tree_files * mult)
+        out: dict[str, object] = {"files/s": float(fig["files_per_s"])}
+        if "requests_per_file" in fig:
+            out["req/file"] = float(fig["requests_per_file"])
+        if "cpu_us_per_request" in fig:
+            out["daemon_cpu_us/fuse_req"] = float(fig["cpu_us_per_request"])
+        return out
+    return run
+
+
+class _CensusView:
+    """A contender seen by tree.run_step: its census and CPU, a root of our choosing."""
+
+    def __init__(self, contender: Contender, root: Path) -> None:
+        self._c = contender
+        self.root = root
+
+    def census(self) -> dict[str, int] | None:
+        return self._c.census()
+
+    def daemon_cpu_s(self) -> float | None:
+        return self._c.daemon_cpu_s()
+
+
 def meta_create(contender: Contender, cfg: Config) -> dict[str, object]:
     """Create the small files (256 bytes each) in meta_dirs directories."""
     _require_fs(contender)
     paths = _meta_paths(contender, cfg)
+    census0 = contender.census()
     payload = b"m" * 256
     start = time.perf_counter()
     made_dirs: set[Path] = set()
@@ -318,7 +375,8 @@ def meta_create(contender: Contender, cfg: Config) -> dict[str, object]:
         finally:
             os.close(fd)
     os.sync()
-    return {"ops/s": len(paths) / (time.perf_counter() - start), "_io_requests": len(paths)}
+    return {"ops/s": len(paths) / (time.perf_counter() - start), "_io_requests": len(paths),
+            **_census_figures(contender, census0, len(paths))}
 
 
 def meta_stat(contender: Contender, cfg: Config) -> dict[str, object]:
