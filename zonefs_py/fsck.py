@@ -34,6 +34,10 @@ Progress = Callable[[str, int, int], None]
 
 @dataclass(slots=True)
 class Finding:
+    """One problem fsck found: the invariant it breaks (INV-n), a message, and whether repair fixes
+    it.
+    """
+
     invariant: str
     message: str
     repairable: bool = False
@@ -41,6 +45,8 @@ class Finding:
 
 @dataclass(slots=True)
 class Report:
+    """What a check found, and what it covered (inodes, extents, data blocks)."""
+
     findings: list[Finding] = field(default_factory=list)
     inodes: int = 0
     extents: int = 0

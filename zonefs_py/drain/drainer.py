@@ -76,6 +76,10 @@ class KeyBusy(UploadAbandoned):
 
 
 class Drainer:
+    """Background task that uploads queued files to the object store, one `run()` per mount
+    (`stop()` ends it).
+    """
+
     def __init__(self, manager: DrainManager) -> None:
         self.m = manager
         self.fs = manager.fs

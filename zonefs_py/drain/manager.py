@@ -110,6 +110,10 @@ def snapshot_inode(inode: Inode) -> Inode:
 
 
 class DrainManager:
+    """The drain of one mount: the engine's hooks (open, write, truncate, release, unlink),
+    eviction under space pressure, restore of evicted files, and the status figures.
+    """
+
     def __init__(self, fs: Any, store: ObjectStore | None = None) -> None:
         # fs: the ZoneFS that owns this manager (not imported: it imports this module,
         # docs/DESIGN.md §1 allows no cycle).
@@ -518,16 +522,6 @@ class DrainManager:
                 log.info("drain: evicted %s (%d bytes) to relieve ENOSPC",
                          self.fs.path_of(inode.ino), mapped)
         return freed > 0
-
-    def need_space_hook(self, fallback: Any) -> Any:
-        """Wrap DataPath.on_need_space: evict drained files first, then clean."""
-        async def need_space() -> bool:
-            if await self.relieve_space(self.fs.data.zone_size):
-                await self.fs.reclaim.commit_and_reset()
-                return True
-            result: bool = await fallback()
-            return result
-        return need_space
 
     # -- restore -----------------------------------------------------------------------
     async def restore(self, inode: Inode) -> None:

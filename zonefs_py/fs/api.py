@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 
 from zonefs_py import errors
 
-ROOT_INO = 1
+# On-disk, so defined in format/; re-exported here for the engine's callers.
+from zonefs_py.format.constants import ROOT_INO as ROOT_INO
+
 NAME_MAX = 255
 XATTR_NAME_MAX = 255
 XATTR_SIZE_MAX = 65536
@@ -103,6 +105,8 @@ class StatFs:
 
 @dataclass(slots=True)
 class DirEntry:
+    """One readdir entry: its name, attributes, and the offset that resumes after it."""
+
     name: bytes
     attr: Attr
     next_offset: int

@@ -97,40 +97,36 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         self.read_limiter = trio.CapacityLimiter(options.max_device_threads)
         self.limiter = trio.CapacityLimiter(max(2, options.max_device_threads // 4))
         self.meta_limiter = trio.CapacityLimiter(2)
-        self.journal = Journal(dev, rec.log, rec.sbstore, rec.sb, self.state, self.meta_limiter)
-        self.journal.journal_limit = options.checkpoint_journal_bytes
         # The checkpoint loaded sets the checkpoint trigger, the meta-zone
         # reserve and the bound on files until this mount writes one.
-        self.journal.last_checkpoint_bytes = rec.checkpoint_bytes
-        self.journal.last_checkpoint_disk_bytes = rec.checkpoint_disk_bytes
-        self.journal.checkpoint_sample = (rec.checkpoint_disk_bytes, len(rec.state.inodes))
-        self.alloc = Allocator(dev.info, rec.sb, self.state, dev.report_zones())
-        self.alloc.current_txn = lambda: self.journal.added_txn  # type: ignore[method-assign]
+        self.journal = Journal(dev, rec.log, rec.sbstore, rec.sb, self.state, self.meta_limiter,
+                               journal_limit=options.checkpoint_journal_bytes,
+                               checkpoint_bytes=rec.checkpoint_bytes,
+                               checkpoint_disk_bytes=rec.checkpoint_disk_bytes)
+        # The allocator tells the journal of every append it accounts (INV-7).
+        self.alloc = Allocator(dev.info, rec.sb, self.state, dev.report_zones(), self.journal)
         self.state.on_zone_emptied = self.alloc.zone_emptied
+        reader = (AsyncReader(dev, self.read_limiter, options.sqpoll_ms)
+                  if options.io_uring else None)
         self.data = DataPath(dev, self.state, self.journal, self.alloc, self.limiter,
                              self.path_of, read_limiter=self.read_limiter,
-                             cache_bytes=options.cache_mb << 20)
-        self.data.qos = ReadLatencyController(options.read_latency_ms / 1e3)
+                             cache_bytes=options.cache_mb << 20,
+                             qos=ReadLatencyController(options.read_latency_ms / 1e3),
+                             reader=reader, stamp_times=not options.kernel_write_times,
+                             prefetch_bytes=options.prefetch_mb << 20,
+                             fast_read=options.fast_read, on_need_space=self._need_space)
         self.inline = InlineData(self.state, self.data, self.journal,
                                  inline_threshold(self.bs, options.inline_max_bytes))
-        self.data.stamp_times = not options.kernel_write_times
-        if options.prefetch_mb:
-            self.data.enable_prefetch(options.prefetch_mb << 20)
-        if options.io_uring:
-            self.data.reader = AsyncReader(dev, self.read_limiter, options.sqpoll_ms)
-        self.data.reads.fast = options.fast_read
         self.reclaim = SpaceReclaim(dev, self.state, self.journal, self.alloc, self.limiter,
                                     self.data.sealer, self.data.sums)
         self.cleaner = Cleaner(self.reclaim, options.cleaner_policy, options.cleaner_rate_mb_s)
         self.quota = QuotaTracker(self.state)
         self._meta_base = self.state.counters.get(C_META_BYTES, 0)
-        self.data.on_need_space = self.cleaner.clean_for_space
         from zonefs_py.drain.manager import DrainManager
 
         self.drain = DrainManager(self)  # zonefs_py/drain; its hooks: the self.drain.* calls
         self.falloc = Fallocator(self)  # fs/prealloc.py: fallocate, reserved blocks (INV-24)
         self.copier = Copier(self)  # fs/reflink.py: copy_file_range, shared extents (3.13)
-        self.data.on_need_space = self.drain.need_space_hook(self.cleaner.clean_for_space)
         self.files: dict[int, int] = {}  # fh -> ino
         #: Time spent in read/write requests by the engine (not FUSE queueing).
         self.read_latency = Histogram()
@@ -181,8 +177,7 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         Meanwhile a commit that finds a checkpoint due wakes this task for it
         instead of writing it while its caller (an fsync) waits.
         """
-        self.journal.request_checkpoint = self.wake_background
-        try:
+        with self.journal.background_checkpoints(self.wake_background):
             while not self._stop.is_set():
                 with trio.move_on_after(self.options.commit_interval_s):
                     await self._wake.wait()
@@ -193,8 +188,6 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
                     await self.background_step()
                 except errors.ZoneFSError as exc:
                     self.enter_failsafe(f"background commit failed: {exc}")
-        finally:
-            self.journal.request_checkpoint = None
 
     async def background_step(self) -> None:
         """One round of background work (also used by tests)."""
@@ -205,6 +198,14 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
             await self.journal.checkpoint()
         await self.reclaim.reset_dead_zones()
         await self.cleaner.background_pass()
+
+    async def _need_space(self) -> bool:
+        """Foreground space for a write (DataPath's `on_need_space`): evict drained
+        files first, then clean; False when nothing was freed."""
+        if await self.drain.relieve_space(self.data.zone_size):
+            await self.reclaim.commit_and_reset()
+            return True
+        return await self.cleaner.clean_for_space()
 
     def metadata_bytes_written(self) -> int:
         """Metadata bytes written over the filesystem's life (earlier mounts + this one)."""

@@ -105,8 +105,21 @@ CHECKPOINT_WRITE_BYTES = 8 << 20
 
 
 class Journal:
+    """Group commit of transactions and checkpoints of the State (module docstring).
+
+    `checkpoint_bytes` / `checkpoint_disk_bytes` describe the checkpoint loaded
+    at mount (its payload bytes, and what it takes of the meta area): they set
+    the checkpoint trigger, the meta-zone reserve and the bound on files until
+    this mount writes one. `journal_limit` is the mount option
+    `checkpoint_journal_bytes`. Appenders of file data call `data_appended()`
+    (through the allocator: `Allocator.append_done`), so that the next commit
+    flushes the device before its records (INV-7).
+    """
+
     def __init__(self, dev: ZonedDevice, log_: MetaLog, sbstore: SuperblockStore,
-                 sb: Superblock, state: State, limiter: trio.CapacityLimiter) -> None:
+                 sb: Superblock, state: State, limiter: trio.CapacityLimiter, *,
+                 journal_limit: int = 64 << 20, checkpoint_bytes: int = 0,
+                 checkpoint_disk_bytes: int = 0) -> None:
         self.dev = dev
         self.log = log_
         self.sbstore = sbstore
@@ -132,23 +145,24 @@ class Journal:
         self._checkpoint_done = trio.Event()
         #: True from a checkpoint's BEGIN to its superblock write.
         self.checkpoint_running = False
-        #: Set by the engine while its background task runs: a commit that finds a
-        #: checkpoint due asks for one there instead of writing it itself.
+        #: Set while the engine's background task runs (`background_checkpoints`): a
+        #: commit that finds a checkpoint due asks for one there instead of writing it.
         self.request_checkpoint: Callable[[], None] | None = None
         #: JOURNAL payload bytes (as encoded, before compression) written since
         #: the newest checkpoint's BEGIN, by this mount.
         self.journal_bytes_since_checkpoint = 0
-        #: Payload bytes (before compression) of the newest checkpoint written.
-        self.last_checkpoint_bytes = 0
-        #: What the newest checkpoint (written, or loaded at mount: set by the
-        #: engine) took of the meta area: its records as stored, compressed, with
-        #: the zone header and the tails of the zones it filled. The unit of
+        #: Payload bytes (before compression) of the newest checkpoint written (or
+        #: loaded at mount).
+        self.last_checkpoint_bytes = checkpoint_bytes
+        #: What the newest checkpoint (written, or loaded at mount) took of the
+        #: meta area: its records as stored, compressed, with the zone header and
+        #: the tails of the zones it filled. The unit of
         #: everything that counts meta zones (`_meta_short`, the checkpoint
         #: trigger, `estimated_checkpoint_bytes`).
-        self.last_checkpoint_disk_bytes = 0
+        self.last_checkpoint_disk_bytes = checkpoint_disk_bytes
         #: (device bytes, inodes) of the newest checkpoint written (or loaded at
-        #: mount, set by the engine): what `estimated_checkpoint_bytes` scales from.
-        self.checkpoint_sample: tuple[int, int] = (0, 0)
+        #: mount): what `estimated_checkpoint_bytes` scales from.
+        self.checkpoint_sample: tuple[int, int] = (checkpoint_disk_bytes, len(state.inodes))
         #: Bytes of `_NEW_INODE_CONTENT` ops added for inodes numbered from
         #: `_new_ino_floor` on (the next inode number at the newest snapshot), and
         #: their count when the newest checkpoint's snapshot was taken.
@@ -165,7 +179,22 @@ class Journal:
         self.on_durable: list[Callable[[int], None]] = []
         #: Journal bytes after which a commit becomes a checkpoint (mount option),
         #: at least: see `checkpoint_needed`.
-        self.journal_limit = 64 << 20
+        self.journal_limit = journal_limit
+
+    def data_appended(self) -> None:
+        """Note that file data (or a zone summary) was written to the device: the
+        next commit or checkpoint flushes the device before its records (INV-7)."""
+        self.data_dirty = True
+
+    @contextlib.contextmanager
+    def background_checkpoints(self, request: Callable[[], None]) -> Iterator[None]:
+        """While inside, a commit that finds a checkpoint due calls `request()`
+        (the engine's background task then writes it) instead of writing it."""
+        self.request_checkpoint = request
+        try:
+            yield
+        finally:
+            self.request_checkpoint = None
 
     # -- adding ------------------------------------------------------------------
     def add(self, ops: list[Op]) -> int:
