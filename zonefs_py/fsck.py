@@ -560,7 +560,7 @@ def repair_filesystem(dev: ZonedDevice) -> list[str]:
                 refs[child] += 1
                 if c.is_dir:
                     subdirs[d.ino] += 1
-        fs._txn(ops)
+        fs.txn(ops)
         ops = []
         for inode in list(state.inodes.values()):
             want = (2 + subdirs[inode.ino]) if inode.is_dir else refs[inode.ino]
@@ -571,8 +571,8 @@ def repair_filesystem(dev: ZonedDevice) -> list[str]:
             if inode.nlink != want:
                 ops.append(inode.op(nlink=want))
                 fixed.append(f"inode {inode.ino}: link count {inode.nlink} -> {want}")
-        fs._txn(ops)
-        await fs._after_recovery()
+        fs.txn(ops)
+        await fs.after_recovery()
         await fs.journal.checkpoint()
         # Reset everything but the new checkpoint's zones (from the one holding
         # its BEGIN on, and the one the log appends to): the damaged tail and

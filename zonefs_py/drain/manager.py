@@ -43,6 +43,7 @@ import trio
 import xxhash
 
 from zonefs_py import errors
+from zonefs_py.drain.host import DrainHost, Placed
 from zonefs_py.drain.store import (
     META_SIZE,
     META_XXH3,
@@ -54,9 +55,8 @@ from zonefs_py.drain.store import (
     object_key,
     parse_url,
 )
-from zonefs_py.format.constants import OpType
+from zonefs_py.format.constants import ROOT_INO, OpType
 from zonefs_py.format.ops import Op
-from zonefs_py.fs.api import ROOT_INO
 from zonefs_py.model import drain as model
 from zonefs_py.model.drain import DrainRecord, DrainState
 from zonefs_py.model.state import Inode
@@ -114,12 +114,11 @@ class DrainManager:
     eviction under space pressure, restore of evicted files, and the status figures.
     """
 
-    def __init__(self, fs: Any, store: ObjectStore | None = None) -> None:
-        # fs: the ZoneFS that owns this manager (not imported: it imports this module,
-        # docs/DESIGN.md §1 allows no cycle).
-        o = fs.options
-        self.fs = fs
-        self.state = fs.state
+    def __init__(self, host: DrainHost, store: ObjectStore | None = None) -> None:
+        o = host.options
+        #: The engine that owns this manager, through its DrainHost API (drain/host.py).
+        self.host = host
+        self.state = host.state
         self.store: ObjectStore = store or S3Store(S3Settings(
             endpoint=o.drain_endpoint, region=o.drain_region, profile=o.drain_profile,
             credentials_file=o.drain_credentials))
@@ -208,7 +207,7 @@ class DrainManager:
 
     # -- helpers -----------------------------------------------------------------------
     def _txn(self, ops: list[Op]) -> None:
-        self.fs._txn(ops)
+        self.host.txn(ops)
 
     def lock(self, ino: int) -> trio.Lock:
         lk = self.locks.get(ino)
@@ -358,7 +357,7 @@ class DrainManager:
         self.synced.add(ino)
         rec = self.state.drain.get(ino)
         if rec is None and inode.nlink and self.policy_of(inode) is not None \
-                and not self.fs.options.read_only and self.fs.failsafe is None:
+                and not self.host.options.read_only and self.host.failsafe is None:
             self._txn([model.queue(rec).op(ino)])
 
     def on_release(self, inode: Inode) -> None:
@@ -420,7 +419,7 @@ class DrainManager:
         self.renamed.discard(ino)
         if inode.nlink == 0 or self.policy_of(inode) is None:
             return
-        if self.fs.options.read_only or self.fs.failsafe is not None:
+        if self.host.options.read_only or self.host.failsafe is not None:
             return
         rec = self.state.drain.get(ino)
         if rec is None or rec.state != DrainState.QUEUED:
@@ -459,7 +458,7 @@ class DrainManager:
         rec = self.state.drain.get(inode.ino)
         if rec is None or rec.state != DrainState.DRAINED:
             return f"it is {model.state_name(rec)}, not drained"
-        if inode.opens or inode.ino in self.fs.data.buffers or inode.ino in self.fs.data.inflight:
+        if inode.opens or self.host.has_unwritten_data(inode.ino):
             return "it is open"
         if inode.inline:
             return "its bytes are inline in the metadata (no block to free)"
@@ -472,14 +471,14 @@ class DrainManager:
         why = self.evictable(inode)
         if why is not None:
             if by_hand:
-                raise errors.Busy(f"cannot evict {self.fs.path_of(inode.ino)}: {why}")
+                raise errors.Busy(f"cannot evict {self.host.path_of(inode.ino)}: {why}")
             return False
-        if self.fs.options.read_only or self.fs.failsafe is not None:
-            self.fs._writable()
+        if self.host.options.read_only or self.host.failsafe is not None:
+            self.host.check_writable()
         rec = self.state.drain[inode.ino]
         self._txn([(OpType.TRUNCATE, inode.ino, 0), model.evict(rec).op(inode.ino)])
         self.files_evicted += 1
-        self.fs.wake_background()
+        self.host.wake_background()
         return True
 
     def retention(self, d: Inode) -> int:
@@ -508,7 +507,7 @@ class DrainManager:
     async def relieve_space(self, need_bytes: int) -> bool:
         """ENOSPC: evict drained, closed files, oldest mtime first, until `need_bytes`
         of data are released. Returns True if anything was evicted."""
-        bs = self.fs.bs
+        bs = self.host.bs
         cands = [self.state.inodes[i] for i, r in self.state.drain.items()
                  if r.state == DrainState.DRAINED and i in self.state.inodes]
         cands.sort(key=lambda i: i.mtime)
@@ -520,7 +519,7 @@ class DrainManager:
             if self.evict(inode):
                 freed += mapped
                 log.info("drain: evicted %s (%d bytes) to relieve ENOSPC",
-                         self.fs.path_of(inode.ino), mapped)
+                         self.host.path_of(inode.ino), mapped)
         return freed > 0
 
     # -- restore -----------------------------------------------------------------------
@@ -531,24 +530,22 @@ class DrainManager:
             rec = self.state.drain.get(inode.ino)
             if rec is None or rec.state != DrainState.EVICTED:
                 return  # restored by a concurrent opener
-            self.fs._writable()
+            self.host.check_writable()
             t0 = time.monotonic()
             placed = await self._fetch_and_place(inode, rec)
             rec = self.state.drain.get(inode.ino)
             if rec is None or rec.state != DrainState.EVICTED:
-                self.fs.data.discard_placed(placed)  # garbage: give the zones back
+                self.host.discard_placed(placed)  # garbage: give the zones back
                 raise errors.IOFailure("the file changed while it was restored")
-            ops = self.fs.data._apply_placed(inode, placed)
+            ops = self.host.apply_placed(inode, placed)
             op = model.restored(rec).op(inode.ino)
             self.state.apply(op)
-            self.fs.journal.add([*ops, op])
+            self.host.journal.add([*ops, op])
             if inode.opens == 0:
-                to_finish: list[int] = []
-                self.fs.alloc.release_owner(inode.ino, to_finish)
-                self.fs._finish_later(to_finish)
+                self.host.release_zones_of(inode.ino)
             self.bytes_restored += rec.size
             log.info("drain: restored %s (%d bytes) from %s in %.2f s",
-                     self.fs.path_of(inode.ino), rec.size, rec.url.decode(),
+                     self.host.path_of(inode.ino), rec.size, rec.url.decode(),
                      time.monotonic() - t0)
 
     async def _restore_source(self, rec: DrainRecord) -> tuple[str, str]:
@@ -566,7 +563,7 @@ class DrainManager:
                 raise errors.IOFailure(f"restore from {rec.url.decode()} failed: {exc}") from None
         return parse_url(rec.moving_to.decode())
 
-    async def _fetch_and_place(self, inode: Inode, rec: DrainRecord) -> list[Any]:
+    async def _fetch_and_place(self, inode: Inode, rec: DrainRecord) -> Placed:
         """GET the object in parts (several in flight), hash in order, append to zones.
 
         Returns the placed (unapplied) EXTENT ops; on any failure the placed
@@ -578,9 +575,9 @@ class DrainManager:
         results: dict[int, bytes | StoreError] = {}
         ready = [trio.Event() for _ in range(nparts)]
         limiter = trio.CapacityLimiter(self.parts_in_flight)
-        placed: list[Any] = []
+        placed: Placed = []
         hasher = xxhash.xxh3_64()
-        path = self.fs.path_of(inode.ino)
+        path = self.host.path_of(inode.ino)
 
         async def get(i: int) -> None:
             start = i * part
@@ -608,11 +605,10 @@ class DrainManager:
                         if isinstance(data, StoreError):
                             raise errors.IOFailure(f"restore of {path} failed: {data}")
                         hasher.update(data)
-                        bs = self.fs.bs
+                        bs = self.host.bs
                         if len(data) % bs:
                             data += bytes(bs - len(data) % bs)  # INV-10: zeros past EOF
-                        placed += await self.fs.data._place_file_data(inode, i * part // bs,
-                                                                      data)
+                        placed += await self.host.place_file_data(inode, i * part // bs, data)
                     except errors.ZoneFSError as exc:
                         # Raised here it would leave the nursery in an ExceptionGroup.
                         failure.append(exc)
@@ -630,7 +626,7 @@ class DrainManager:
             return placed
         finally:
             if not ok:
-                self.fs.data.discard_placed(placed)
+                self.host.discard_placed(placed)
 
     # -- status ---------------------------------------------------------------------------
     def status(self) -> dict[str, object]:
@@ -653,7 +649,7 @@ class DrainManager:
             "queue_files": len(self.queue),
             "queue_bytes": queue_bytes,
             "lag_seconds": round(now - oldest, 3) if oldest is not None else 0.0,
-            "uploading": self.fs.path_of(min(self.uploading)) if self.uploading else None,
+            "uploading": self.host.path_of(min(self.uploading)) if self.uploading else None,
             "uploading_files": len(self.uploading),
             "uploading_bytes": sum(self.state.inodes[i].size for i in self.uploading
                                    if i in self.state.inodes),

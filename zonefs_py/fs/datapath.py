@@ -140,23 +140,19 @@ class DataPath:
     def chunk_landing_hook(self, value: Callable[[], Awaitable[None]] | None) -> None:
         self.pipe.chunk_landing_hook = value
 
-    # -- what the drain and inline conversion use of the parts -------------------------
-    async def _read_stored(self, inode: Inode, offset: int, length: int) -> bytes:
+    # -- what the engine's DrainHost API uses of the parts ------------------------------
+    async def read_stored(self, inode: Inode, offset: int, length: int) -> bytes:
+        """The file's bytes from its extents only (holes are zeros), verified."""
         return await self.reads.read_stored(inode, offset, length)
 
-    async def _read_locked(self, inode: Inode, offset: int, length: int
-                           ) -> bytes | memoryview:
-        return await self.reads.read_locked(inode, offset, length)
-
-    async def _place_file_data(self, inode: Inode, fblock: int,
-                               data: bytes) -> list[tuple[Op, int]]:
+    async def place_file_data(self, inode: Inode, fblock: int,
+                              data: bytes) -> list[tuple[Op, int]]:
+        """Append data for file blocks from `fblock`; the EXTENT ops are not applied."""
         return await self.pipe.place_file_data(inode, fblock, data)
 
-    def _apply_placed(self, inode: Inode, placed: list[tuple[Op, int]]) -> list[Op]:
-        return self.pipe.apply_placed(inode, placed)
-
-    async def _append_file_data(self, inode: Inode, fblock: int, data: bytes) -> list[Op]:
-        return await self.pipe.append_file_data(inode, fblock, data)
+    def has_unwritten_data(self, ino: int) -> bool:
+        """True while the file has buffered bytes or chunks in flight."""
+        return ino in self.buffers or ino in self.inflight
 
     def _count(self, key: int, n: int) -> None:
         self.counters[key] = self.counters.get(key, 0) + n

@@ -124,7 +124,7 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         self._meta_base = self.state.counters.get(C_META_BYTES, 0)
         from zonefs_py.drain.manager import DrainManager
 
-        self.drain = DrainManager(self)  # zonefs_py/drain; its hooks: the self.drain.* calls
+        self.drain = DrainManager(self)  # zonefs_py/drain (via DrainHost): the self.drain.* hooks
         self.falloc = Fallocator(self)  # fs/prealloc.py: fallocate, reserved blocks (INV-24)
         self.copier = Copier(self)  # fs/reflink.py: copy_file_range, shared extents (3.13)
         self.files: dict[int, int] = {}  # fh -> ino
@@ -161,10 +161,10 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
                  "replayed after the checkpoint: %d bytes)", dev.info.path, rec.records,
                  rec.ops, rec.seconds, rec.scan.torn_tail, rec.journal_bytes)
         if not options.read_only:
-            await fs._after_recovery()
+            await fs.after_recovery()
         return fs
 
-    async def _after_recovery(self) -> None:
+    async def after_recovery(self) -> None:
         """Put a recovered image in order before serving (fs/after_recovery.py)."""
         sb = await finish_recovery(self.recovered, self.journal, self.alloc, self.reclaim,
                                    self._txn, self.options.checkpoint_journal_bytes)
@@ -303,20 +303,61 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         self.quota.dirty_tenants.clear()
         self._txn(ops)
 
-    # -- helpers ----------------------------------------------------------------------
-    def _txn(self, ops: list[Op]) -> None:
+    # -- the engine API of drain/ (DrainHost) and fsck ---------------------------------
+    def txn(self, ops: list[Op]) -> None:
         """Apply ops and queue them as one journal transaction (never awaits)."""
         for op in ops:
             self.state.apply(op)
         self.journal.add(ops)
 
-    def _writable(self) -> None:
+    def check_writable(self) -> None:
+        """Raise errors.ReadOnly unless the mount takes changes now."""
         if self.options.read_only:
             raise errors.ReadOnly("mounted read-only")
         if self.failsafe is not None:
             raise errors.ReadOnly(f"read-only failsafe after an error: {self.failsafe}")
         if self.journal.broken is not None:
             raise errors.ReadOnly(f"journal unusable: {self.journal.broken}")
+
+    # The names the namespace handlers use.
+    _txn = txn
+    _writable = check_writable
+
+    @property
+    def qos(self) -> ReadLatencyController:
+        """The read-latency controller (it gates appends and the drain's reads)."""
+        return self.data.qos
+
+    def has_unwritten_data(self, ino: int) -> bool:
+        """True while the file has buffered bytes or chunks in flight."""
+        return self.data.has_unwritten_data(ino)
+
+    def release_zones_of(self, ino: int) -> None:
+        """The file stops writing: give back its private write head (its zones
+        are sealed and finished by a background task)."""
+        to_finish: list[int] = []
+        self.alloc.release_owner(ino, to_finish)
+        self.finish_later(to_finish)
+
+    async def place_file_data(self, inode: Inode, fblock: int,
+                              data: bytes) -> list[tuple[Op, int]]:
+        """Append `data` for file blocks from `fblock`; return the EXTENT ops (with
+        their zones) for `apply_placed` or `discard_placed`."""
+        return await self.data.place_file_data(inode, fblock, data)
+
+    def apply_placed(self, inode: Inode, placed: list[tuple[Op, int]]) -> list[Op]:
+        """Apply placed EXTENT ops (never awaits); return them for the journal."""
+        return self.data.apply_placed(inode, placed)
+
+    def discard_placed(self, placed: list[tuple[Op, int]]) -> None:
+        """Give back placed pieces that will never be applied (garbage)."""
+        self.data.discard_placed(placed)
+
+    async def read_stored(self, inode: Inode, offset: int, length: int) -> bytes:
+        """The stored bytes of a file (or a snapshot of one), inline or in blocks."""
+        if inode.inline:
+            return self.inline.read(inode, inode.size, offset, length)
+        return await self.data.read_stored(inode, offset, length)
 
     def inode(self, ino: int) -> Inode:
         try:
@@ -368,11 +409,12 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
             to_finish: list[int] = []
             self.alloc.release_owner(inode.ino, to_finish)
             self._txn(ops)
-            self._finish_later(to_finish)
+            self.finish_later(to_finish)
 
-    def _finish_later(self, zones: list[int]) -> None:
+    def finish_later(self, zones: list[int]) -> None:
         """Seal and finish zones the allocator stopped writing, from a system task."""
         self.data.sealer.close_zones_later(zones)
+
 
     # -- lookups and attributes ------------------------------------------------------
     async def lookup(self, parent_ino: int, name: bytes) -> Attr:
