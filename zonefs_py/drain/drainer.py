@@ -49,8 +49,9 @@ import trio
 import xxhash
 
 from zonefs_py import errors
-from zonefs_py.drain.manager import DrainManager, object_metadata, object_url, snapshot_inode
+from zonefs_py.drain.manager import DrainManager
 from zonefs_py.drain.mover import MoveDeferred, move_object
+from zonefs_py.drain.policy import object_metadata, object_url, snapshot_inode
 from zonefs_py.drain.store import META_SIZE, META_XXH3, StoreError, multipart_etag, parse_url
 from zonefs_py.model import drain as model
 from zonefs_py.model.drain import DrainState

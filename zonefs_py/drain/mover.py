@@ -32,7 +32,8 @@ from typing import Any
 
 import trio
 
-from zonefs_py.drain.manager import DrainManager, object_metadata
+from zonefs_py.drain.manager import DrainManager
+from zonefs_py.drain.policy import object_metadata
 from zonefs_py.drain.store import META_SIZE, META_XXH3, ObjectInfo, StoreError, parse_url
 from zonefs_py.model import drain as model
 from zonefs_py.model.drain import DrainRecord, DrainState

@@ -15,7 +15,8 @@ import time
 
 from zonefs_py import errors
 from zonefs_py.alloc.streams import STREAM_XATTR, classify, parse_stream_name
-from zonefs_py.drain.manager import STATE_XATTR, DrainManager, check_policy_xattr
+from zonefs_py.drain.manager import DrainManager
+from zonefs_py.drain.policy import STATE_XATTR, check_policy_xattr
 from zonefs_py.format.constants import FLAG_STREAM_SET, QUOTA_XATTR, OpType
 from zonefs_py.format.ops import Op
 from zonefs_py.fs.api import (
