@@ -206,7 +206,7 @@ class ReadPath:
         return data if isinstance(data, bytes) else bytes(data)
 
     async def _read_view(self, inode: Inode, offset: int, length: int) -> bytes | memoryview:
-        """`_read_stored`, but a single device read comes back as the reader's
+        """`read_stored`, but a single device read comes back as the reader's
         read-only view (no copy): for `read()`, whose result goes straight to
         the reply.
 
