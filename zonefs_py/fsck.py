@@ -34,6 +34,10 @@ Progress = Callable[[str, int, int], None]
 
 @dataclass(slots=True)
 class Finding:
+    """One problem fsck found: the invariant it breaks (INV-n), a message, and whether repair fixes
+    it.
+    """
+
     invariant: str
     message: str
     repairable: bool = False
@@ -41,6 +45,8 @@ class Finding:
 
 @dataclass(slots=True)
 class Report:
+    """What a check found, and what it covered (inodes, extents, data blocks)."""
+
     findings: list[Finding] = field(default_factory=list)
     inodes: int = 0
     extents: int = 0
@@ -554,7 +560,7 @@ def repair_filesystem(dev: ZonedDevice) -> list[str]:
                 refs[child] += 1
                 if c.is_dir:
                     subdirs[d.ino] += 1
-        fs._txn(ops)
+        fs.txn(ops)
         ops = []
         for inode in list(state.inodes.values()):
             want = (2 + subdirs[inode.ino]) if inode.is_dir else refs[inode.ino]
@@ -565,8 +571,8 @@ def repair_filesystem(dev: ZonedDevice) -> list[str]:
             if inode.nlink != want:
                 ops.append(inode.op(nlink=want))
                 fixed.append(f"inode {inode.ino}: link count {inode.nlink} -> {want}")
-        fs._txn(ops)
-        await fs._after_recovery()
+        fs.txn(ops)
+        await fs.after_recovery()
         await fs.journal.checkpoint()
         # Reset everything but the new checkpoint's zones (from the one holding
         # its BEGIN on, and the one the log appends to): the damaged tail and

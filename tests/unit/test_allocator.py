@@ -19,6 +19,17 @@ ZONE = 1 << 20
 BS = 4096
 
 
+class FakeJournal:
+    """The allocator's view of the journal: a transaction counter and the INV-7 flag."""
+
+    def __init__(self) -> None:
+        self.added_txn = 0
+        self.data_dirty = False
+
+    def data_appended(self) -> None:
+        self.data_dirty = True
+
+
 def make_alloc(nr_data: int = 8, max_active: int = 0) -> Allocator:
     info = DeviceInfo("test", "emulated", BS, ZONE, nr_data + 1, max_active, max_active, 0)
     zones = [Zone(i, i * ZONE, ZONE, ZONE, i * ZONE, ZoneType.SEQ_WRITE_REQUIRED, ZoneCond.EMPTY)
@@ -26,7 +37,7 @@ def make_alloc(nr_data: int = 8, max_active: int = 0) -> Allocator:
     sb = SimpleNamespace(data_first_zone=1, data_count=nr_data, data_zone_count=nr_data,
                          reserve_bytes=0)
     state = State(BS, ZONE)
-    alloc = Allocator(info, sb, state, zones)  # type: ignore[arg-type]
+    alloc = Allocator(info, sb, state, zones, FakeJournal())  # type: ignore[arg-type]
     state.on_zone_emptied = alloc.zone_emptied
     return alloc
 
@@ -80,13 +91,15 @@ def test_idle_headless_zone_is_finished_when_its_token_is_needed() -> None:
 
 def test_a_zone_that_dies_twice_waits_for_the_later_death() -> None:
     alloc = make_alloc()
-    alloc.current_txn = lambda: 5  # type: ignore[method-assign]
+    journal = alloc.journal
+    assert isinstance(journal, FakeJournal)
+    journal.added_txn = 5
     dz = alloc.zones[3]
     dz.reserved = dz.capacity
     alloc._maybe_dead(3)
     assert alloc.pending_resets == [(3, 5)]
     # Reused (e.g. as a shared head), written, and freed again in transaction 9.
-    alloc.current_txn = lambda: 8  # type: ignore[method-assign]
+    journal.added_txn = 8
     alloc._maybe_dead(3, after_next_txn=True)
     assert alloc.pending_resets == [(3, 9)]
     assert alloc.take_resettable(durable_txn=5) == []
@@ -173,3 +186,23 @@ def test_total_capacity_follows_zones_going_out_of_use_and_back() -> None:
     assert alloc.take_resettable(durable_txn=1 << 30) == [zone]
     alloc.zone_reset_failed(zone)  # the reset failed: out of use for good
     assert alloc.total_capacity() == brute() == 7 * DATA_ROOM
+
+
+def test_every_accounted_append_tells_the_journal_to_flush_first() -> None:
+    """INV-7 by construction: the allocator, which accounts every append, tells
+    the journal that the next commit must flush the device before its records."""
+    alloc = make_alloc()
+    journal = alloc.journal
+    assert isinstance(journal, FakeJournal)
+    ops: list[Op] = []
+    zone, granted = alloc.reserve(0, 0, BS, ops, [])
+    assert granted == BS
+    assert not journal.data_dirty
+    alloc.append_done(zone, ok=False)
+    assert not journal.data_dirty, "a failed append left nothing to flush"
+    zone, _ = alloc.reserve(0, 0, BS, ops, [])
+    alloc.append_done(zone, ok=True)
+    assert journal.data_dirty
+    journal.data_dirty = False
+    alloc.summary_written(zone)
+    assert journal.data_dirty

@@ -41,17 +41,24 @@ async def test_fsync_returns_while_a_checkpoint_is_being_written(
         mlog = fs.journal.log
         real_append = mlog.append
 
+        data_written = trio.Event()
+
         def append(records: list[tuple[RecordType, bytes]], **kw: bool) -> object:
-            if records[0][0] == RecordType.CHECKPOINT_DATA:
+            # In the journal's worker thread. A slow device: each data record takes
+            # 50 ms, so the fsyncs below land between them.
+            data = records[0][0] == RecordType.CHECKPOINT_DATA
+            if data:
                 time.sleep(0.05)
             appended.extend(t for t, _ in records)
-            return real_append(records, **kw)
+            result = real_append(records, **kw)
+            if data and not data_written.is_set():
+                trio.from_thread.run_sync(data_written.set)
+            return result
 
         mp.setattr(mlog, "append", append)  # type: ignore[attr-defined]
         async with trio.open_nursery() as nursery:
             nursery.start_soon(fs.journal.checkpoint)
-            while RecordType.CHECKPOINT_DATA not in appended:
-                await trio.sleep(0.005)
+            await data_written.wait()
             await write_file(fs, "/late", pattern(7, 5000), fsync=True)
             assert fs.journal.checkpoint_running, "the fsync waited for the whole checkpoint"
             await write_file(fs, "/small", b"inline bytes", fsync=True)

@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 import trio
+import trio.testing
 from engine_helpers import CTX, mounted
 
 from zonefs_py import errors
@@ -25,11 +26,11 @@ async def test_commit_queued_behind_a_failing_one_fails_too(tmp_path: Path) -> N
         await fs.write(fh, 0, b"x" * 100)
         await fs.release(fh)  # queued, not durable
         dev = fs.dev
-        entered, release = threading.Event(), threading.Event()
+        entered, release = trio.Event(), threading.Event()
         real_flush = dev.flush
 
-        def flush() -> None:
-            entered.set()
+        def flush() -> None:  # in the commit's worker thread
+            trio.from_thread.run_sync(entered.set)
             release.wait(10)
             raise OSError(errno.EIO, "test: flush fails")
 
@@ -45,12 +46,11 @@ async def test_commit_queued_behind_a_failing_one_fails_too(tmp_path: Path) -> N
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(run, "first", fs.journal.commit)
-            while not entered.is_set():
-                await trio.sleep(0.001)
+            await entered.wait()
             # The first commit holds the log and has taken the batch; this one
             # queues for the log with the same transactions as its target.
             nursery.start_soon(run, "second", fs.journal.commit)
-            await trio.sleep(0.05)
+            await trio.testing.wait_all_tasks_blocked()  # it waits for the log now
             release.set()
         dev.flush = real_flush  # type: ignore[method-assign]
         assert isinstance(outcome["first"], errors.IOFailure), outcome

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import pytest
 
-from zonefs_py.device.base import ZoneCond, ZonedDevice, ZoneType
+from zonefs_py.device.base import ZoneCond, ZonedDevice, ZoneType, capabilities
 
 MiB = 1 << 20
 BS = 4096
@@ -55,6 +55,25 @@ def test_is_a_zoned_device(dev: ZonedDevice) -> None:
     assert (info.max_open_zones, info.max_active_zones) == (2, 3)
     assert info.size_bytes == 16 * ZS
     assert info.kind in ("emulated", "block")
+
+
+def test_optional_extensions_are_declared_capabilities(dev: ZonedDevice) -> None:
+    """Callers find the optional extensions through `capabilities` (device/base.py),
+    never by probing: the emulator has all three; a device with only the protocol
+    has none."""
+    caps = capabilities(dev)
+    assert caps.append_scattered is not None
+    assert caps.declare_data_zones is not None
+    assert caps.direct_read_target is not None
+    assert caps.append_scattered(2, blocks(1))[0][1] == BS
+
+    class Bare:
+        def read(self, offset_bytes: int, length_bytes: int) -> bytes:
+            return bytes(length_bytes)
+
+    bare = capabilities(Bare())
+    assert (bare.append_scattered, bare.declare_data_zones, bare.direct_read_target) \
+        == (None, None, None)
 
 
 def test_fresh_report(dev: ZonedDevice) -> None:

@@ -35,7 +35,7 @@ from fake_store import FakeStore
 
 from zonefs_py import errors
 from zonefs_py.drain.drainer import Drainer
-from zonefs_py.drain.manager import DRAIN_XATTR, KEEP_XATTR, STATE_XATTR
+from zonefs_py.drain.policy import DRAIN_XATTR, KEEP_XATTR, STATE_XATTR
 from zonefs_py.drain.store import META_XXH3, parse_url
 from zonefs_py.format.constants import OpType
 from zonefs_py.format.ops import decode_ops, encode_ops

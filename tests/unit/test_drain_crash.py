@@ -48,7 +48,7 @@ from test_drain_resume import rename
 
 from zonefs_py import errors
 from zonefs_py.device.emulated import EmulatedZonedDevice
-from zonefs_py.drain.manager import STATE_XATTR
+from zonefs_py.drain.policy import STATE_XATTR
 from zonefs_py.drain.store import parse_url
 from zonefs_py.fs.api import XattrFlags
 from zonefs_py.fs.filesystem import ZoneFS

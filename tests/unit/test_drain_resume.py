@@ -38,7 +38,7 @@ from test_drain import (
     wait_for,
 )
 
-from zonefs_py.drain.manager import STATE_XATTR
+from zonefs_py.drain.policy import STATE_XATTR
 from zonefs_py.fs.api import ROOT_INO, XattrFlags
 from zonefs_py.fs.filesystem import ZoneFS
 from zonefs_py.fs.options import FsOptions

@@ -243,7 +243,7 @@ def test_no_punch_hole_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.Monk
         dev.append(2, bytes(BS))  # the zone's range is unknown after open
     assert info.value.errno == errno.EOPNOTSUPP
     dev.close()
-    monkeypatch.setattr("zonefs_py.device.emulated.punch_hole", refuse)
+    monkeypatch.setattr("zonefs_py.device.emu_discard.punch_hole", refuse)  # create's probe
     with pytest.raises(OSError, match="cannot punch holes"):
         make(tmp_path / "n2.img")
     assert not (tmp_path / "n2.img").exists()

@@ -208,3 +208,78 @@ def test_former_cycle_ends_import_nothing_above_them(module: str) -> None:
     """The two cycles of issue 17: the cleaner and the fault injector stand alone."""
     deps = import_graph()[module]
     assert not {d for d in deps if d.startswith(("zonefs_py.fs", "zonefs_py.device.emulated"))}
+
+
+# -- private names stay inside their package --------------------------------------------
+#
+# `obj._name` in a module of package P (a subpackage such as `fs`, or a top-level
+# module such as `fsck`) is an access to another package's private name unless
+# `obj` is `self` / `cls`, or `_name` is defined somewhere in P (a def, a class, an
+# assignment to `_name` or `x._name`, or a `__slots__` entry): private names are
+# package-private. A name defined both in P and elsewhere is not caught (the check
+# reads no types); dunders are not private names.
+
+#: Private names of the standard library's public API (namedtuple, os, argparse).
+STDLIB_PRIVATE_API = frozenset({"_replace", "_asdict", "_fields", "_make", "_exit",
+                                "_SubParsersAction"})
+
+
+def package_of(module: str) -> str:
+    """`zonefs_py.fs.datapath` -> `fs`; `zonefs_py.fsck` -> `fsck`."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def private_names_defined(tree: ast.AST) -> set[str]:
+    """Private names a module defines (see the comment above)."""
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            out.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            out.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            out.add(node.id)
+        elif isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__slots__" for t in node.targets):
+            out.update(c.value for c in ast.walk(node.value)
+                       if isinstance(c, ast.Constant) and isinstance(c.value, str))
+    return {n for n in out if n.startswith("_") and not n.startswith("__")}
+
+
+def foreign_private_accesses(sources: Mapping[str, str]) -> list[str]:
+    """`module:line: expr` for each access to another package's private name."""
+    trees = {m: ast.parse(src) for m, src in sources.items()}
+    defined: dict[str, set[str]] = {}
+    for mod, tree in trees.items():
+        defined.setdefault(package_of(mod), set()).update(private_names_defined(tree))
+    problems = []
+    for mod, tree in sorted(trees.items()):
+        own = defined[package_of(mod)]
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") \
+                    or node.attr.startswith("__") or node.attr in STDLIB_PRIVATE_API:
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            if node.attr not in own:
+                problems.append(f"{mod}:{node.lineno}: {ast.unparse(node)}")
+    return problems
+
+
+def test_no_module_uses_another_packages_private_names() -> None:
+    sources = {m: p.read_text() for m, p in package_modules().items()}
+    assert foreign_private_accesses(sources) == []
+
+
+def test_private_check_flags_a_reach_into_another_package() -> None:
+    sources = {
+        "zonefs_py.fs.filesystem": "class ZoneFS:\n    def _txn(self, ops):\n        pass\n",
+        "zonefs_py.fs.prealloc": "def f(fs):\n    fs._txn([])\n",  # same package: fine
+        "zonefs_py.drain.manager": ("class M:\n    def __init__(self, fs):\n"
+                                    "        self.fs = fs\n        self._own = 1\n"
+                                    "    def g(self, other):\n        self.fs._txn([])\n"
+                                    "        other._own\n        self._other()\n"
+                                    "        return p._replace(a=1)\n"),
+    }
+    assert foreign_private_accesses(sources) == ["zonefs_py.drain.manager:6: self.fs._txn"]

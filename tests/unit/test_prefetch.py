@@ -49,10 +49,9 @@ def prefetcher(fs: ZoneFS) -> Prefetcher:
     return fs.data.prefetch
 
 
-async def settle() -> None:
-    """Let the read-ahead system tasks run (they are not in any nursery of ours)."""
-    for _ in range(50):
-        await trio.sleep(0.01)
+async def settle(fs: ZoneFS) -> None:
+    """Wait until the read-ahead the reads so far started is read (no real sleep)."""
+    await prefetcher(fs).wait_idle()
 
 
 async def test_a_sequential_stream_is_served_from_read_ahead(fs: ZoneFS) -> None:
@@ -88,13 +87,13 @@ async def test_a_short_run_reads_ahead_a_little_not_the_window(fs: ZoneFS) -> No
     step = 128 << 10
     for off in (0, step, 2 * step):
         await read_and_check(fs, fh, model, off, off + 1, step=step)
-    await settle()
+    await settle(fs)
     first = pf.segments_read
     assert 1 <= first <= 2  # 4 x 128 KiB ahead: at most two segments, not the window
     await read_and_check(fs, fh, model, 3 * step, 3 * step + 1, step=step)  # served: a hit
     assert pf.hits == 2  # the third read (it started the stream) and this one
     await read_and_check(fs, fh, model, 9 * MiB, 9 * MiB + 1, step=step)  # random: reset
-    await settle()
+    await settle(fs)
     assert pf.segments_read <= first + 2
     await fs.release(fh)
 
@@ -102,7 +101,7 @@ async def test_a_short_run_reads_ahead_a_little_not_the_window(fs: ZoneFS) -> No
 async def test_overwrite_ahead_of_a_stream(fs: ZoneFS) -> None:
     fh, _ino, model = await streamed_file(fs)
     await read_and_check(fs, fh, model, 0, 3 * MiB)
-    await settle()  # segments ahead are read now
+    await settle(fs)  # segments ahead are read now
     dropped = prefetcher(fs).segments_dropped
     new = pattern(2, MiB + MiB // 2 + 123)
     off = 4 * MiB + 777
@@ -142,7 +141,7 @@ async def test_overwrite_while_the_segment_is_in_flight(fs: ZoneFS) -> None:
 async def test_truncate_while_a_stream_is_read(fs: ZoneFS) -> None:
     fh, ino, model = await streamed_file(fs)
     await read_and_check(fs, fh, model, 0, 3 * MiB)
-    await settle()
+    await settle(fs)
     # Shrink into the window (not on a block boundary), then grow again: the tail
     # must read as zeros, not as the bytes read ahead before the truncate.
     for new_size in (5 * MiB + 100, SIZE):
@@ -156,7 +155,7 @@ async def test_truncate_while_a_stream_is_read(fs: ZoneFS) -> None:
 async def test_cleaner_move_while_a_stream_is_read(fs: ZoneFS) -> None:
     fh, ino, model = await streamed_file(fs)
     await read_and_check(fs, fh, model, 0, 3 * MiB)
-    await settle()
+    await settle(fs)
     inode = fs.state.inodes[ino]
     assert inode.extents is not None
     piece = inode.extents.lookup((5 * MiB) // fs.bs, 1, fs.bs)[0]

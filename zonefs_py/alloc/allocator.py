@@ -39,6 +39,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from zonefs_py import errors
 from zonefs_py.device.base import DeviceInfo, Zone, ZoneCond
@@ -57,6 +58,10 @@ SOFT_HEAD_BUDGET = 64
 
 @dataclass(slots=True)
 class DataZone:
+    """One data zone as the allocator accounts it: capacity, bytes handed out, appends in flight,
+    its stream and seal.
+    """
+
     idx: int
     start: int
     #: Bytes data may fill: the zone's capacity less the room kept for its summary.
@@ -89,12 +94,26 @@ class NeedCleaning(errors.NoSpace):
     """No empty zone is left for users; the cleaner must make one (or it is ENOSPC)."""
 
 
+class AppendJournal(Protocol):
+    """What the allocator needs of the journal (journal.Journal is one)."""
+
+    @property
+    def added_txn(self) -> int:
+        """The number of the last transaction added."""
+        ...
+
+    def data_appended(self) -> None:
+        """File data reached the device: flush before the next commit's records."""
+        ...
+
+
 class Allocator:
     """Hands out space in data zones; see the module docstring."""
 
     def __init__(self, info: DeviceInfo, sb: Superblock, state: State, zones: list[Zone],
-                 private_head_bytes: int | None = None) -> None:
+                 journal: AppendJournal, private_head_bytes: int | None = None) -> None:
         self.info = info
+        self.journal = journal
         self.state = state
         self.block_size = info.block_size
         self.zones: dict[int, DataZone] = {}
@@ -245,6 +264,10 @@ class Allocator:
         write of a seal."""
         dz = self.zones[zone_idx]
         dz.inflight -= 1
+        if ok:
+            # Told here, where every append is accounted: the next commit flushes
+            # the device before records that point at this data (INV-7).
+            self.journal.data_appended()
         if not ok:
             # A failed write leaves the zone's state unknown: stop using it.
             self._set_unusable(dz, True, write_failed=True)
@@ -416,8 +439,13 @@ class Allocator:
         self.pending_resets.append((zone_idx, txn))
 
     def current_txn(self) -> int:
-        """Overridden by the engine: the number of the last journal transaction added."""
-        return 0
+        """The number of the last journal transaction added."""
+        return self.journal.added_txn
+
+    def summary_written(self, zone_idx: int) -> None:
+        """Note that the summary of `zone_idx` was written (before its ZONE_SEAL op
+        is added): the next commit flushes it first (INV-7)."""
+        self.journal.data_appended()
 
     def pin_read(self, zone_idx: int) -> None:
         self.read_pins[zone_idx] = self.read_pins.get(zone_idx, 0) + 1

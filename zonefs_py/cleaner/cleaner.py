@@ -50,6 +50,8 @@ COPY_UNIT = 256 << 10
 
 @dataclass(slots=True)
 class CleanerStats:
+    """What the cleaner did since mount (the `stat` and metrics figures)."""
+
     zones_cleaned: int = 0
     bytes_copied: int = 0
     passes: int = 0

@@ -59,6 +59,8 @@ from typing import Any, Protocol
 
 import trio
 
+from zonefs_py.device.base import capabilities
+
 try:
     from zonefs_py._native import ffi, lib
 except ImportError:  # pragma: no cover - depends on the build
@@ -99,9 +101,6 @@ _LEAKED: list[Any] = []
 
 class _Device(Protocol):
     def read(self, offset_bytes: int, length_bytes: int) -> bytes: ...
-
-    def direct_read_target(self, offset_bytes: int,
-                           length_bytes: int) -> tuple[int, int] | None: ...
 
 
 class BadChecksum(OSError):
@@ -202,7 +201,7 @@ class AsyncReader:
         self.thread_reads = 0
         #: Completions reaped by a read about to wait, before the reaper woke.
         self.early_reaps = 0
-        self._target = getattr(dev, "direct_read_target", None)
+        self._target = capabilities(dev).direct_read_target
         if self._target is not None:
             self._ring = self._open_ring(0)
             if self._ring is not None and sqpoll_ms > 0:
@@ -307,9 +306,9 @@ class AsyncReader:
                ) -> tuple[_Ring | None, tuple[int, int] | None]:
         """The ring for this read and its (fd, position), or (None, None): a thread."""
         ring = self._ring
-        if ring is None or not 0 < length_bytes <= MAX_RING_READ:
+        if ring is None or self._target is None or not 0 < length_bytes <= MAX_RING_READ:
             return None, None
-        target = self._target(offset_bytes, length_bytes)  # type: ignore[misc]
+        target = self._target(offset_bytes, length_bytes)
         if target is None:
             return None, None
         polled = self._polled

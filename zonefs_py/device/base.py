@@ -19,7 +19,13 @@ unless `info.zone_append` is true, in which case several appends to one zone
 may be in flight and land in any order (each call still returns where its own
 data landed); appends to different zones may run in parallel.
 
-Optional extension, `append_scattered(zone_idx, data) -> [(offset, length), ...]`
+Optional extensions. Each is declared below as a small Protocol
+(`ScatteredAppend`, `DataZoneDeclaration`, `DirectReadTarget`); callers never
+probe a device themselves but ask `capabilities(dev)` once, which returns a
+`DeviceCapabilities` record with the bound method of each extension the
+device implements, None for the others:
+
+`append_scattered(zone_idx, data) -> [(offset, length), ...]`
 (both backends have it; callers fall back to `append` without it): append
 `data` as several zone appends in flight at once, each landing wherever the
 device puts it, and return where each consecutive slice of `data` went, in
@@ -27,11 +33,16 @@ data order. With `info.zone_append` the slices need not be contiguous nor in
 order; otherwise it is one `append`. On failure (OSError) some slices may
 have landed: they are garbage below the write pointer.
 
-Optional extension, `declare_data_zones(first_zone)` (the emulator only):
+`declare_data_zones(first_zone)` (the emulator only):
 mkfs tells the device that zones from `first_zone` on hold file data; an
 emulator image created in data-discarding mode then stops storing the all-zero
 blocks written there, keeping every other block (SPEC.md, "Emulator image").
 Other devices lack it.
+
+`direct_read_target(offset_bytes, length_bytes) -> (fd, file_offset) | None`
+(both backends): where a plain O_DIRECT read of written data may go, so that
+io_uring reads it without a thread (device/aread.py); None sends that read
+through `read()`.
 
 Errors: misuse and device failures raise `OSError` carrying the errno the Linux
 kernel would return for the same request (EIO for a write off the write
@@ -42,8 +53,12 @@ the open / active zone limits, ...). Nothing here returns partial results.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
+
+#: What appends and writes take.
+Buffer = bytes | bytearray | memoryview
 
 
 class ZoneType(enum.IntEnum):
@@ -188,3 +203,50 @@ class ZonedDevice(Protocol):
     def close(self) -> None:
         """Release the device. Unflushed writes are flushed first."""
         ...
+
+
+@runtime_checkable
+class ScatteredAppend(Protocol):
+    """Optional extension: one append as several in flight (module docstring)."""
+
+    def append_scattered(self, zone_idx: int, data: Buffer) -> list[tuple[int, int]]:
+        """Append `data`; return [(offset, length)] of its consecutive slices."""
+        ...
+
+
+@runtime_checkable
+class DataZoneDeclaration(Protocol):
+    """Optional extension: mkfs says where file data starts (module docstring)."""
+
+    def declare_data_zones(self, first_zone: int) -> None:
+        """Record that zones from `first_zone` on hold file data."""
+        ...
+
+
+@runtime_checkable
+class DirectReadTarget(Protocol):
+    """Optional extension: where an O_DIRECT read may go (module docstring)."""
+
+    def direct_read_target(self, offset_bytes: int,
+                           length_bytes: int) -> tuple[int, int] | None:
+        """(fd, file offset) for a plain O_DIRECT read of written data, or None."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceCapabilities:
+    """The optional extensions of one device: the bound method of each, or None."""
+
+    append_scattered: Callable[[int, Buffer], list[tuple[int, int]]] | None = None
+    declare_data_zones: Callable[[int], None] | None = None
+    direct_read_target: Callable[[int, int], tuple[int, int] | None] | None = None
+
+
+def capabilities(dev: object) -> DeviceCapabilities:
+    """Return which optional extensions `dev` implements (module docstring)."""
+    return DeviceCapabilities(
+        append_scattered=dev.append_scattered if isinstance(dev, ScatteredAppend) else None,
+        declare_data_zones=(dev.declare_data_zones
+                            if isinstance(dev, DataZoneDeclaration) else None),
+        direct_read_target=(dev.direct_read_target
+                            if isinstance(dev, DirectReadTarget) else None))

@@ -19,50 +19,16 @@ Durability (docs/DESIGN.md, "Emulator"):
   * open and close are not written: after a power cycle open zones come back
     CLOSED (or EMPTY), exactly what they would be after the close.
 
+Around it, each in its own module with one job: the image's state and the
+argument checks (`emu_base.EmuBase`), power cuts and the volatile cache
+(`emu_powercut`), the data-discarding mode (`emu_discard`), the zone append
+model (`emu_append`); the image layout (`emu_format`), zone semantics
+(`emu_zones`), data I/O (`emu_io`) and fault injection (`emu_faults`).
+
 Threading: every method may be called from several threads. `_state_lock`
 guards zone states and is never held across I/O; one lock per zone serialises
 writes and management commands of that zone; `_table_lock` serialises table
 writes. Reads take no zone lock and run concurrently with everything.
-
-Zone append (`zone_append=True`, what `open_device` gives with
-`zone_append=on`): an append is placed as a ZNS drive places a Zone Append
--- under the zone lock only long enough to move the write pointer past it --
-and its data is written after the lock is released, so several appends to
-one zone are in flight at once and complete in any order, each returning
-where it landed (`info.zone_append` is true). A flush then records write
-pointers that may cover appends still in flight: after a crash their blocks
-hold whatever the image held there (EMU-1 holds for acknowledged appends
-only), as on a drive. Without it, an append is a write at the write pointer
-under the zone lock (one in flight per zone), as null_blk behaves.
-
-Data-discarding mode (`create(..., discard_data=True)`, `emu create
---discard-data`): after mkfs declared where its data zones start
-(`declare_data_zones`, recorded in the header), the all-zero blocks written to
-those zones are not stored (their file ranges stay holes), while every block
-holding anything else is (contiguous runs of them with one pwrite each), so
-the filesystem's per-zone summary blocks read back exactly. Zone states, write
-pointers and the superblock/metadata zones behave as always. It lets a
-benchmark fill a multi-terabyte device with zeros on a small disk. Skipping a
-zero block is right only where the file already reads zeros, so:
-  * EMU-4: in a discarding zone, the file range from `_zeros_from[zone]` to the
-    zone end is holes. A write or append starting below that mark first
-    punches its zone's range from its start to the zone end (fallocate
-    PUNCH_HOLE); the mark is unknown (the zone size) after open, so stale
-    blocks of a generation the table forgot (power cut, torn flush, failed
-    write) never resurface under skipped zeros.
-  * reset punches the whole zone's range after the reset is durable (EMU-2),
-    so its stored blocks give their space back and a crash in between leaves
-    the zone reset (the next write punches again). The zone lock is held
-    throughout; reads of the zone already see zeros (its data end is 0).
-  * a file system that cannot punch holes fails `create(discard_data=True)`,
-    and a punch later, with OSError(EOPNOTSUPP); writing zeros instead would
-    allocate the very space the mode saves.
-
-Test hooks (not for user paths): `volatile_cache=True` with
-`simulate_power_cut()`, `faults` (`emu_faults.FaultInjector`) including
-`cut_after_writes`. After a power cut the object is dead: every call raises
-OSError(EIO, "simulated power loss"), `close()` only releases it, and the
-image, reopened, shows the cut state.
 
 Caveats:
   * The exclusive lock is fcntl.flock on the image; read-only opens take no
@@ -78,18 +44,16 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import random
-import threading
 from types import TracebackType
-from typing import Literal
 
 from zonefs_py.device.base import DeviceInfo, Zone, ZoneCond
+from zonefs_py.device.emu_append import SCATTER_PIECE_BYTES, EmuZoneAppend
+from zonefs_py.device.emu_base import _power_loss
+from zonefs_py.device.emu_discard import _probe_punch_hole
 from zonefs_py.device.emu_faults import FaultInjector
 from zonefs_py.device.emu_format import (
-    ENTRY_BYTES,
     HEADER_BYTES,
     HEADER_MAGIC,
-    TABLE_ENTRIES_AT,
     DataDiscard,
     Geometry,
     ImageFormatError,
@@ -99,44 +63,13 @@ from zonefs_py.device.emu_format import (
     encode_table,
     pick_newest_table,
 )
-from zonefs_py.device.emu_io import (
-    Buffer,
-    ImageIO,
-    IOMode,
-    nonzero_runs,
-    open_image_io,
-    punch_hole,
-)
+from zonefs_py.device.emu_io import Buffer, ImageIO, IOMode, open_image_io
 from zonefs_py.device.emu_zones import ZoneStates
 from zonefs_py.errors import Busy, DeviceRefused
 
 __all__ = ["EmulatedZonedDevice", "probe_image"]
 
-PowerCutMode = Literal["drop", "tear"]
-#: Slice size of `append_scattered` in zone-append mode (QEMU's NVMe with zasl=5).
-SCATTER_PIECE_BYTES = 128 << 10
 
-
-def _power_loss() -> OSError:
-    return OSError(errno.EIO, "simulated power loss")
-
-
-def _punch_unsupported(path: str, exc: OSError) -> OSError:
-    return OSError(errno.EOPNOTSUPP,
-                   f"{path}: the image's file system cannot punch holes "
-                   f"(fallocate PUNCH_HOLE: {exc.strerror}), which the data-discarding "
-                   "mode needs; put the image on ext4, xfs, btrfs or tmpfs")
-
-
-def _probe_punch_hole(path: str, fd: int, geo: Geometry) -> None:
-    """Punch the last zone of a new (all-holes) image; unlink it and raise if impossible."""
-    try:
-        punch_hole(fd, geo.image_bytes - geo.zone_size_bytes, geo.zone_size_bytes)
-    except OSError as exc:
-        if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
-            raise
-        os.unlink(path)
-        raise _punch_unsupported(path, exc) from None
 
 
 def probe_image(path: str | os.PathLike[str]) -> bool:
@@ -148,44 +81,17 @@ def probe_image(path: str | os.PathLike[str]) -> bool:
         return False
 
 
-class EmulatedZonedDevice:
+class EmulatedZonedDevice(EmuZoneAppend):
     """A `ZonedDevice` on a regular file with null_blk semantics (see the module docstring)."""
 
     def __init__(self, path: str, io: ImageIO, geo: Geometry, seq: int,
                  entries: list[TableEntry], *, read_only: bool, volatile_cache: bool,
                  zone_append: bool = False, discard: DataDiscard | None = None) -> None:
         """Wrap an opened, locked and validated image; use `open` or `create` instead."""
-        self._path = path
-        self._discard = discard or DataDiscard()
-        #: Per zone, relative offset from which its file range is holes (EMU-4);
-        #: guarded by the zone lock. Unknown (the zone size) until a punch.
-        self._zeros_from = [geo.zone_size_bytes] * geo.nr_zones
-        self._io = io
-        self._geo = geo
-        self._read_only = read_only
-        self._volatile = volatile_cache
-        self._zone_append = zone_append and not read_only
-        self._scatter_rng = random.Random(0)
-        self._zones = ZoneStates(geo, entries)
-        self._durable = list(entries)
-        self._seq = seq
-        self._data_offset = geo.data_offset
-        self._zone_shift = geo.zone_size_bytes.bit_length() - 1
-        self._state_lock = threading.Lock()
-        self._table_lock = threading.Lock()
-        self._zone_locks = [threading.Lock() for _ in range(geo.nr_zones)]
-        #: Unflushed conventional-zone blocks in volatile-cache mode: offset -> block.
-        self._overlay: dict[int, bytes] = {}
-        self._dead = False
-        self._closed = False
+        super().__init__(path, io, geo, seq, entries, read_only=read_only,
+                         volatile_cache=volatile_cache, zone_append=zone_append,
+                         discard=discard)
         self.faults = FaultInjector(self)
-        self._info = DeviceInfo(
-            path=path, kind="emulated", block_size=geo.block_size,
-            zone_size_bytes=geo.zone_size_bytes, nr_zones=geo.nr_zones,
-            max_open_zones=geo.max_open, max_active_zones=geo.max_active,
-            zone_append_max_bytes=geo.zone_capacity_bytes, read_only=read_only,
-            zone_append=self._zone_append,
-        )
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -356,34 +262,6 @@ class EmulatedZonedDevice:
         with self._state_lock:
             return [self._zones.zone(i) for i in range(first_zone, end)]
 
-    @property
-    def discard(self) -> DataDiscard:
-        """The data-discarding mode recorded in the header (`declare_data_zones`)."""
-        return self._discard
-
-    def declare_data_zones(self, first_zone: int) -> None:
-        """Record that zones from `first_zone` on hold file data (mkfs calls it).
-
-        Only an image created with `discard_data` acts on it: from then on the
-        all-zero blocks written to those zones are not stored (the write
-        pointer and zone state move as usual; they read back as zeros from
-        the holes) while other blocks are, and the zones before it -- the
-        superblock and metadata log -- keep every byte. Persisted in the
-        header (fdatasync) before it returns; a no-op otherwise.
-
-        Raises OSError: EINVAL for a zone out of range, EBADF when read-only.
-        """
-        if not self._discard.enabled:
-            return
-        self._check_writable()
-        if not self._geo.nr_conventional <= first_zone < self._geo.nr_zones:
-            raise OSError(errno.EINVAL, f"zone {first_zone} out of range")
-        discard = DataDiscard(enabled=True, first_zone=first_zone)
-        with self._table_lock:
-            self._io.pwrite(0, encode_header(self._geo, discard))
-            self._io.fdatasync()
-            self._discard = discard
-
     def reset_count(self, zone_idx: int) -> int:
         """Return how often the zone was reset since the image was created."""
         self._check_zone_idx(zone_idx)
@@ -460,17 +338,6 @@ class EmulatedZonedDevice:
             length_bytes - valid
         )
 
-    def _apply_overlay(self, offset_bytes: int, data: bytes) -> bytes:
-        bs = self._geo.block_size
-        out: bytearray | None = None
-        with self._state_lock:
-            for pos in range(offset_bytes, offset_bytes + len(data), bs):
-                block = self._overlay.get(pos)
-                if block is not None:
-                    out = out if out is not None else bytearray(data)
-                    out[pos - offset_bytes : pos - offset_bytes + bs] = block
-        return data if out is None else bytes(out)
-
     def append(self, zone_idx: int, data: Buffer) -> int:
         """Write `data` at the zone's write pointer and return the absolute offset.
 
@@ -505,33 +372,6 @@ class EmulatedZonedDevice:
         self._scatter_rng.shuffle(order)
         where = {pos: self.append(zone_idx, view[pos:pos + step]) for pos in order}
         return [(where[pos], min(step, view.nbytes - pos)) for pos in starts]
-
-    def _zone_append_write(self, zone_idx: int, data: Buffer, length: int) -> int:
-        """Place the append under the zone lock, write it outside (module doc)."""
-        start = zone_idx << self._zone_shift
-        ok = False
-        with self._zone_locks[zone_idx]:
-            if self.faults.io_armed:  # where it would land: nothing moves if it fails
-                self.faults.check_write(start + self._zones.wp_rel[zone_idx], length)
-            with self._state_lock:
-                self._check_alive()
-                rel = self._zones.reserve_append(zone_idx, length)
-            try:
-                discards = self._claim_range_zl(zone_idx, rel, length)
-            except BaseException:
-                with self._state_lock:
-                    self._zones.end_append(zone_idx, rel, length, False)
-                raise
-        try:
-            self._check_alive()
-            self._store(zone_idx, start + rel, data, discards)
-            ok = True
-        finally:
-            with self._state_lock:
-                self._zones.end_append(zone_idx, rel, length, ok)
-                if ok:
-                    self._count_write_locked()
-        return start + rel
 
     def write(self, offset_bytes: int, data: Buffer) -> None:
         """Write at an explicit offset (anywhere in conventional zones, else at the WP).
@@ -578,40 +418,6 @@ class EmulatedZonedDevice:
                 self._count_write_locked()
         return offset
 
-    def _claim_range_zl(self, zone_idx: int, rel: int, length: int) -> bool:
-        """Prepare a write of zone-relative [rel, rel + length); return whether it discards.
-
-        Keeps EMU-4 (module doc): a discarding write starting below the zone's
-        zeros mark punches from `rel` to the zone end first. Caller holds the
-        zone lock. Raises OSError from the punch (EOPNOTSUPP: `_punch_zone_zl`).
-        """
-        discards = self._discard.discards(zone_idx)
-        if discards and rel < self._zeros_from[zone_idx]:
-            self._punch_zone_zl(zone_idx, rel)
-        self._zeros_from[zone_idx] = max(self._zeros_from[zone_idx], rel + length)
-        return discards
-
-    def _punch_zone_zl(self, zone_idx: int, rel: int) -> None:
-        """Punch the zone's file range from `rel` to its end; caller holds the zone lock."""
-        zsize = self._geo.zone_size_bytes
-        try:
-            self._io.punch_hole(self._data_offset + (zone_idx << self._zone_shift) + rel,
-                                zsize - rel)
-        except OSError as exc:
-            if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
-                raise _punch_unsupported(self._path, exc) from None
-            raise
-        self._zeros_from[zone_idx] = rel
-
-    def _store(self, zone_idx: int, offset_bytes: int, data: Buffer, discards: bool) -> None:
-        """Write `data` at device offset `offset_bytes`, all-zero blocks skipped if `discards`."""
-        if not discards:
-            self._io.pwrite(self._data_offset + offset_bytes, data)
-            return
-        view = memoryview(data).cast("B")
-        for start, end in nonzero_runs(view, self._geo.block_size):
-            self._io.pwrite(self._data_offset + offset_bytes + start, view[start:end])
-
     def _conv_write(self, offset_bytes: int, data: Buffer, length: int) -> None:
         if self.faults.io_armed:
             self.faults.check_write(offset_bytes, length)
@@ -651,32 +457,6 @@ class EmulatedZonedDevice:
                 raise _power_loss()
             if snapshot != self._durable or stage is not None:
                 self._write_table_locked(snapshot, torn=stage == "torn_table")
-
-    def _write_back_overlay_locked(self, blocks: dict[int, bytes]) -> None:
-        for pos in sorted(blocks):
-            self._io.pwrite(self._data_offset + pos, blocks[pos])
-        blocks.clear()
-
-    def _write_table_locked(self, entries: list[TableEntry], *, torn: bool = False) -> None:
-        """Write the next table copy and fdatasync; caller holds `_table_lock`."""
-        seq = self._seq + 1
-        tbytes = self._geo.table_copy_bytes
-        buf = encode_table(self._geo, seq, entries)
-        offset = self._geo.table_offset + (seq % 2) * tbytes
-        if torn:
-            # Test hook: the copy's last meaningful 512-byte sector never reaches
-            # the media, so the slot keeps old bytes there and fails its checksum.
-            used = TABLE_ENTRIES_AT + ENTRY_BYTES * self._geo.nr_zones
-            cut = (used - 1) // 512 * 512
-            old = self._io.pread(offset, tbytes)
-            self._io.pwrite(offset, buf[:cut] + old[cut:])
-            self._io.fdatasync()
-            self.power_cut_now()
-            raise _power_loss()
-        self._io.pwrite(offset, buf)
-        self._io.fdatasync()
-        self._seq = seq
-        self._durable = entries
 
     # -- zone management --------------------------------------------------------------
 
@@ -750,96 +530,3 @@ class EmulatedZonedDevice:
                 self._zones.set_bad(zone_idx, cond)
                 entry = self._zones.entry(zone_idx)
             self._persist_zone(zone_idx, entry, sync_data=True)
-
-    # -- power cuts (test hooks) --------------------------------------------------------
-
-    def simulate_power_cut(self, mode: PowerCutMode = "drop",
-                           rng: random.Random | None = None) -> None:
-        """Cut power now: unflushed writes are lost ("drop") or torn ("tear").
-
-        "tear" keeps, per sequential zone, a random block-aligned prefix of
-        the appends since the last flush (zoned devices persist in order), and
-        each unflushed conventional block with probability 1/2. The device is
-        dead afterwards; reopen the image to see the result. Raises ValueError
-        for an unknown mode, OSError(EIO) if the device is already dead.
-        """
-        if mode not in ("drop", "tear"):
-            raise ValueError(f"unknown power cut mode {mode!r}")
-        self._check_alive()
-        rng = rng or random.Random(0)
-        with self._table_lock:
-            with self._state_lock:
-                if mode == "tear":
-                    kept = {pos: blk for pos, blk in sorted(self._overlay.items())
-                            if rng.random() < 0.5}
-                    self._write_back_overlay_locked(kept)
-                    entries = self._torn_entries_locked(rng)
-                else:
-                    entries = self._durable
-                self._overlay.clear()
-            if entries != self._durable:
-                self._io.fdatasync()
-                self._write_table_locked(entries)
-            self.power_cut_now()
-
-    def _torn_entries_locked(self, rng: random.Random) -> list[TableEntry]:
-        bs = self._geo.block_size
-        entries = list(self._durable)
-        for idx in range(self._geo.nr_conventional, self._geo.nr_zones):
-            old = entries[idx]
-            live_end = self._zones.data_end[idx]
-            if old.cond in (ZoneCond.FULL, ZoneCond.READONLY, ZoneCond.OFFLINE):
-                continue
-            if live_end <= old.data_end_rel_bytes or self._zones.wp_rel[idx] < old.wp_rel_bytes:
-                continue
-            keep = rng.randint(0, (live_end - old.data_end_rel_bytes) // bs) * bs
-            end = old.data_end_rel_bytes + keep
-            entries[idx] = TableEntry(end, end, ZoneCond.CLOSED if end else ZoneCond.EMPTY,
-                                      old.reset_count)
-        return entries
-
-    def power_cut_now(self) -> None:
-        """Mark the device dead and drop the image lock (the image stays as it is; test hook)."""
-        self._dead = True
-        self._overlay.clear()
-        if self._io.fd >= 0 and not self._read_only:
-            fcntl.flock(self._io.fd, fcntl.LOCK_UN)
-
-    def _count_write_locked(self) -> None:
-        faults = self.faults
-        faults.writes_seen += 1
-        if faults.cut_after is not None and faults.writes_seen >= faults.cut_after:
-            self.power_cut_now()
-
-    # -- argument checks ------------------------------------------------------------
-
-    def _check_alive(self) -> None:
-        if self._closed:
-            raise OSError(errno.EBADF, "device is closed")
-        if self._dead:
-            raise _power_loss()
-
-    def _check_writable(self) -> None:
-        self._check_alive()
-        if self._read_only:
-            raise OSError(errno.EBADF, "device is open read-only")
-
-    def _check_zone_idx(self, zone_idx: int) -> None:
-        if not 0 <= zone_idx < self._geo.nr_zones:
-            raise OSError(errno.EINVAL, f"zone {zone_idx} out of range")
-
-    def _check_length(self, data: Buffer) -> int:
-        length = memoryview(data).nbytes
-        if length == 0 or length % self._geo.block_size:
-            raise OSError(errno.EINVAL, f"length {length} is not a positive multiple of "
-                                        f"the block size {self._geo.block_size}")
-        return length
-
-    def _check_range(self, offset_bytes: int, length_bytes: int) -> None:
-        bs = self._geo.block_size
-        if offset_bytes % bs or length_bytes % bs or length_bytes <= 0 or offset_bytes < 0:
-            raise OSError(errno.EINVAL, f"I/O at {offset_bytes}+{length_bytes} is not aligned "
-                                        f"to the block size {bs}")
-        if offset_bytes + length_bytes > self._info.size_bytes:
-            raise OSError(errno.EINVAL, f"I/O at {offset_bytes}+{length_bytes} is past the end")
-

@@ -49,8 +49,9 @@ import trio
 import xxhash
 
 from zonefs_py import errors
-from zonefs_py.drain.manager import DrainManager, object_metadata, object_url, snapshot_inode
+from zonefs_py.drain.manager import DrainManager
 from zonefs_py.drain.mover import MoveDeferred, move_object
+from zonefs_py.drain.policy import object_metadata, object_url, snapshot_inode
 from zonefs_py.drain.store import META_SIZE, META_XXH3, StoreError, multipart_etag, parse_url
 from zonefs_py.model import drain as model
 from zonefs_py.model.drain import DrainState
@@ -76,9 +77,13 @@ class KeyBusy(UploadAbandoned):
 
 
 class Drainer:
+    """Background task that uploads queued files to the object store, one `run()` per mount
+    (`stop()` ends it).
+    """
+
     def __init__(self, manager: DrainManager) -> None:
         self.m = manager
-        self.fs = manager.fs
+        self.host = manager.host
         self.backoff_s = 0.0
         #: trio time before which no new file starts (a store error's backoff).
         self.backoff_until = 0.0
@@ -95,7 +100,7 @@ class Drainer:
 
     async def run(self) -> None:
         """Upload (and move) queued files, `drain_parallel` at once, until `stop()`."""
-        if self.fs.options.read_only:
+        if self.host.options.read_only:
             return
         m = self.m
         with self._cancel:
@@ -120,8 +125,8 @@ class Drainer:
             # The journal refused a state change (failsafe, device error): this file
             # waits for the next mount, the other files in flight go on.
             self.m.errors += 1
-            self.m.last_error = f"{self.fs.path_of(ino)}: {exc}"
-            log.error("drain: %s: %s", self.fs.path_of(ino), exc)
+            self.m.last_error = f"{self.host.path_of(ino)}: {exc}"
+            log.error("drain: %s: %s", self.host.path_of(ino), exc)
         finally:
             self.m.uploading.discard(ino)
             self.m.wake.set()  # a slot is free
@@ -129,7 +134,7 @@ class Drainer:
     def _next_ready(self) -> tuple[int | None, float]:
         """The next file whose upload may start, or (None, seconds to wait)."""
         m = self.m
-        if m.paused or self.fs.failsafe is not None:
+        if m.paused or self.host.failsafe is not None:
             return None, 3600.0
         if len(m.uploading) >= m.files_in_flight:
             return None, 3600.0  # woken when one ends
@@ -162,7 +167,7 @@ class Drainer:
         """Upload (or move) one queued file; on failure re-queue it with a backoff."""
         m = self.m
         rec = m.record(ino)
-        inode = self.fs.state.inodes.get(ino)
+        inode = self.host.state.inodes.get(ino)
         if rec is None or inode is None:
             m.queued_since.pop(ino, None)
             return
@@ -182,29 +187,29 @@ class Drainer:
         try:
             etag = await self._upload(inode, *target)
         except KeyBusy as exc:
-            log.debug("drain: %s waits: %s", self.fs.path_of(ino), exc)
+            log.debug("drain: %s waits: %s", self.host.path_of(ino), exc)
             self._requeue_if_needed(ino, max(1.0, m.delay_s), keep_upload=False)
         except UploadAbandoned as exc:
-            log.info("drain: upload of %s abandoned: %s", self.fs.path_of(ino), exc)
+            log.info("drain: upload of %s abandoned: %s", self.host.path_of(ino), exc)
             self._requeue_if_needed(ino, max(1.0, m.delay_s), keep_upload=False)
         except StoreError as exc:
             self._store_failed(ino, exc)
         except errors.ZoneFSError as exc:
             # A local read failed (checksum, device): retrying will not help soon.
             m.errors += 1
-            m.last_error = f"{self.fs.path_of(ino)}: {exc}"
-            log.error("drain: cannot read %s for upload: %s", self.fs.path_of(ino), exc)
+            m.last_error = f"{self.host.path_of(ino)}: {exc}"
+            log.error("drain: cannot read %s for upload: %s", self.host.path_of(ino), exc)
             self._requeue_if_needed(ino, BACKOFF_MAX_S, keep_upload=False)
         else:
             self._succeeded()
             m.queued_since.pop(ino, None)
             m.files_drained += 1
-            log.info("drain: %s -> s3://%s/%s (%d bytes, ETag %s)", self.fs.path_of(ino),
+            log.info("drain: %s -> s3://%s/%s (%d bytes, ETag %s)", self.host.path_of(ino),
                      target[0], target[1], inode.size, etag)
             rec = m.record(ino)
             if rec is not None and m.needs_move(inode, rec):
                 m._schedule(ino, 0.0)  # a directory above was renamed meanwhile
-            parent = self.fs.state.inodes.get(inode.parent)
+            parent = self.host.state.inodes.get(inode.parent)
             if parent is not None:
                 m.retention(parent)
 
@@ -223,8 +228,8 @@ class Drainer:
             # The journal refused the record (device error, failsafe): nothing moved
             # that a record does not name; retried after a long pause.
             m.errors += 1
-            m.last_error = f"{self.fs.path_of(ino)}: {exc}"
-            log.error("drain: cannot journal the move of %s: %s", self.fs.path_of(ino), exc)
+            m.last_error = f"{self.host.path_of(ino)}: {exc}"
+            log.error("drain: cannot journal the move of %s: %s", self.host.path_of(ino), exc)
             self._requeue_if_needed(ino, BACKOFF_MAX_S, keep_upload=True)
             return
         if moved:
@@ -234,7 +239,7 @@ class Drainer:
         if moved and rec is not None and m.needs_move(inode, rec):
             m._schedule(ino, 0.0)  # renamed again while it moved
         elif moved:
-            parent = self.fs.state.inodes.get(inode.parent)
+            parent = self.host.state.inodes.get(inode.parent)
             if parent is not None:
                 m.retention(parent)  # eviction was refused while it moved
 
@@ -247,14 +252,14 @@ class Drainer:
         """Queue the file again after a failure. A multipart upload is kept (to resume)
         if `keep_upload`; else UPLOADING goes back to QUEUED (a fresh upload)."""
         m = self.m
-        if self.fs.failsafe is not None or self.fs.options.read_only:
+        if self.host.failsafe is not None or self.host.options.read_only:
             return  # nothing can be journaled; the next mount resumes from the log
         rec = m.record(ino)
         if rec is not None and rec.state == DrainState.UPLOADING and not (
                 keep_upload and rec.token):
             m._txn([model.upload_failed(rec).op(ino)])
             rec = m.record(ino)
-        inode = self.fs.state.inodes.get(ino)
+        inode = self.host.state.inodes.get(ino)
         if rec is not None and (rec.state in (DrainState.QUEUED, DrainState.UPLOADING) or (
                 inode is not None and m.needs_move(inode, rec))):
             m._schedule(ino, delay_s)
@@ -279,7 +284,7 @@ class Drainer:
             # One step per attempt window: files failing together double it once.
             self.backoff_s = min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, self.backoff_s * 2))
             self.backoff_until = now + self.backoff_s
-            log.warning("drain: %s failed (%s); retrying in %.0f s", self.fs.path_of(ino),
+            log.warning("drain: %s failed (%s); retrying in %.0f s", self.host.path_of(ino),
                         exc, self.backoff_s)
         self._requeue_if_needed(ino, 0.0, keep_upload=exc.kind == "transient")
 
@@ -287,14 +292,14 @@ class Drainer:
         m = self.m
         ino = inode.ino
         gen = m.gen.get(ino, 0)
-        if ino in self.fs.data.buffers or ino in self.fs.data.inflight:
+        if self.host.has_unwritten_data(ino):
             raise UploadAbandoned("it is being written")
         url = object_url(bucket, key)
         self._check_key(ino, url)
         snap = snapshot_inode(inode)
-        zones = sorted({e.dev // self.fs.data.zone_size for e in snap.extents or ()})
+        zones = sorted({e.dev // self.host.state.zone_size for e in snap.extents or ()})
         for z in zones:
-            self.fs.alloc.pin_read(z)
+            self.host.alloc.pin_read(z)
         try:
             resumed = await self._resumable(snap, url)
             kept: list[bytes] | None = None
@@ -327,7 +332,7 @@ class Drainer:
                             await self._try_abort(bucket, key, upload_id)
                         raise
                     # Durable now: a crash mid-upload then resumes this upload.
-                    await self.fs.journal.commit()
+                    await self.host.journal.commit()
                 try:
                     etag, want = await self._parts(snap, gen, bucket, key, upload_id, stored,
                                                    xxh, kept)
@@ -355,7 +360,7 @@ class Drainer:
             return etag
         finally:
             for z in zones:
-                self.fs.alloc.unpin_read(z)
+                self.host.alloc.unpin_read(z)
 
     async def _resumable(self, snap: Inode, url: bytes
                          ) -> tuple[int, str, dict[int, tuple[str, int]]] | None:
@@ -393,7 +398,7 @@ class Drainer:
         holder = self.m.key_holder(ino, url)
         if holder is not None:
             raise KeyBusy(f"{url.decode()} still holds the object of "
-                          f"{self.fs.path_of(holder)} (waiting for its move)")
+                          f"{self.host.path_of(holder)} (waiting for its move)")
 
     def _set_uploading(self, ino: int, gen: int, url: bytes, size: int, xxh: int,
                        upload_id: bytes) -> None:
@@ -404,7 +409,7 @@ class Drainer:
 
     def _check_gen(self, ino: int, gen: int) -> None:
         rec = self.m.record(ino)
-        if self.m.gen.get(ino, 0) != gen or rec is None or ino not in self.fs.state.inodes \
+        if self.m.gen.get(ino, 0) != gen or rec is None or ino not in self.host.state.inodes \
                 or rec.state not in (DrainState.QUEUED, DrainState.UPLOADING):
             raise UploadAbandoned("it changed while it was uploading")
 
@@ -437,7 +442,7 @@ class Drainer:
         bucket halved a checkpoint writer's speed (measured); without a rate of
         its own while reads ran, a drain that keeps up doubled the reader's p99
         (DESIGN 6.5: the controller's allowance stays unlimited without appends)."""
-        qos = self.fs.data.qos
+        qos = self.host.qos
         now = trio.current_time()
         rate = min(qos.allowance, self.m.rate_reads_bytes_s or math.inf)
         if not qos.enabled or rate == math.inf or not qos.reads_active(now):
@@ -454,9 +459,7 @@ class Drainer:
         await self._yield_to_writers()
         await self._admit_read(length)
         self._check_gen(snap.ino, gen)
-        if snap.inline:
-            return self.fs.inline.read(snap, snap.size, offset, length)
-        return await self.fs.data._read_stored(snap, offset, length)
+        return await self.host.read_stored(snap, offset, length)
 
     async def _hash(self, snap: Inode, gen: int) -> tuple[int, list[bytes] | None]:
         """The xxh3 of the snapshot, and its parts if it has at most `drain_parts` of

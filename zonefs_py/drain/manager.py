@@ -1,4 +1,4 @@
-"""The drain's side of the engine: policies, when files queue, eviction, restore.
+"""The drain's side of the engine: when files queue, eviction, restore.
 
 `DrainManager` is owned by ZoneFS (`fs.drain`); the engine calls its hooks
 at a few points (write, truncate, open, fsync, last close, rename, the
@@ -6,13 +6,10 @@ at a few points (write, truncate, open, fsync, last close, rename, the
 it queues. Every state change is a DRAIN op applied and journaled like any
 other transaction (zonefs_py/model/drain.py gives the legal moves and the crash argument).
 
-Policy, per directory, inherited by everything below it (like streams):
-  * `user.zonefs.drain` = s3://bucket/prefix: files below drain to
-    prefix/<path relative to that directory>.
-  * `user.zonefs.keep` = N (newest N by mtime) or `N:number` (newest N by
-    the last number in the name, e.g. step-1200.pt): of the regular files
-    of one directory, the newest N stay local, older *drained* ones are
-    evicted. A file that is not drained is never evicted.
+Around it, each with one job: the policy xattrs (`user.zonefs.drain`,
+`user.zonefs.keep`) and object names in policy.py; fetching an object back
+in restore.py; the figures in status.py; the engine it serves through
+`DrainHost` (host.py).
 
 When a file queues: QUEUED is journaled at an fsync after writing (so the
 fsync's commit makes it durable with the data: a crash after the fsync
@@ -35,87 +32,37 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 from typing import Any
 
 import trio
-import xxhash
 
 from zonefs_py import errors
-from zonefs_py.drain.store import (
-    META_SIZE,
-    META_XXH3,
-    ObjectStore,
-    S3Settings,
-    S3Store,
-    StoreError,
-    join_url,
-    object_key,
-    parse_url,
-)
+from zonefs_py.drain import policy
+from zonefs_py.drain.host import DrainHost
+from zonefs_py.drain.policy import object_url
+from zonefs_py.drain.restore import ObjectFetcher
+from zonefs_py.drain.status import DrainStatus
+from zonefs_py.drain.store import ObjectStore, S3Settings, S3Store, parse_url
 from zonefs_py.format.constants import OpType
 from zonefs_py.format.ops import Op
-from zonefs_py.fs.api import ROOT_INO
 from zonefs_py.model import drain as model
 from zonefs_py.model.drain import DrainRecord, DrainState
 from zonefs_py.model.state import Inode
 
 log = logging.getLogger(__name__)
 
-DRAIN_XATTR = b"user.zonefs.drain"
-KEEP_XATTR = b"user.zonefs.keep"
-STATE_XATTR = b"user.zonefs.state"
-MAX_DEPTH = 64
-_NUMBER = re.compile(rb"(\d+)")
+class DrainManager(DrainStatus):
+    """The drain of one mount: the engine's hooks (open, write, truncate, release, unlink),
+    eviction under space pressure, restore of evicted files, and the status figures.
+    """
 
-
-def parse_keep(value: bytes) -> tuple[int, bool]:
-    """`N` or `N:number` -> (N, rank by the number in the name). Raises ValueError."""
-    text = value.strip().decode("ascii", errors="replace")
-    count, _, how = text.partition(":")
-    n = int(count)
-    if n < 0 or how not in ("", "mtime", "number"):
-        raise ValueError(f"user.zonefs.keep must be N, N:mtime or N:number, not {text!r}")
-    return n, how == "number"
-
-
-def check_policy_xattr(name: bytes, value: bytes, is_dir: bool) -> None:
-    """Validate a drain policy xattr before it is set. Raises errors.InvalidArgument."""
-    if name not in (DRAIN_XATTR, KEEP_XATTR):
-        return
-    if not is_dir:
-        raise errors.InvalidArgument(f"{name.decode()} is set on directories")
-    try:
-        if name == DRAIN_XATTR:
-            parse_url(value.decode("utf-8", errors="strict"))
-        else:
-            parse_keep(value)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise errors.InvalidArgument(str(exc)) from None
-
-
-def snapshot_inode(inode: Inode) -> Inode:
-    """A detached copy of a file's size and extent map (the version to upload)."""
-    from zonefs_py.model.extents import Extent, ExtentMap
-
-    snap = Inode(inode.ino, inode.mode, size=inode.size, flags=inode.flags)
-    snap.inline = inode.inline
-    if inode.extents is not None and len(inode.extents):
-        m = ExtentMap()
-        m.exts = [Extent(e.fblock, e.nblocks, e.dev, e.csums) for e in inode.extents]
-        m.mapped_blocks = inode.extents.mapped_blocks
-        snap.extents = m
-    return snap
-
-
-class DrainManager:
-    def __init__(self, fs: Any, store: ObjectStore | None = None) -> None:
-        # fs: the ZoneFS that owns this manager (not imported: it imports this module,
-        # docs/DESIGN.md §1 allows no cycle).
-        o = fs.options
-        self.fs = fs
-        self.state = fs.state
+    def __init__(self, host: DrainHost, store: ObjectStore | None = None) -> None:
+        super().__init__()
+        o = host.options
+        #: The engine that owns this manager, through its DrainHost API (drain/host.py).
+        self.host = host
+        self.state = host.state
         self.store: ObjectStore = store or S3Store(S3Settings(
             endpoint=o.drain_endpoint, region=o.drain_region, profile=o.drain_profile,
             credentials_file=o.drain_credentials))
@@ -141,20 +88,6 @@ class DrainManager:
         self.locks: dict[int, trio.Lock] = {}
         self.wake = trio.Event()
         self.paused = False
-        # Figures for stat.
-        self.bytes_drained = 0
-        self.files_drained = 0
-        self.bytes_restored = 0
-        self.files_evicted = 0
-        self.errors = 0
-        self.last_error: str | None = None
-        self.auth_error: str | None = None
-        self.parts_sent = 0
-        #: Bytes the store holds through finished parts (sent or found stored).
-        self.bytes_uploaded = 0
-        #: Parts a resumed upload found already stored (ListParts) and did not send.
-        self.parts_reused = 0
-        self.files_moved = 0
         #: Files the drainer is uploading or moving now.
         self.uploading: set[int] = set()
         self.recovered = False
@@ -204,7 +137,7 @@ class DrainManager:
 
     # -- helpers -----------------------------------------------------------------------
     def _txn(self, ops: list[Op]) -> None:
-        self.fs._txn(ops)
+        self.host.txn(ops)
 
     def lock(self, ino: int) -> trio.Lock:
         lk = self.locks.get(ino)
@@ -252,53 +185,13 @@ class DrainManager:
             self.stale_uploads.append((bucket, key, rec.token.decode()))
             self.wake.set()
 
-    def _name_in(self, d: Inode, ino: int) -> bytes | None:
-        for name, child in (d.entries or {}).items():
-            if child == ino:
-                return name
-        return None
-
     def policy_of(self, inode: Inode) -> tuple[str, str] | None:
-        """(bucket, key) the file drains to, from the nearest `user.zonefs.drain`; or None."""
-        parts: list[bytes] = []
-        cur = inode
-        for _ in range(MAX_DEPTH):
-            parent = self.state.inodes.get(cur.parent) if cur.parent else None
-            if parent is None:
-                return None
-            name = self._name_in(parent, cur.ino)
-            if name is None:
-                return None
-            parts.append(name)
-            url = (parent.xattrs or {}).get(DRAIN_XATTR)
-            if url is not None:
-                try:
-                    bucket, prefix = parse_url(url.decode("utf-8", errors="replace"))
-                except ValueError:
-                    return None
-                rel = b"/".join(reversed(parts)).decode("utf-8", errors="surrogateescape")
-                return bucket, object_key(prefix, rel)
-            if parent.ino == ROOT_INO:
-                return None
-            cur = parent
-        return None
+        """(bucket, key) the file drains to (policy.py), or None."""
+        return policy.policy_of(self.state, inode)
 
     def keep_of(self, d: Inode) -> tuple[int, bool] | None:
-        """The `user.zonefs.keep` that applies to directory d (nearest ancestor's)."""
-        cur: Inode | None = d
-        for _ in range(MAX_DEPTH):
-            if cur is None:
-                return None
-            value = (cur.xattrs or {}).get(KEEP_XATTR)
-            if value is not None:
-                try:
-                    return parse_keep(value)
-                except ValueError:
-                    return None
-            if cur.ino == ROOT_INO:
-                return None
-            cur = self.state.inodes.get(cur.parent)
-        return None
+        """The `user.zonefs.keep` that applies to directory d (policy.py)."""
+        return policy.keep_of(self.state, d)
 
     # -- hooks called by the engine (no await between check and op) ------------------------
     def on_write(self, inode: Inode) -> None:
@@ -354,7 +247,7 @@ class DrainManager:
         self.synced.add(ino)
         rec = self.state.drain.get(ino)
         if rec is None and inode.nlink and self.policy_of(inode) is not None \
-                and not self.fs.options.read_only and self.fs.failsafe is None:
+                and not self.host.options.read_only and self.host.failsafe is None:
             self._txn([model.queue(rec).op(ino)])
 
     def on_release(self, inode: Inode) -> None:
@@ -416,7 +309,7 @@ class DrainManager:
         self.renamed.discard(ino)
         if inode.nlink == 0 or self.policy_of(inode) is None:
             return
-        if self.fs.options.read_only or self.fs.failsafe is not None:
+        if self.host.options.read_only or self.host.failsafe is not None:
             return
         rec = self.state.drain.get(ino)
         if rec is None or rec.state != DrainState.QUEUED:
@@ -455,7 +348,7 @@ class DrainManager:
         rec = self.state.drain.get(inode.ino)
         if rec is None or rec.state != DrainState.DRAINED:
             return f"it is {model.state_name(rec)}, not drained"
-        if inode.opens or inode.ino in self.fs.data.buffers or inode.ino in self.fs.data.inflight:
+        if inode.opens or self.host.has_unwritten_data(inode.ino):
             return "it is open"
         if inode.inline:
             return "its bytes are inline in the metadata (no block to free)"
@@ -468,16 +361,16 @@ class DrainManager:
         why = self.evictable(inode)
         if why is not None:
             if by_hand:
-                raise errors.Busy(f"cannot evict {self.fs.path_of(inode.ino)}: {why}")
+                raise errors.Busy(f"cannot evict {self.host.path_of(inode.ino)}: {why}")
             return False
-        if self.fs.options.read_only or self.fs.failsafe is not None:
-            self.fs._writable()
+        if self.host.options.read_only or self.host.failsafe is not None:
+            self.host.check_writable()
         rec = self.state.drain[inode.ino]
         self._txn([(OpType.TRUNCATE, inode.ino, 0), model.evict(rec).op(inode.ino)])
         # st_blocks fell to 0: the kernel's cached attributes are stale (DESIGN 4.3).
-        self.fs.note_changed_behind_kernel(inode.ino)
+        self.host.note_changed_behind_kernel(inode.ino)
         self.files_evicted += 1
-        self.fs.wake_background()
+        self.host.wake_background()
         return True
 
     def retention(self, d: Inode) -> int:
@@ -491,8 +384,8 @@ class DrainManager:
 
         def rank(inode: Inode) -> tuple[int, int]:
             if by_number:
-                name = self._name_in(d, inode.ino) or b""
-                nums = _NUMBER.findall(name)
+                name = policy.name_in(d, inode.ino) or b""
+                nums = policy.NUMBER.findall(name)
                 return (int(nums[-1]) if nums else -1, inode.mtime)
             return (inode.mtime, inode.ino)
 
@@ -506,7 +399,7 @@ class DrainManager:
     async def relieve_space(self, need_bytes: int) -> bool:
         """ENOSPC: evict drained, closed files, oldest mtime first, until `need_bytes`
         of data are released. Returns True if anything was evicted."""
-        bs = self.fs.bs
+        bs = self.host.bs
         cands = [self.state.inodes[i] for i, r in self.state.drain.items()
                  if r.state == DrainState.DRAINED and i in self.state.inodes]
         cands.sort(key=lambda i: i.mtime)
@@ -518,18 +411,8 @@ class DrainManager:
             if self.evict(inode):
                 freed += mapped
                 log.info("drain: evicted %s (%d bytes) to relieve ENOSPC",
-                         self.fs.path_of(inode.ino), mapped)
+                         self.host.path_of(inode.ino), mapped)
         return freed > 0
-
-    def need_space_hook(self, fallback: Any) -> Any:
-        """Wrap DataPath.on_need_space: evict drained files first, then clean."""
-        async def need_space() -> bool:
-            if await self.relieve_space(self.fs.data.zone_size):
-                await self.fs.reclaim.commit_and_reset()
-                return True
-            result: bool = await fallback()
-            return result
-        return need_space
 
     # -- restore -----------------------------------------------------------------------
     async def restore(self, inode: Inode) -> None:
@@ -539,152 +422,23 @@ class DrainManager:
             rec = self.state.drain.get(inode.ino)
             if rec is None or rec.state != DrainState.EVICTED:
                 return  # restored by a concurrent opener
-            self.fs._writable()
+            self.host.check_writable()
             t0 = time.monotonic()
-            placed = await self._fetch_and_place(inode, rec)
+            # Built per restore: tests swap the store and the part sizes at run time.
+            fetcher = ObjectFetcher(self.host, self.store, self.part_bytes, self.parts_in_flight)
+            placed = await fetcher.fetch_and_place(inode, rec)
             rec = self.state.drain.get(inode.ino)
             if rec is None or rec.state != DrainState.EVICTED:
-                self.fs.data.discard_placed(placed)  # garbage: give the zones back
+                self.host.discard_placed(placed)  # garbage: give the zones back
                 raise errors.IOFailure("the file changed while it was restored")
-            ops = self.fs.data._apply_placed(inode, placed)
+            ops = self.host.apply_placed(inode, placed)
             op = model.restored(rec).op(inode.ino)
             self.state.apply(op)
-            self.fs.journal.add([*ops, op])
-            self.fs.note_changed_behind_kernel(inode.ino)
+            self.host.journal.add([*ops, op])
+            self.host.note_changed_behind_kernel(inode.ino)
             if inode.opens == 0:
-                to_finish: list[int] = []
-                self.fs.alloc.release_owner(inode.ino, to_finish)
-                self.fs._finish_later(to_finish)
+                self.host.release_zones_of(inode.ino)
             self.bytes_restored += rec.size
             log.info("drain: restored %s (%d bytes) from %s in %.2f s",
-                     self.fs.path_of(inode.ino), rec.size, rec.url.decode(),
+                     self.host.path_of(inode.ino), rec.size, rec.url.decode(),
                      time.monotonic() - t0)
-
-    async def _restore_source(self, rec: DrainRecord) -> tuple[str, str]:
-        """(bucket, key) to fetch from: the record's object, or, while a move is in
-        flight (DESIGN 6.3), its destination once the old key is gone. Raises
-        IOFailure if the store cannot say."""
-        bucket, key = parse_url(rec.url.decode())
-        if not rec.moving_to:
-            return bucket, key
-        try:
-            await trio.to_thread.run_sync(self.store.head, bucket, key)
-            return bucket, key
-        except StoreError as exc:
-            if exc.kind != "missing":
-                raise errors.IOFailure(f"restore from {rec.url.decode()} failed: {exc}") from None
-        return parse_url(rec.moving_to.decode())
-
-    async def _fetch_and_place(self, inode: Inode, rec: DrainRecord) -> list[Any]:
-        """GET the object in parts (several in flight), hash in order, append to zones.
-
-        Returns the placed (unapplied) EXTENT ops; on any failure the placed
-        pieces are given back as garbage and IOFailure is raised.
-        """
-        bucket, key = await self._restore_source(rec)
-        size, part = rec.size, self.part_bytes
-        nparts = (size + part - 1) // part
-        results: dict[int, bytes | StoreError] = {}
-        ready = [trio.Event() for _ in range(nparts)]
-        limiter = trio.CapacityLimiter(self.parts_in_flight)
-        placed: list[Any] = []
-        hasher = xxhash.xxh3_64()
-        path = self.fs.path_of(inode.ino)
-
-        async def get(i: int) -> None:
-            start = i * part
-            try:
-                results[i] = await trio.to_thread.run_sync(
-                    self.store.get_range, bucket, key, start, min(size, start + part),
-                    limiter=limiter)
-            except StoreError as exc:
-                results[i] = exc
-            ready[i].set()
-
-        ok = False
-        failure: list[errors.ZoneFSError] = []
-        try:
-            async with trio.open_nursery() as nursery:
-                window = self.parts_in_flight + 1
-                for i in range(min(window, nparts)):
-                    nursery.start_soon(get, i)
-                for i in range(nparts):
-                    await ready[i].wait()
-                    if i + window < nparts:
-                        nursery.start_soon(get, i + window)
-                    data = results.pop(i)
-                    try:
-                        if isinstance(data, StoreError):
-                            raise errors.IOFailure(f"restore of {path} failed: {data}")
-                        hasher.update(data)
-                        bs = self.fs.bs
-                        if len(data) % bs:
-                            data += bytes(bs - len(data) % bs)  # INV-10: zeros past EOF
-                        placed += await self.fs.data._place_file_data(inode, i * part // bs,
-                                                                      data)
-                    except errors.ZoneFSError as exc:
-                        # Raised here it would leave the nursery in an ExceptionGroup.
-                        failure.append(exc)
-                        nursery.cancel_scope.cancel()
-                        break
-            if failure:
-                log.error("drain: %s", failure[0])
-                raise failure[0]
-            if hasher.intdigest() != rec.xxh3:
-                log.error("drain: restore of %s from %s: checksum mismatch (object xxh3 "
-                          "%016x, recorded %016x); the file stays evicted", path,
-                          rec.url.decode(), hasher.intdigest(), rec.xxh3)
-                raise errors.IOFailure(f"restored object of {path} fails its checksum")
-            ok = True
-            return placed
-        finally:
-            if not ok:
-                self.fs.data.discard_placed(placed)
-
-    # -- status ---------------------------------------------------------------------------
-    def status(self) -> dict[str, object]:
-        try:
-            now = trio.current_time()
-        except RuntimeError:  # outside trio (a tool reading figures): no lag
-            now = min(self.queued_since.values(), default=0.0)
-        counts = {s.name.lower(): 0 for s in DrainState}
-        sizes = dict.fromkeys(counts, 0)
-        for ino, rec in self.state.drain.items():
-            name = rec.state.name.lower()
-            counts[name] += 1
-            inode = self.state.inodes.get(ino)
-            sizes[name] += inode.size if inode is not None else 0
-        queue_bytes = sum(self.state.inodes[i].size for i in self.queue
-                          if i in self.state.inodes)
-        oldest = min(self.queued_since.values(), default=None)
-        return {
-            "paused": self.paused,
-            "queue_files": len(self.queue),
-            "queue_bytes": queue_bytes,
-            "lag_seconds": round(now - oldest, 3) if oldest is not None else 0.0,
-            "uploading": self.fs.path_of(min(self.uploading)) if self.uploading else None,
-            "uploading_files": len(self.uploading),
-            "uploading_bytes": sum(self.state.inodes[i].size for i in self.uploading
-                                   if i in self.state.inodes),
-            "bytes_uploaded": self.bytes_uploaded,
-            "parts_sent": self.parts_sent,
-            "parts_reused": self.parts_reused,
-            "files_moved": self.files_moved,
-            "bytes_drained": self.bytes_drained,
-            "files_drained": self.files_drained,
-            "bytes_restored": self.bytes_restored,
-            "files_evicted": self.files_evicted,
-            "files_by_state": counts,
-            "bytes_by_state": sizes,
-            "errors": self.errors,
-            "last_error": self.last_error,
-            "auth_error": self.auth_error,
-        }
-
-
-def object_metadata(size: int, xxh3: int) -> dict[str, str]:
-    return {META_XXH3: f"{xxh3:016x}", META_SIZE: str(size)}
-
-
-def object_url(bucket: str, key: str) -> bytes:
-    return join_url(bucket, key).encode()

@@ -32,7 +32,8 @@ from typing import Any
 
 import trio
 
-from zonefs_py.drain.manager import DrainManager, object_metadata
+from zonefs_py.drain.manager import DrainManager
+from zonefs_py.drain.policy import object_metadata
 from zonefs_py.drain.store import META_SIZE, META_XXH3, ObjectInfo, StoreError, parse_url
 from zonefs_py.model import drain as model
 from zonefs_py.model.drain import DrainRecord, DrainState
@@ -83,12 +84,12 @@ async def move_object(m: DrainManager, inode: Inode, warned: set[Any]) -> bool:
                 if (ino, dest) not in warned:
                     warned.add((ino, dest))
                     log.warning("drain: %s stays under %s for now: %s is %s's object",
-                                m.fs.path_of(ino), rec.url.decode(), dest.decode(),
-                                m.fs.path_of(holder))
+                                m.host.path_of(ino), rec.url.decode(), dest.decode(),
+                                m.host.path_of(holder))
                 raise MoveDeferred(dest.decode())
             rec = model.start_move(rec, dest)
             m._txn([rec.op(ino)])
-            await m.fs.journal.commit()  # step 1 durable before anything is copied
+            await m.host.journal.commit()  # step 1 durable before anything is copied
         info = await _head(m, rec.moving_to)
         if info is None or not _holds(info, rec):
             src_bucket, src_key = parse_url(rec.url.decode())
@@ -109,5 +110,5 @@ async def move_object(m: DrainManager, inode: Inode, warned: set[Any]) -> bool:
         m._txn([model.move_done(now, info.etag.encode()).op(ino)])
         m.files_moved += 1
         log.info("drain: moved %s -> %s (%s)", rec.url.decode(), rec.moving_to.decode(),
-                 m.fs.path_of(ino))
+                 m.host.path_of(ino))
         return True

@@ -40,6 +40,8 @@ class StoreError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class ObjectInfo:
+    """What a HEAD of an object returns: its size, ETag and user metadata."""
+
     size: int
     etag: str
     metadata: dict[str, str]
@@ -74,6 +76,10 @@ def multipart_etag(part_md5s: list[bytes]) -> str:
 
 
 class ObjectStore(Protocol):
+    """The object-store calls the drain makes (S3Store implements them; tests use a fake). Every
+    call may block and runs in a worker thread.
+    """
+
     def put(self, bucket: str, key: str, data: bytes, metadata: dict[str, str],
             md5: bytes) -> str: ...
 

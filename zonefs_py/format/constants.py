@@ -35,11 +35,19 @@ RECORD_HEADER_SIZE = 32
 #: Zones 0 and 1 of the sequential zones hold the rolling superblock.
 SUPERBLOCK_ZONES = 2
 
+#: The root directory's inode number (SPEC.md: "Root is inode 1").
+ROOT_INO = 1
+#: Name of the xattr that sets a directory tree's byte quota; stored as any
+#: xattr (an XATTR_SET op), read back at mount (fs/quota.py).
+QUOTA_XATTR = b"user.zonefs.quota"
+
 #: Blocks of file data per checksum (the device block size is the checksum unit).
 CHECKSUM_BYTES = 4
 
 
 class RecordType(enum.IntEnum):
+    """Type of a metadata log record (SPEC.md, "Records"). Retired values stay reserved."""
+
     SUPERBLOCK = 1
     ZONE_HEADER = 2
     JOURNAL = 3
@@ -95,6 +103,8 @@ class Stream(enum.IntEnum):
 
 #: Role of a zone in the layout.
 class ZoneRole(enum.IntEnum):
+    """Role of a zone in the layout (SPEC.md, "Layout")."""
+
     UNUSED = 0  # conventional zones and zones past the layout
     SUPERBLOCK = 1
     META = 2

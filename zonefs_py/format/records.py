@@ -54,6 +54,8 @@ class RecordError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Record:
+    """One decoded metadata log record: type, sequence number, flags and payload."""
+
     type: RecordType
     seq: int
     flags: int

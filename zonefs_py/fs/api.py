@@ -23,9 +23,11 @@ from dataclasses import dataclass, field
 import trio
 
 from zonefs_py import errors
+
+# On-disk, so defined in format/; re-exported here for the engine's callers.
+from zonefs_py.format.constants import ROOT_INO as ROOT_INO
 from zonefs_py.model.state import CAPABILITY_XATTR as CAPABILITY_XATTR
 
-ROOT_INO = 1
 NAME_MAX = 255
 XATTR_NAME_MAX = 255
 XATTR_SIZE_MAX = 65536
@@ -106,6 +108,8 @@ class StatFs:
 
 @dataclass(slots=True)
 class DirEntry:
+    """One readdir entry: its name, attributes, and the offset that resumes after it."""
+
     name: bytes
     attr: Attr
     next_offset: int

@@ -57,10 +57,24 @@ __all__ = ["CHUNK_BYTES", "Chunk", "DataPath", "WriteBuffer"]
 
 
 class DataPath:
+    """The engine's one door to file data: buffered writes, flush, truncate, reads.
+
+    Built once per mount with everything it needs: `qos` gates appends behind
+    reads (`read_latency_ms=`), `reader` does thread-free reads (io_uring)
+    or is None, `stamp_times` False leaves mtime/ctime to the caller (the
+    kernel's writeback cache), `prefetch_bytes` is the read-ahead window (0:
+    off), `fast_read` enables the read fast path, and `on_need_space` is the
+    foreground cleaning a write calls when no zone has room.
+    """
+
     def __init__(self, dev: ZonedDevice, state: State, journal: Journal, alloc: Allocator,
                  limiter: trio.CapacityLimiter, path_of: Callable[[int], str],
                  read_limiter: trio.CapacityLimiter | None = None,
-                 cache_bytes: int = 256 << 20) -> None:
+                 cache_bytes: int = 256 << 20, *,
+                 qos: ReadLatencyController | None = None,
+                 reader: AsyncReader | None = None, stamp_times: bool = True,
+                 prefetch_bytes: int = 0, fast_read: bool = True,
+                 on_need_space: Callable[[], Awaitable[bool]] | None = None) -> None:
         self.dev = dev
         self.state = state
         self.journal = journal
@@ -71,21 +85,22 @@ class DataPath:
         self.counters = state.counters
         read_limiter = read_limiter or limiter
         #: Per-file write state; its `qos` is the read QoS gate for appends
-        #: (disabled until the engine sets a target).
-        self.writes = FileWrites(ReadLatencyController(0))
+        #: (disabled without a target).
+        self.writes = FileWrites(qos or ReadLatencyController(0))
         self.buffers = self.writes.buffers
         self.inflight = self.writes.inflight
         self.locks = self.writes.locks
         #: Zone summaries: sealing full zones, and the checksums of sealed ones.
         self.sealer = ZoneSealer(dev, state, journal, alloc, limiter)
-        self.sums = SumCache(dev, state, read_limiter, cache_bytes, path_of)
-        self.reads = ReadPath(dev, state, alloc, self.writes, self.sums, read_limiter, path_of)
+        self.sums = SumCache(dev, state, read_limiter, cache_bytes, path_of, reader=reader)
+        self.reads = ReadPath(dev, state, alloc, self.writes, self.sums, read_limiter, path_of,
+                              reader=reader, prefetch_bytes=prefetch_bytes, fast=fast_read)
         self.pipe = WritePipeline(dev, state, journal, alloc, limiter, self.writes,
-                                  self.sealer, path_of)
+                                  self.sealer, path_of, on_need_space=on_need_space)
         #: Writes set the file's mtime/ctime to their arrival time. False when the
         #: caller owns the times (FUSE writeback cache: FsOptions.kernel_write_times);
         #: a buffer or chunk then carries time 0, "leave the times as they are".
-        self.stamp_times = True
+        self.stamp_times = stamp_times
         state.on_data_changed = self.reads.data_changed
         # Request order and write state, as the engine and the drain use them.
         self.write_arriving = self.writes.write_arriving
@@ -96,27 +111,17 @@ class DataPath:
         self.visible_size = self.writes.visible_size
         self.forget_file = self.writes.forget_file
         self.times_set = self.writes.times_set
-        self.enable_prefetch = self.reads.enable_prefetch
         self.read = self.reads.read
         self.discard_placed = self.pipe.discard_placed
 
-    # -- parts the engine wires (set after construction) ------------------------------
+    # -- the parts' settings, as the engine and its status read them -------------------
     @property
     def qos(self) -> ReadLatencyController:
         return self.writes.qos
 
-    @qos.setter
-    def qos(self, value: ReadLatencyController) -> None:
-        self.writes.qos = value
-
     @property
     def reader(self) -> AsyncReader | None:
         return self.reads.reader
-
-    @reader.setter
-    def reader(self, value: AsyncReader | None) -> None:
-        self.reads.reader = value
-        self.sums.reader = value
 
     @property
     def prefetch(self) -> Prefetcher | None:
@@ -125,10 +130,6 @@ class DataPath:
     @property
     def on_need_space(self) -> Callable[[], Awaitable[bool]] | None:
         return self.pipe.on_need_space
-
-    @on_need_space.setter
-    def on_need_space(self, value: Callable[[], Awaitable[bool]] | None) -> None:
-        self.pipe.on_need_space = value
 
     @property
     def append_order(self) -> AppendOrder | None:
@@ -142,23 +143,19 @@ class DataPath:
     def chunk_landing_hook(self, value: Callable[[], Awaitable[None]] | None) -> None:
         self.pipe.chunk_landing_hook = value
 
-    # -- what the drain and inline conversion use of the parts -------------------------
-    async def _read_stored(self, inode: Inode, offset: int, length: int) -> bytes:
+    # -- what the engine's DrainHost API uses of the parts ------------------------------
+    async def read_stored(self, inode: Inode, offset: int, length: int) -> bytes:
+        """The file's bytes from its extents only (holes are zeros), verified."""
         return await self.reads.read_stored(inode, offset, length)
 
-    async def _read_locked(self, inode: Inode, offset: int, length: int
-                           ) -> bytes | memoryview:
-        return await self.reads.read_locked(inode, offset, length)
-
-    async def _place_file_data(self, inode: Inode, fblock: int,
-                               data: bytes) -> list[tuple[Op, int]]:
+    async def place_file_data(self, inode: Inode, fblock: int,
+                              data: bytes) -> list[tuple[Op, int]]:
+        """Append data for file blocks from `fblock`; the EXTENT ops are not applied."""
         return await self.pipe.place_file_data(inode, fblock, data)
 
-    def _apply_placed(self, inode: Inode, placed: list[tuple[Op, int]]) -> list[Op]:
-        return self.pipe.apply_placed(inode, placed)
-
-    async def _append_file_data(self, inode: Inode, fblock: int, data: bytes) -> list[Op]:
-        return await self.pipe.append_file_data(inode, fblock, data)
+    def has_unwritten_data(self, ino: int) -> bool:
+        """True while the file has buffered bytes or chunks in flight."""
+        return ino in self.buffers or ino in self.inflight
 
     def _count(self, key: int, n: int) -> None:
         self.counters[key] = self.counters.get(key, 0) + n

@@ -98,40 +98,36 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         self.read_limiter = trio.CapacityLimiter(options.max_device_threads)
         self.limiter = trio.CapacityLimiter(max(2, options.max_device_threads // 4))
         self.meta_limiter = trio.CapacityLimiter(2)
-        self.journal = Journal(dev, rec.log, rec.sbstore, rec.sb, self.state, self.meta_limiter)
-        self.journal.journal_limit = options.checkpoint_journal_bytes
         # The checkpoint loaded sets the checkpoint trigger, the meta-zone
         # reserve and the bound on files until this mount writes one.
-        self.journal.last_checkpoint_bytes = rec.checkpoint_bytes
-        self.journal.last_checkpoint_disk_bytes = rec.checkpoint_disk_bytes
-        self.journal.checkpoint_sample = (rec.checkpoint_disk_bytes, len(rec.state.inodes))
-        self.alloc = Allocator(dev.info, rec.sb, self.state, dev.report_zones())
-        self.alloc.current_txn = lambda: self.journal.added_txn  # type: ignore[method-assign]
+        self.journal = Journal(dev, rec.log, rec.sbstore, rec.sb, self.state, self.meta_limiter,
+                               journal_limit=options.checkpoint_journal_bytes,
+                               checkpoint_bytes=rec.checkpoint_bytes,
+                               checkpoint_disk_bytes=rec.checkpoint_disk_bytes)
+        # The allocator tells the journal of every append it accounts (INV-7).
+        self.alloc = Allocator(dev.info, rec.sb, self.state, dev.report_zones(), self.journal)
         self.state.on_zone_emptied = self.alloc.zone_emptied
+        reader = (AsyncReader(dev, self.read_limiter, options.sqpoll_ms)
+                  if options.io_uring else None)
         self.data = DataPath(dev, self.state, self.journal, self.alloc, self.limiter,
                              self.path_of, read_limiter=self.read_limiter,
-                             cache_bytes=options.cache_mb << 20)
-        self.data.qos = ReadLatencyController(options.read_latency_ms / 1e3)
+                             cache_bytes=options.cache_mb << 20,
+                             qos=ReadLatencyController(options.read_latency_ms / 1e3),
+                             reader=reader, stamp_times=not options.kernel_write_times,
+                             prefetch_bytes=options.prefetch_mb << 20,
+                             fast_read=options.fast_read, on_need_space=self._need_space)
         self.inline = InlineData(self.state, self.data, self.journal,
                                  inline_threshold(self.bs, options.inline_max_bytes))
-        self.data.stamp_times = not options.kernel_write_times
-        if options.prefetch_mb:
-            self.data.enable_prefetch(options.prefetch_mb << 20)
-        if options.io_uring:
-            self.data.reader = AsyncReader(dev, self.read_limiter, options.sqpoll_ms)
-        self.data.reads.fast = options.fast_read
         self.reclaim = SpaceReclaim(dev, self.state, self.journal, self.alloc, self.limiter,
                                     self.data.sealer, self.data.sums)
         self.cleaner = Cleaner(self.reclaim, options.cleaner_policy, options.cleaner_rate_mb_s)
         self.quota = QuotaTracker(self.state)
         self._meta_base = self.state.counters.get(C_META_BYTES, 0)
-        self.data.on_need_space = self.cleaner.clean_for_space
         from zonefs_py.drain.manager import DrainManager
 
-        self.drain = DrainManager(self)  # zonefs_py/drain; its hooks: the self.drain.* calls
+        self.drain = DrainManager(self)  # zonefs_py/drain (via DrainHost): the self.drain.* hooks
         self.falloc = Fallocator(self)  # fs/prealloc.py: fallocate, reserved blocks (INV-24)
         self.copier = Copier(self)  # fs/reflink.py: copy_file_range, shared extents (3.13)
-        self.data.on_need_space = self.drain.need_space_hook(self.cleaner.clean_for_space)
         self.files: dict[int, int] = {}  # fh -> ino
         #: Time spent in read/write requests by the engine (not FUSE queueing).
         self.read_latency = Histogram()
@@ -170,10 +166,10 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
                  "replayed after the checkpoint: %d bytes)", dev.info.path, rec.records,
                  rec.ops, rec.seconds, rec.scan.torn_tail, rec.journal_bytes)
         if not options.read_only:
-            await fs._after_recovery()
+            await fs.after_recovery()
         return fs
 
-    async def _after_recovery(self) -> None:
+    async def after_recovery(self) -> None:
         """Put a recovered image in order before serving (fs/after_recovery.py)."""
         sb = await finish_recovery(self.recovered, self.journal, self.alloc, self.reclaim,
                                    self._txn, self.options.checkpoint_journal_bytes)
@@ -186,8 +182,7 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         Meanwhile a commit that finds a checkpoint due wakes this task for it
         instead of writing it while its caller (an fsync) waits.
         """
-        self.journal.request_checkpoint = self.wake_background
-        try:
+        with self.journal.background_checkpoints(self.wake_background):
             while not self._stop.is_set():
                 with trio.move_on_after(self.options.commit_interval_s):
                     await self._wake.wait()
@@ -198,8 +193,6 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
                     await self.background_step()
                 except errors.ZoneFSError as exc:
                     self.enter_failsafe(f"background commit failed: {exc}")
-        finally:
-            self.journal.request_checkpoint = None
 
     async def background_step(self) -> None:
         """One round of background work (also used by tests)."""
@@ -210,6 +203,14 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
             await self.journal.checkpoint()
         await self.reclaim.reset_dead_zones()
         await self.cleaner.background_pass()
+
+    async def _need_space(self) -> bool:
+        """Foreground space for a write (DataPath's `on_need_space`): evict drained
+        files first, then clean; False when nothing was freed."""
+        if await self.drain.relieve_space(self.data.zone_size):
+            await self.reclaim.commit_and_reset()
+            return True
+        return await self.cleaner.clean_for_space()
 
     def metadata_bytes_written(self) -> int:
         """Metadata bytes written over the filesystem's life (earlier mounts + this one)."""
@@ -324,20 +325,61 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         self.quota.dirty_tenants.clear()
         self._txn(ops)
 
-    # -- helpers ----------------------------------------------------------------------
-    def _txn(self, ops: list[Op]) -> None:
+    # -- the engine API of drain/ (DrainHost) and fsck ---------------------------------
+    def txn(self, ops: list[Op]) -> None:
         """Apply ops and queue them as one journal transaction (never awaits)."""
         for op in ops:
             self.state.apply(op)
         self.journal.add(ops)
 
-    def _writable(self) -> None:
+    def check_writable(self) -> None:
+        """Raise errors.ReadOnly unless the mount takes changes now."""
         if self.options.read_only:
             raise errors.ReadOnly("mounted read-only")
         if self.failsafe is not None:
             raise errors.ReadOnly(f"read-only failsafe after an error: {self.failsafe}")
         if self.journal.broken is not None:
             raise errors.ReadOnly(f"journal unusable: {self.journal.broken}")
+
+    # The names the namespace handlers use.
+    _txn = txn
+    _writable = check_writable
+
+    @property
+    def qos(self) -> ReadLatencyController:
+        """The read-latency controller (it gates appends and the drain's reads)."""
+        return self.data.qos
+
+    def has_unwritten_data(self, ino: int) -> bool:
+        """True while the file has buffered bytes or chunks in flight."""
+        return self.data.has_unwritten_data(ino)
+
+    def release_zones_of(self, ino: int) -> None:
+        """The file stops writing: give back its private write head (its zones
+        are sealed and finished by a background task)."""
+        to_finish: list[int] = []
+        self.alloc.release_owner(ino, to_finish)
+        self.finish_later(to_finish)
+
+    async def place_file_data(self, inode: Inode, fblock: int,
+                              data: bytes) -> list[tuple[Op, int]]:
+        """Append `data` for file blocks from `fblock`; return the EXTENT ops (with
+        their zones) for `apply_placed` or `discard_placed`."""
+        return await self.data.place_file_data(inode, fblock, data)
+
+    def apply_placed(self, inode: Inode, placed: list[tuple[Op, int]]) -> list[Op]:
+        """Apply placed EXTENT ops (never awaits); return them for the journal."""
+        return self.data.apply_placed(inode, placed)
+
+    def discard_placed(self, placed: list[tuple[Op, int]]) -> None:
+        """Give back placed pieces that will never be applied (garbage)."""
+        self.data.discard_placed(placed)
+
+    async def read_stored(self, inode: Inode, offset: int, length: int) -> bytes:
+        """The stored bytes of a file (or a snapshot of one), inline or in blocks."""
+        if inode.inline:
+            return self.inline.read(inode, inode.size, offset, length)
+        return await self.data.read_stored(inode, offset, length)
 
     def inode(self, ino: int) -> Inode:
         try:
@@ -389,11 +431,12 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
             to_finish: list[int] = []
             self.alloc.release_owner(inode.ino, to_finish)
             self._txn(ops)
-            self._finish_later(to_finish)
+            self.finish_later(to_finish)
 
-    def _finish_later(self, zones: list[int]) -> None:
+    def finish_later(self, zones: list[int]) -> None:
         """Seal and finish zones the allocator stopped writing, from a system task."""
         self.data.sealer.close_zones_later(zones)
+
 
     # -- lookups and attributes ------------------------------------------------------
     async def lookup(self, parent_ino: int, name: bytes) -> Attr:

@@ -31,6 +31,8 @@ def _upper_ns(bucket: int) -> int:
 
 
 class Histogram:
+    """Latency histogram with log-spaced buckets (2**SUB per power of two of nanoseconds)."""
+
     __slots__ = ("count", "counts", "max_ns", "total_ns")
 
     def __init__(self) -> None:

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Callable
 
 from zonefs_py import errors
-from zonefs_py.device.base import ZoneCond, ZonedDevice
+from zonefs_py.device.base import ZoneCond, ZonedDevice, capabilities
 from zonefs_py.format.constants import OpType
 from zonefs_py.format.superblock import LABEL_MAX, Superblock
 from zonefs_py.fs.api import ROOT_INO
@@ -78,7 +78,7 @@ def make_filesystem(dev: ZonedDevice, label: bytes = b"", *, meta_zones: int | N
             progress(i + 1, len(written))
     base = seq[0].index
     data_zones = seq[2 + m:]
-    declare = getattr(dev, "declare_data_zones", None)
+    declare = capabilities(dev).declare_data_zones
     if declare is not None:  # the emulator's data-discarding mode (device/base.py)
         declare(base + 2 + m)
     capacity = sum(z.capacity_bytes for z in data_zones)

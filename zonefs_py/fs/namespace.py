@@ -14,8 +14,9 @@ import stat as statmod
 
 from zonefs_py import errors
 from zonefs_py.alloc.streams import STREAM_XATTR, classify, parse_stream_name
-from zonefs_py.drain.manager import STATE_XATTR, DrainManager, check_policy_xattr
-from zonefs_py.format.constants import FLAG_STREAM_SET, OpType
+from zonefs_py.drain.manager import DrainManager
+from zonefs_py.drain.policy import STATE_XATTR, check_policy_xattr
+from zonefs_py.format.constants import FLAG_STREAM_SET, QUOTA_XATTR, OpType
 from zonefs_py.format.ops import Op
 from zonefs_py.fs.api import (
     NAME_MAX,
@@ -28,7 +29,7 @@ from zonefs_py.fs.api import (
     XattrFlags,
 )
 from zonefs_py.fs.clock import now_ns
-from zonefs_py.fs.quota import QUOTA_XATTR, QuotaTracker
+from zonefs_py.fs.quota import QuotaTracker
 from zonefs_py.journal.journal import Journal
 from zonefs_py.model.state import Inode, State
 

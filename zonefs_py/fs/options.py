@@ -24,6 +24,10 @@ def _flag(value: str) -> bool:
 
 @dataclass(slots=True)
 class FsOptions:
+    """Engine options of one mount (the `-o` options the engine reads; daemon/options.py parses
+    them). Each field documents its unit and default.
+    """
+
     #: Seconds between background journal commits (like ext4's commit=).
     commit_interval_s: float = 5.0
     #: Mount read-only: no device writes at all (recovery must not need to write).

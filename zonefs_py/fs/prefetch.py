@@ -113,6 +113,15 @@ class Prefetcher:
         self.hits = 0
         self.segments_read = 0
         self.segments_dropped = 0
+        #: Segment reads in flight, and an event set whenever there are none.
+        self._filling = 0
+        self._idle = trio.Event()
+        self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Return once no read-ahead is in flight (tests; nothing waits for it else)."""
+        while self._filling:
+            await self._idle.wait()
 
     def status(self) -> dict[str, object]:
         """Read-ahead figures for `zonefs-py stat`."""
@@ -182,6 +191,9 @@ class Prefetcher:
             end = min(start + SEGMENT_BYTES, limit)
             seg = _Segment(start, end)
             st.segments.append(seg)
+            if not self._filling:
+                self._idle = trio.Event()
+            self._filling += 1
             trio.lowlevel.spawn_system_task(self._fill, ino, seg,
                                             name=f"zonefs-readahead-{ino}")
             start = end
@@ -195,6 +207,9 @@ class Prefetcher:
             seg.data = None
         finally:
             seg.ready.set()
+            self._filling -= 1
+            if not self._filling:
+                self._idle.set()
 
     async def _serve(self, st: _Stream, offset: int, length: int
                      ) -> bytes | memoryview | None:

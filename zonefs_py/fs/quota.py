@@ -25,17 +25,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from zonefs_py import errors
-from zonefs_py.fs.api import ROOT_INO
+from zonefs_py.format.constants import QUOTA_XATTR, ROOT_INO
 
 if TYPE_CHECKING:
     from zonefs_py.model.state import Inode, State
 
-QUOTA_XATTR = b"user.zonefs.quota"
 #: Ancestors walked at most (deeper trees are still accounted up to this depth).
 MAX_DEPTH = 4096
 
 
 class QuotaTracker:
+    """Per-directory-tree byte quotas (`QUOTA_XATTR`) and per-tenant written bytes, kept up to date
+    from the State's block changes.
+    """
+
     def __init__(self, state: State) -> None:
         self.state = state
         self.bs = state.block_size

@@ -52,7 +52,8 @@ class ReadPath:
 
     def __init__(self, dev: ZonedDevice, state: State, alloc: Allocator, writes: FileWrites,
                  sums: SumCache, read_limiter: trio.CapacityLimiter,
-                 path_of: Callable[[int], str]) -> None:
+                 path_of: Callable[[int], str], *, reader: AsyncReader | None = None,
+                 prefetch_bytes: int = 0, fast: bool = True) -> None:
         self.dev = dev
         self.state = state
         self.alloc = alloc
@@ -62,12 +63,14 @@ class ReadPath:
         self.path_of = path_of
         self.bs = dev.info.block_size
         self.zone_size = dev.info.zone_size_bytes
-        #: Thread-free reads (io_uring), set by the engine when the device allows.
-        self.reader: AsyncReader | None = None
-        #: Sequential read-ahead (None: off; set by the engine, `prefetch_mb=`).
+        #: Thread-free reads (io_uring) when the device allows, else None.
+        self.reader = reader
+        #: Sequential read-ahead (None: off, `prefetch_mb=0`).
         self.prefetch: Prefetcher | None = None
+        if prefetch_bytes:
+            self.enable_prefetch(prefetch_bytes)
         #: The fast path (module docstring); False: every read takes the general path.
-        self.fast = True
+        self.fast = fast
         #: Reads served by the fast path, and by the general one.
         self.fast_reads = 0
         self.general_reads = 0
@@ -203,7 +206,7 @@ class ReadPath:
         return data if isinstance(data, bytes) else bytes(data)
 
     async def _read_view(self, inode: Inode, offset: int, length: int) -> bytes | memoryview:
-        """`_read_stored`, but a single device read comes back as the reader's
+        """`read_stored`, but a single device read comes back as the reader's
         read-only view (no copy): for `read()`, whose result goes straight to
         the reply.
 

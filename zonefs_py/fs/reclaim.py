@@ -192,7 +192,6 @@ class SpaceReclaim:
             self.alloc.append_done(zone, ok=True)
             if ops:
                 self.journal.add(ops)
-            self.journal.data_dirty = True
             copied += granted
             pos += granted
         return copied

@@ -36,7 +36,7 @@ import trio
 from zonefs_py import errors
 from zonefs_py.alloc.allocator import Allocator, NeedCleaning
 from zonefs_py.alloc.streams import classify_stream
-from zonefs_py.device.base import ZonedDevice
+from zonefs_py.device.base import ZonedDevice, capabilities
 from zonefs_py.format.checksum import block_checksums
 from zonefs_py.format.constants import C_DATA_BYTES, C_STREAM_BASE, FLAG_STREAM_SET, OpType, Stream
 from zonefs_py.format.ops import Op
@@ -68,7 +68,8 @@ class WritePipeline:
 
     def __init__(self, dev: ZonedDevice, state: State, journal: Journal, alloc: Allocator,
                  limiter: trio.CapacityLimiter, writes: FileWrites, sealer: ZoneSealer,
-                 path_of: Callable[[int], str]) -> None:
+                 path_of: Callable[[int], str], *,
+                 on_need_space: Callable[[], Awaitable[bool]] | None = None) -> None:
         self.dev = dev
         self.state = state
         self.journal = journal
@@ -79,8 +80,8 @@ class WritePipeline:
         self.path_of = path_of
         self.bs = dev.info.block_size
         self.counters = state.counters
-        #: Foreground cleaning, set by the engine: returns False when nothing was freed.
-        self.on_need_space: Callable[[], Awaitable[bool]] | None = None
+        #: Foreground cleaning (the engine's): returns False when nothing was freed.
+        self.on_need_space = on_need_space
         self.stream_hint: Callable[[Inode], int] = lambda inode: classify_stream(
             self.state, inode)
         #: Appends at the write pointer go to the device in reservation order (None
@@ -88,8 +89,7 @@ class WritePipeline:
         self.append_order: AppendOrder | None = (
             None if dev.info.zone_append else AppendOrder())
         #: The device's scattered append (zone append), or None: found once here.
-        self._scattered: Callable[[int, memoryview], list[tuple[int, int]]] | None = (
-            getattr(dev, "append_scattered", None))
+        self._scattered = capabilities(dev).append_scattered
         #: TEST HOOK: awaited by every chunk after its data is placed and before its
         #: ops are applied, so tests can make chunks land before, during or after
         #: another request (tests/unit/test_chunk_landing.py). None in production.
@@ -178,7 +178,7 @@ class WritePipeline:
             # The pieces already written are garbage now; give their zones back.
             self.discard_placed(placed)
             raise
-        self.journal.data_dirty = True
+        # The allocator told the journal of each append (`append_done`, INV-7).
         return placed
 
     async def _place_pieces(self, inode: Inode, fblock: int, data: bytes | bytearray,

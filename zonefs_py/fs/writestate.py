@@ -36,6 +36,10 @@ from zonefs_py.model.state import Inode
 
 
 class WriteBuffer:
+    """Buffered bytes of one file from block-aligned `start` (fs/datapath.py), with the mtime they
+    carry.
+    """
+
     __slots__ = ("data", "mtime", "start")
 
     def __init__(self, start: int) -> None:

@@ -5,7 +5,7 @@
 from the extents that map into it (no await), writes them at the zone's
 write pointer from a worker thread, then applies and journals a ZONE_SEAL op,
 which drops the checksums of those extents from memory. The next commit
-flushes the device before it writes that op (`journal.data_dirty`), so a
+flushes the device before it writes that op (`Allocator.summary_written` tells the journal), so a
 ZONE_SEAL is never durable before its summary (INV-23). A crash before the
 op is durable leaves an unsealed zone whose checksums are still in the log:
 the summary blocks are then dead bytes below the write pointer.
@@ -218,10 +218,10 @@ class ZoneSealer:
             log.error("writing the summary of data zone %d failed (%s); its checksums "
                       "stay in the metadata", zone, exc)
             return False
+        self.alloc.summary_written(zone)  # the summary is flushed before the op
         op = (OpType.ZONE_SEAL, zone, resets, data_blocks)
         self.state.apply(op)
         self.journal.add([op])
-        self.journal.data_dirty = True  # the summary is flushed before the op
         self.sealed += 1
         self.summary_bytes += len(blob)
         return True
@@ -231,7 +231,8 @@ class SumCache:
     """Checksums of blocks in sealed zones, read from their summaries on demand."""
 
     def __init__(self, dev: ZonedDevice, state: State, limiter: trio.CapacityLimiter,
-                 cache_bytes: int, path_of: Callable[[int], str]) -> None:
+                 cache_bytes: int, path_of: Callable[[int], str], *,
+                 reader: AsyncReader | None = None) -> None:
         self.dev = dev
         self.state = state
         self.limiter = limiter
@@ -239,8 +240,8 @@ class SumCache:
         self.per_block = zonesum.per_block(self.bs)
         self.cache_bytes = cache_bytes
         self.path_of = path_of
-        #: Thread-free reads, set by the engine when the device allows.
-        self.reader: AsyncReader | None = None
+        #: Thread-free reads (io_uring) when the device allows, else None.
+        self.reader = reader
         #: (zone, resets, summary block) -> its checksums, least recently used first.
         self._lru: OrderedDict[tuple[int, int, int], bytes] = OrderedDict()
         #: Summary blocks being read now -> set when that read ends (either way).

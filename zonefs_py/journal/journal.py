@@ -1,17 +1,8 @@
-"""Group commit and checkpoints on top of the metadata log (async, trio).
+"""The journal: group commit (commit.py) and checkpoints of the State (async, trio).
 
-`add(ops)` queues one *transaction* (the ops of one namespace operation) and
-never awaits; the caller applied the same ops to the State just before,
-without awaiting in between. `commit()` makes every transaction added so far
-durable: concurrent callers share one device write and one flush (group
-commit). A commit is: take the pending batch, flush the device if file data
-was appended since the last flush (so extents never point at data that is
-not durable, INV-7), append the JOURNAL records, flush.
-
-A queued INODE op that changed only mtime/ctime is left out when a later
-queued op of the same inode sets them again (`_drop_superseded` has the
-crash argument): a directory's times at every create in it, the kernel's
-SETATTR of times before a close.
+`Journal` is the engine's journal: `add` and `commit` come from
+`GroupCommit` (commit.py), the meta area's figures and estimates from
+`MetaRoom` (metaroom.py); this module writes checkpoints.
 
 `checkpoint()` takes the queued transactions and a copy-on-write snapshot of
 the whole State at one instant, writes those transactions as a JOURNAL record
@@ -31,26 +22,25 @@ taken); device calls run in worker threads through `trio.to_thread.run_sync`
 with the engine's CapacityLimiter. Only one commit or checkpoint write goes to
 the log at a time (`_write_lock`), and one checkpoint at a time
 (`_checkpoint_lock`).
+
+The tunables below (RECORD_PAYLOAD_TARGET, CHECKPOINT_SLICE_INODES,
+CHECKPOINT_WRITE_BYTES) are read at each use, so tests shrink them here.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import struct
 import time
-from collections.abc import Callable, Iterator
 from typing import NoReturn
 
 import trio
 
-from zonefs_py.device.base import ZonedDevice
-from zonefs_py.format.constants import RECORD_HEADER_SIZE, OpType, RecordType
-from zonefs_py.format.ops import Op, encode_op
+from zonefs_py.format.constants import RecordType
+from zonefs_py.format.ops import encode_op
 from zonefs_py.format.records import padded_size
-from zonefs_py.format.superblock import Superblock
-from zonefs_py.journal.log import LogFull, LogPosition, MetaLog
-from zonefs_py.journal.sbstore import SuperblockStore
+from zonefs_py.journal.commit import GroupCommit, _pack, _pack_iter
+from zonefs_py.journal.log import LogFull, LogPosition
 from zonefs_py.model.state import Snapshot, State
 
 log = logging.getLogger(__name__)
@@ -61,33 +51,6 @@ RECORD_PAYLOAD_TARGET = 1 << 20
 CHECKPOINT_END = struct.Struct("<QQ")
 #: Payload of CHECKPOINT_ABORT: the seq of the torn checkpoint's BEGIN.
 CHECKPOINT_ABORT = struct.Struct("<Q")
-#: Checkpoint bytes per inode assumed before any checkpoint was measured (an empty
-#: file in a directory of 1000: ~130 bytes; with 256 bytes inline: ~380).
-NOMINAL_CHECKPOINT_BYTES_PER_INODE = 256
-#: Inodes a checkpoint must hold for its bytes per inode to be used instead
-#: (mkfs's holds only the root: 93 bytes, below what a file costs).
-SAMPLE_MIN_INODES = 64
-#: Inodes to come are estimated at this many times (num / den) the device bytes
-#: per inode of the newest checkpoint (records are compressed, format 3), plus
-#: their metadata-only payloads, uncompressed (`_NEW_INODE_CONTENT`).
-GROWTH_MARGIN = (5, 4)
-#: Ops whose bytes count, uncompressed, toward the estimate of the next
-#: checkpoint when they concern an inode made since the newest checkpoint's
-#: snapshot: the payloads only metadata holds (inline bytes, targets, xattrs,
-#: drain records, long names). A namespace of small files that compress well
-#: can be followed by files whose payloads do not compress at all, and the
-#: bytes per inode measured are then many times too low: the meta area ran
-#: out in a test (5,000 empty files, then files of 500 random inline bytes, 4
-#: meta zones), and random 255-byte names after short ones made a checkpoint
-#: of 200 KiB where 128 KiB can rotate. A DIRENT_ADD counts only beyond
-#: DIRENT_ALLOWANCE_BYTES: shorter names are left to the bytes per inode (one
-#: such op per file would otherwise count twice, and `df -i` fall by two or
-#: three per file between checkpoints). Extents are left out: their checksums
-#: grow with the data stored, 4 bytes per 4 KiB block, far below the 3% of the
-#: device the meta area gets. Value: where the op's subject inode sits.
-_NEW_INODE_CONTENT = {OpType.INLINE: 1, OpType.SYMLINK: 1, OpType.XATTR_SET: 1,
-                      OpType.DRAIN: 1, OpType.DIRENT_ADD: 2}
-DIRENT_ALLOWANCE_BYTES = 64
 #: Inodes a checkpoint encodes in one slice (~0.75 ms at ~3 us each). While
 #: an fsync or commit is in flight (`Journal.urgent`), the encoder pauses
 #: CHECKPOINT_SLICE_PAUSE_S after each slice (and after each ~1 MiB payload
@@ -104,342 +67,19 @@ CHECKPOINT_SLICE_PAUSE_S = 0.00025
 CHECKPOINT_WRITE_BYTES = 8 << 20
 
 
-class Journal:
-    def __init__(self, dev: ZonedDevice, log_: MetaLog, sbstore: SuperblockStore,
-                 sb: Superblock, state: State, limiter: trio.CapacityLimiter) -> None:
-        self.dev = dev
-        self.log = log_
-        self.sbstore = sbstore
-        self.sb = sb
-        self.state = state
-        self.limiter = limiter
-        self._pending: list[list[bytes]] = []  # per transaction, its encoded ops
-        self._pending_bytes = 0
-        #: Per inode with an INODE op queued: its attributes but mtime / ctime as of
-        #: the last INODE op kept, and where a later INODE op that changed only
-        #: mtime / ctime sits (txn, op index).
-        self._kept_attrs: dict[int, tuple[int, ...]] = {}
-        self._times_only: dict[int, tuple[int, int]] = {}
-        #: Bytes of INODE ops left out because a later one superseded them.
-        self.superseded_bytes = 0
-        self.added_txn = 0
-        self.durable_txn = 0
-        self.data_dirty = False
-        self._write_lock = trio.Lock()
-        self._checkpoint_lock = trio.Lock()
-        #: Requests in `urgent()` (fsyncs, commits) right now.
-        self._urgent = 0
-        self._checkpoint_done = trio.Event()
-        #: True from a checkpoint's BEGIN to its superblock write.
-        self.checkpoint_running = False
-        #: Set by the engine while its background task runs: a commit that finds a
-        #: checkpoint due asks for one there instead of writing it itself.
-        self.request_checkpoint: Callable[[], None] | None = None
-        #: JOURNAL payload bytes (as encoded, before compression) written since
-        #: the newest checkpoint's BEGIN, by this mount.
-        self.journal_bytes_since_checkpoint = 0
-        #: Payload bytes (before compression) of the newest checkpoint written.
-        self.last_checkpoint_bytes = 0
-        #: What the newest checkpoint (written, or loaded at mount: set by the
-        #: engine) took of the meta area: its records as stored, compressed, with
-        #: the zone header and the tails of the zones it filled. The unit of
-        #: everything that counts meta zones (`_meta_short`, the checkpoint
-        #: trigger, `estimated_checkpoint_bytes`).
-        self.last_checkpoint_disk_bytes = 0
-        #: (device bytes, inodes) of the newest checkpoint written (or loaded at
-        #: mount, set by the engine): what `estimated_checkpoint_bytes` scales from.
-        self.checkpoint_sample: tuple[int, int] = (0, 0)
-        #: Bytes of `_NEW_INODE_CONTENT` ops added for inodes numbered from
-        #: `_new_ino_floor` on (the next inode number at the newest snapshot), and
-        #: their count when the newest checkpoint's snapshot was taken.
-        self._new_content_bytes = 0
-        self._new_content_base = 0
-        self._new_ino_floor = state.next_ino
-        self.checkpoints_written = 0
-        self.commits = 0
-        #: Commits written while a checkpoint was being written (inside it).
-        self.commits_during_checkpoints = 0
-        self.last_commit_ns = 0
-        #: Set when a device error left the journal unable to make progress.
-        self.broken: str | None = None
-        self.on_durable: list[Callable[[int], None]] = []
-        #: Journal bytes after which a commit becomes a checkpoint (mount option),
-        #: at least: see `checkpoint_needed`.
-        self.journal_limit = 64 << 20
+class Journal(GroupCommit):
+    """Group commit of transactions and checkpoints of the State (module docstring).
 
-    # -- adding ------------------------------------------------------------------
-    def add(self, ops: list[Op]) -> int:
-        """Queue one transaction (already applied to the State). Never awaits."""
-        if not ops:
-            return self.added_txn
-        encoded = [encode_op(op) for op in ops]
-        txn = len(self._pending)
-        self._pending.append(encoded)
-        self._pending_bytes += sum(map(len, encoded))
-        kept, times_only = self._kept_attrs, self._times_only
-        for k, op in enumerate(ops):
-            kind = op[0]
-            where_ino = _NEW_INODE_CONTENT.get(kind)
-            if where_ino is not None and op[where_ino] >= self._new_ino_floor:
-                extra = len(encoded[k])
-                if kind == OpType.DIRENT_ADD:
-                    extra -= DIRENT_ALLOWANCE_BYTES
-                self._new_content_bytes += max(0, extra)
-            if kind == OpType.INODE:
-                ino = op[1]
-                where = times_only.pop(ino, None)
-                if where is not None:
-                    self._drop_superseded(*where)
-                attrs = op[2:9] + op[11:]  # mode, uid, gid, nlink, rdev, size, atime, flags
-                if kept.get(ino) == attrs:
-                    times_only[ino] = (txn, k)  # only mtime / ctime changed
-                else:
-                    kept[ino] = attrs
-            elif kind == OpType.INLINE and op[1] in kept:
-                # An INLINE op sets size, mtime and ctime: it supersedes an INODE op
-                # that changed only mtime / ctime, and it is what replay then holds.
-                where = times_only.pop(op[1], None)
-                if where is not None:
-                    self._drop_superseded(*where)
-                attrs = kept[op[1]]
-                kept[op[1]] = attrs[:5] + (op[2],) + attrs[6:]
-            elif kind == OpType.INODE_FREE:
-                kept.pop(op[1], None)
-                times_only.pop(op[1], None)
-        self.added_txn += 1
-        return self.added_txn
-
-    def _drop_superseded(self, txn: int, k: int) -> None:
-        """Leave out queued op `k` of queued transaction `txn`: an INODE op that
-        changed only mtime and ctime, now that a later queued INODE or INLINE op
-        of the same inode sets them again (a directory's times at every create
-        in it, the kernel's SETATTR of times before a close).
-
-        Safe: INODE ops are physical, and both go out in the same commit, whose
-        records land as a prefix. If the commit completes, the replayed state is
-        the same. If it is torn, nothing in it was acknowledged; where the newer
-        op was lost, replay misses only that inode's time changes, because the
-        dropped op's other attributes equal those of the last kept INODE op of
-        the inode in this batch (INLINE ops, which set the size, are followed),
-        which is what replay holds before it. The first INODE op of an inode in
-        a batch is always kept (it may create the inode).
-        """
-        op_bytes = self._pending[txn]
-        dropped = len(op_bytes[k])
-        op_bytes[k] = b""
-        self._pending_bytes -= dropped
-        self.superseded_bytes += dropped
-
-    @property
-    def pending_bytes(self) -> int:
-        return self._pending_bytes
-
-    def _take_batch(self) -> tuple[list[bytes], int]:
-        batch = [txn for txn in map(b"".join, self._pending) if txn]
-        upto = self.added_txn
-        self._pending = []
-        self._pending_bytes = 0
-        self._kept_attrs = {}
-        self._times_only = {}
-        return batch, upto
-
-    def _set_durable(self, upto: int) -> None:
-        if upto > self.durable_txn:
-            self.durable_txn = upto
-        for cb in self.on_durable:
-            cb(self.durable_txn)
-
-    def _check_broken(self) -> None:
-        if self.broken is not None:
-            from zonefs_py import errors
-
-            raise errors.IOFailure(f"metadata journal unusable: {self.broken}")
-
-    @contextlib.contextmanager
-    def urgent(self) -> Iterator[None]:
-        """Mark a request that waits for the device (an fsync) while it runs: a
-        checkpoint being encoded meanwhile pauses between its slices for it."""
-        self._urgent += 1
-        try:
-            yield
-        finally:
-            self._urgent -= 1
-
-    async def _between_slices(self) -> None:
-        if self._urgent:
-            await trio.sleep(CHECKPOINT_SLICE_PAUSE_S)
-        else:
-            await trio.lowlevel.checkpoint()
-
-    # -- commit ------------------------------------------------------------------
-    async def commit(self) -> None:
-        """Return once every transaction added before the call is durable.
-
-        It never waits for a checkpoint being written (only for one of its
-        record writes), unless meta zones run out meanwhile.
-        """
-        with self.urgent():
-            await self._commit()
-
-    async def _commit(self) -> None:
-        target = self.added_txn
-        while self.durable_txn < target:
-            self._check_broken()
-            if self.checkpoint_needed(self.journal_limit):
-                if self.checkpoint_running:
-                    if self._last_meta_zones_at_stake():
-                        # The log could run out of zones before the running
-                        # checkpoint frees some: wait for it (it makes our batch
-                        # durable too).
-                        await self._checkpoint_done.wait()
-                        continue
-                elif self.request_checkpoint is None or self._last_meta_zones_at_stake():
-                    # Nobody runs checkpoints in the background (engine tests, fsck),
-                    # or it is busy and the log would run out of zones first: write
-                    # it here; it makes the queued transactions durable.
-                    await self.checkpoint()
-                    continue
-                else:
-                    self.request_checkpoint()
-            # (No waiting for a "durable" event while another task writes: the lock
-            # holder may mark transactions durable before it releases the lock, and a
-            # waiter that arrived in between would sleep until someone else's commit.
-            # Queue for the lock instead; a batch that made ours durable meanwhile
-            # ends the loop.)
-            async with self._write_lock:
-                if self.durable_txn >= target:
-                    break
-                await self._commit_locked()
-
-    async def _commit_locked(self) -> None:
-        # A write that failed while we queued for the lock took the queued
-        # transactions with it (ours maybe among them): an empty batch now would
-        # look like "all durable", so refuse before taking one.
-        self._check_broken()
-        batch, upto = self._take_batch()
-        if not batch:
-            if self.data_dirty:
-                self.data_dirty = False
-                await self._run(self.dev.flush)
-            self._set_durable(upto)
-            return
-        records = [(RecordType.JOURNAL, p) for p in _pack(batch, self._payload_target())]
-        flush_first = self.data_dirty
-        self.data_dirty = False
-        try:
-            await self._run(self._write_records, records, flush_first)
-        except (OSError, LogFull) as exc:
-            self.broken = f"journal write failed: {exc}"
-            log.error("%s", self.broken)
-            self._set_durable(self.durable_txn)
-            self._check_broken()
-        size = sum(len(p) for _, p in records)
-        self.journal_bytes_since_checkpoint += size
-        self.commits += 1
-        if self.checkpoint_running:
-            self.commits_during_checkpoints += 1
-        self.last_commit_ns = time.time_ns()
-        self._set_durable(upto)
-
-    def _write_records(self, records: list[tuple[RecordType, bytes]], flush_first: bool,
-                       new_zone: bool = False) -> list[LogPosition]:
-        if flush_first:
-            self.dev.flush()
-        positions = self.log.append(records, new_zone=new_zone)
-        self.dev.flush()
-        return positions
-
-    async def _run(self, fn: Callable[..., object], *args: object) -> object:
-        return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+    `checkpoint_bytes` / `checkpoint_disk_bytes` describe the checkpoint loaded
+    at mount (its payload bytes, and what it takes of the meta area): they set
+    the checkpoint trigger, the meta-zone reserve and the bound on files until
+    this mount writes one. `journal_limit` is the mount option
+    `checkpoint_journal_bytes`. Appenders of file data call `data_appended()`
+    (through the allocator: `Allocator.append_done`), so that the next commit
+    flushes the device before its records (INV-7).
+    """
 
     # -- checkpoint -----------------------------------------------------------------
-    def checkpoint_needed(self, journal_limit: int) -> bool:
-        """True when the journal grew past the limit or meta zones run short.
-
-        The limit is `journal_limit` or the size of the newest checkpoint on the
-        device, whichever is larger: a checkpoint then costs at most about as
-        many bytes as the journal written since the one before, so metadata
-        writes stay within ~2x the journal however large the namespace (with a
-        fixed limit they grew with the square of the bytes stored). Meta zones
-        running short (`_meta_short`) still ask for one earlier. Memory only:
-        called on the trio thread.
-        """
-        limit = max(journal_limit, self.last_checkpoint_disk_bytes)
-        if self.journal_bytes_since_checkpoint >= limit:
-            return True
-        return self._meta_short() and self.journal_bytes_since_checkpoint > 0
-
-    def _last_meta_zones_at_stake(self) -> bool:
-        """True when the queued batch would start a meta zone and at most two are
-        empty. Those are kept for a checkpoint and for a mount after a crash
-        that tore it (which writes a CHECKPOINT_ABORT and its own checkpoint,
-        each maybe in a fresh zone): such a commit waits for the running
-        checkpoint, or writes one first."""
-        if self.log.free_zone_count() > 2:
-            return False
-        n = self._pending_bytes
-        overhead = (n // self._payload_target() + 1) * (RECORD_HEADER_SIZE + self.log.block_size)
-        return n + overhead > self.log.room_in_current_zone()
-
-    def _meta_short(self) -> bool:
-        cap = self.log.zone_capacity_bytes
-        # Twice the newest checkpoint as stored: the next one, grown by what the
-        # journal meanwhile added (since `checkpoint_needed` lets the journal
-        # reach the checkpoint's own size, it may be up to twice as large); +3:
-        # its fresh first zone, room for the journal meanwhile, and one zone kept
-        # spare so that a mount after a crash that tore this checkpoint can
-        # write its own.
-        needed = (self.last_checkpoint_disk_bytes * 2) // max(cap, 1) + 3
-        return self.log.free_zone_count() < needed
-
-    # -- how many files the meta area holds -----------------------------------------
-    def checkpoint_budget_bytes(self) -> int:
-        """The largest checkpoint the meta area can keep rotating.
-
-        A checkpoint starts in a fresh meta zone and the previous one stays until
-        it is complete; one more zone holds the journal meanwhile, and one is
-        kept for a mount after a crash that tore a checkpoint (`checkpoint_needed`).
-        So two checkpoints and two zones must fit: ceil(C / zone) <= (M - 2) / 2,
-        C in device bytes (`last_checkpoint_disk_bytes`). Past that, checkpoints
-        run back to back and then the log runs out of empty zones (LogFull: the
-        mount turns read-only). Admission (`NamespaceOps._check_meta_room`)
-        stops namespace growth at 80% of it, as the estimate it compares
-        (`estimated_checkpoint_bytes`) is not exact.
-        """
-        cap = self.log.zone_capacity_bytes
-        return max(1, (len(self.log.zones) - 2) // 2) * cap * 4 // 5
-
-    def estimated_checkpoint_bytes(self, inodes: int) -> int:
-        """The device bytes of a checkpoint of a namespace of `inodes` inodes: the
-        newest checkpoint's, plus for each inode since its device bytes per
-        inode with GROWTH_MARGIN (NOMINAL_CHECKPOINT_BYTES_PER_INODE, an
-        uncompressed figure, while it held fewer than SAMPLE_MIN_INODES), plus
-        the payloads of the new inodes that only metadata holds, uncompressed
-        (`_NEW_INODE_CONTENT`). Device bytes, as the budget: records are
-        compressed, and inflated sizes made creates fail at a sixth of what
-        the meta area holds. An estimate: extents and inline bytes of older
-        inodes grow without new inodes (too low lets growth run into the old
-        read-only failure); the first checkpoint holds little more than the
-        root (too high: the caller checkpoints to measure before refusing).
-        """
-        c, n = self.checkpoint_sample
-        return (c + max(0, inodes - n) * self._checkpoint_bytes_per_inode()
-                + self._new_content_bytes - self._new_content_base)
-
-    def inodes_room(self, inodes: int) -> int:
-        """How many more inodes the estimate lets a namespace of `inodes` add
-        (each at the bytes per inode measured, with GROWTH_MARGIN: what `df -i`
-        shows)."""
-        spare = self.checkpoint_budget_bytes() - self.estimated_checkpoint_bytes(inodes)
-        return max(0, spare // self._checkpoint_bytes_per_inode())
-
-    def _checkpoint_bytes_per_inode(self) -> int:
-        c, n = self.checkpoint_sample
-        if n < SAMPLE_MIN_INODES:
-            return NOMINAL_CHECKPOINT_BYTES_PER_INODE
-        num, den = GROWTH_MARGIN
-        return max(1, -(-c * num // (n * den)))
-
     async def checkpoint(self) -> None:
         """Write a checkpoint of the State and point the superblock at it.
 
@@ -595,6 +235,12 @@ class Journal:
         self.dev.flush()
         return positions
 
+    async def _between_slices(self) -> None:
+        if self._urgent:
+            await trio.sleep(CHECKPOINT_SLICE_PAUSE_S)
+        else:
+            await trio.lowlevel.checkpoint()
+
 
 def checkpoint_records(state: State, upto_txn: int) -> list[tuple[RecordType, bytes]]:
     """Encode a snapshot of `state` as CHECKPOINT_BEGIN, _DATA..., _END records."""
@@ -603,34 +249,10 @@ def checkpoint_records(state: State, upto_txn: int) -> list[tuple[RecordType, by
 
 def _checkpoint_records(encoded_ops: list[bytes],
                         upto_txn: int) -> list[tuple[RecordType, bytes]]:
-    payloads = _pack(encoded_ops)
+    payloads = _pack(encoded_ops, RECORD_PAYLOAD_TARGET)
     begin = struct.pack("<QQ", upto_txn, time.time_ns())
     end = CHECKPOINT_END.pack(len(payloads), sum(len(p) for p in payloads))
     records = [(RecordType.CHECKPOINT_BEGIN, begin)]
     records += [(RecordType.CHECKPOINT_DATA, p) for p in payloads]
     records.append((RecordType.CHECKPOINT_END, end))
     return records
-
-
-def _pack(chunks: list[bytes], target: int | None = None) -> list[bytes]:
-    """Group transaction/op byte strings into record payloads of about `target`
-    bytes (RECORD_PAYLOAD_TARGET, 1 MiB, by default).
-
-    A chunk is never split: one transaction is always inside one record.
-    """
-    return list(_pack_iter(chunks, target))
-
-
-def _pack_iter(chunks: list[bytes], target: int | None = None) -> Iterator[bytes]:
-    """The payloads of `_pack`, one at a time."""
-    limit = RECORD_PAYLOAD_TARGET if target is None else target
-    cur: list[bytes] = []
-    cur_len = 0
-    for c in chunks:
-        if cur and cur_len + len(c) > limit:
-            yield b"".join(cur)
-            cur, cur_len = [], 0
-        cur.append(c)
-        cur_len += len(c)
-    if cur:
-        yield b"".join(cur)

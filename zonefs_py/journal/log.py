@@ -62,6 +62,8 @@ class LogFull(Exception):
 
 @dataclass(slots=True)
 class LogPosition:
+    """Where a record sits in the metadata log: meta zone, absolute byte offset, sequence number."""
+
     zone: int
     offset: int  # absolute byte offset of the record
     seq: int

@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class Recovered:
+    """Everything `recover` rebuilt from the device, for the engine to mount: superblock, State,
+    the log and superblock writers, and what the scan found.
+    """
+
     sb: Superblock
     state: State
     scan: ScanResult

@@ -46,6 +46,10 @@ MOVING_BIT = 0x80
 
 
 class DrainState(enum.IntEnum):
+    """Where a file is in the drain: local, queued, uploading, drained (also in the store), evicted
+    (only in the store).
+    """
+
     LOCAL = 0
     QUEUED = 1
     UPLOADING = 2
@@ -59,6 +63,10 @@ class DrainTransitionError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class DrainRecord:
+    """The drain record of one file (the DRAIN op): its state, object URL, size and xxh3, and the
+    upload id or ETag.
+    """
+
     state: DrainState
     #: s3://bucket/key of the object (empty while QUEUED: decided at upload start).
     url: bytes = b""

@@ -25,6 +25,11 @@ from typing import NamedTuple
 
 
 class Extent:
+    """A run of `nblocks` file blocks from `fblock`, stored contiguously from device
+    byte `dev`, with their checksums (None once the zone is sealed: its summary
+    holds them).
+    """
+
     __slots__ = ("csums", "dev", "fblock", "nblocks")
 
     def __init__(self, fblock: int, nblocks: int, dev: int, csums: bytes | None) -> None:
