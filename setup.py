@@ -17,7 +17,7 @@ setup(
     setup_requires=["cffi>=1.15"],
     # build_fuseext.py: FALLOCATE, which pyfuse3 does not pass on (needs libfuse3-dev).
     cffi_modules=["native/build_native.py:ffibuilder", "native/build_fuseext.py:ffibuilder"],
-    # Floors are the versions .ci/run proves (tests/floors.py writes them as a
+    # Floors are the versions .ci/run proves (.ci/floors.py writes them as a
     # constraints file for its lowest-versions smoke run); no upper bounds.
     install_requires=[
         "cffi>=1.15.1",  # the first with Python 3.11 wheels

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -203,6 +203,21 @@ def make_image(directory: Path, size: str = IMAGE_SIZE, zone_size: str = ZONE_SI
     return image
 
 
+@pytest.fixture(autouse=True)
+def _known_daemon_warnings(expect_log: Callable[[str, str, str], None]) -> None:
+    """Daemon warnings every integration mount logs here, not yet explained.
+
+    KNOWN (issue 31 report): under pytest daemons often warn that their mount
+    point is "not found in /proc/self/mountinfo" when they raise the FUSE
+    background limit or set the readahead window (daemon/tuning.py,
+    `_mount_dev`), although the mount is there; the same command started by
+    hand finds it. Remove once understood.
+    """
+    expect_log("zonefs_py.daemon", "WARNING",
+               r"could not (raise the FUSE background limit|set the readahead window) "
+               r".* not found in /proc/self/mountinfo")
+
+
 @pytest.fixture
 def workdir() -> Iterator[Path]:
     """A world-traversable temporary directory (tmp_path is 0700 under /tmp/pytest-of-root)."""
@@ -231,9 +246,9 @@ def image(workdir: Path, template_image: Path) -> Path:
 
 
 @pytest.fixture
-def mount_factory(workdir: Path) -> Iterator[Mount]:
+def mount_factory(workdir: Path, request: pytest.FixtureRequest) -> Iterator[Mount]:
     """An unstarted Mount of `workdir/dev.img` (the test makes the image); always cleaned up,
-    then fsck'ed."""
+    then fsck'ed. The daemon's WARNING+ records count as the test's (tests/conftest.py)."""
     mnt = workdir / "mnt"
     mnt.mkdir()
     mnt.chmod(0o755)
@@ -242,6 +257,7 @@ def mount_factory(workdir: Path) -> Iterator[Mount]:
         yield m
     finally:
         m.cleanup()
+        request.getfixturevalue("_fail_on_unexpected_log").add_daemon_log(m.log)
     if m.started and m.image.exists() and fsck_exists():
         proc = zonefs("fsck", str(m.image), check=False)
         assert proc.returncode == 0, f"fsck after the test:\n{proc.stdout}{proc.stderr}"

@@ -79,6 +79,9 @@ async def test_domain_error_becomes_errno_without_failsafe(exc: Exception, code:
     assert engine.failsafe_reasons == []
 
 
+@pytest.mark.expect_log(
+    "zonefs_py.fuse_ops", "ERROR",
+    "switching to read-only failsafe: unexpected KeyError")
 async def test_unexpected_exception_is_eio_and_failsafe() -> None:
     engine = _Engine(fail_with=KeyError("bug"))
     ops = _ops(engine)
@@ -94,6 +97,9 @@ async def test_unexpected_exception_is_eio_and_failsafe() -> None:
     assert info.value.errno == errno.EROFS
 
 
+@pytest.mark.expect_log(
+    "zonefs_py.fuse_ops", "ERROR",
+    "switching to read-only failsafe: read: bad extent")
 async def test_corruption_error_enters_failsafe() -> None:
     engine = _Engine(fail_with=errors.CorruptionError("bad extent; run zonefs-py fsck"))
     with pytest.raises(pyfuse3.FUSEError) as info:
@@ -102,6 +108,7 @@ async def test_corruption_error_enters_failsafe() -> None:
     assert engine.failsafe_reasons
 
 
+@pytest.mark.expect_log("zonefs_py.fuse_ops", "ERROR", "unexpected RuntimeError in forget")
 async def test_forget_never_raises() -> None:
     engine = _Engine()
     await _ops(engine).forget([(5, 2)])

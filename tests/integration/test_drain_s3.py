@@ -245,6 +245,7 @@ def test_store_down_nothing_evicted_then_resumes(image: Path, mount_factory: Mou
         server.stop()
 
 
+@pytest.mark.expect_log("zonefs_py.drain.manager", "ERROR", "checksum mismatch")
 def test_corrupt_object_is_eio(image: Path, mount_factory: Mount, workdir: Path,
                                store: SeaweedFS, bucket: str) -> None:
     data = os.urandom(6 * MiB + 3)
@@ -289,6 +290,7 @@ def test_drain_status_wait_returns_when_drained(image: Path, mount_factory: Moun
     assert m.unmount() == 0
 
 
+@pytest.mark.expect_log("zonefs_py.drain.drainer", "ERROR", "refused our credentials")
 def test_wrong_credentials_one_log_line(image: Path, mount_factory: Mount, workdir: Path,
                                         store: SeaweedFS, bucket: str) -> None:
     m = mount_factory.start(*drain_options(store, workdir, secret="wrong-secret"))

@@ -329,6 +329,7 @@ def test_control_unknown_command_is_einval(mounted: Mount) -> None:
     assert info.value.errno == errno.EINVAL
 
 
+@pytest.mark.expect_log("zonefs_py.fs.filesystem", "ERROR", "requested through trusted.zonefs.ctl")
 def test_control_failsafe_makes_mount_read_only(mounted: Mount) -> None:
     (mounted.path / "f").write_bytes(b"kept")
     os.setxattr(mounted.path, "trusted.zonefs.ctl", b"sync")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import signal
 import stat
 import subprocess
 import time
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import Mount
+from .conftest import Mount, fsync_dir
 
 pytestmark = pytest.mark.integration
 
@@ -381,14 +382,21 @@ def test_mmap_shared_write_and_msync(mounted: Mount) -> None:
     assert data[:4096] == bytes(4096)
 
 
-def test_fsync_directory(mounted: Mount) -> None:
-    (mounted.path / "d").mkdir()
-    (mounted.path / "d" / "f").write_bytes(b"x")
-    fd = os.open(mounted.path / "d", os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def test_fsync_directory(image: Path, mount_factory: Mount) -> None:
+    """fsync of a directory makes its entries durable: they survive a SIGKILL.
+
+    commit=3600: no timer commit happens during the test, so without the
+    directory's fsync the new names would live only in the killed daemon.
+    """
+    m = mount_factory.start("commit=3600")
+    (m.path / "d").mkdir()
+    fsync_dir(m.path)  # d's own name is an entry of the root
+    (m.path / "d" / "f").write_bytes(b"")  # an empty file: only metadata to lose
+    fsync_dir(m.path / "d")  # the only thing that makes f's name durable
+    m.signal(signal.SIGKILL)
+    m.start()
+    assert (m.path / "d").is_dir()
+    assert (m.path / "d" / "f").exists()
 
 
 def test_mknod_fifo(mounted: Mount) -> None:

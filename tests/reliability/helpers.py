@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from crashlib import fsck_findings as fsck_findings
+from crashlib import new_image as _new_image
+
 from zonefs_py import errors
-from zonefs_py.device.emulated import EmulatedZonedDevice
 from zonefs_py.fs.api import ROOT_INO, Ctx
 from zonefs_py.fs.filesystem import ZoneFS
-from zonefs_py.fs.mkfs import make_filesystem
 from zonefs_py.fs.options import FsOptions
-from zonefs_py.fsck import check_filesystem
 
 KiB, MiB = 1 << 10, 1 << 20
 CTX = Ctx()
@@ -21,23 +21,9 @@ OPTIONS = FsOptions(commit_interval_s=3600.0, cleaner_rate_mb_s=0.0)
 
 def new_image(path: Path, *, size_bytes: int = 64 * MiB, zone_size_bytes: int = 2 * MiB,
               max_active: int = 0) -> None:
-    """Create an emulated image holding a fresh filesystem (closed again)."""
-    dev = EmulatedZonedDevice.create(path, size_bytes=size_bytes,
-                                     zone_size_bytes=zone_size_bytes, max_active=max_active)
-    try:
-        make_filesystem(dev)
-    finally:
-        dev.close()
-
-
-def fsck_findings(path: Path, *, check_data: bool = True) -> list[str]:
-    """check_filesystem on the closed image, read-only; findings as 'INV-n: message'."""
-    dev = EmulatedZonedDevice.open(path, read_only=True)
-    try:
-        report = check_filesystem(dev, check_data=check_data)
-    finally:
-        dev.close()
-    return [f"{f.invariant}: {f.message}" for f in report.findings]
+    """Create an emulated image holding a fresh filesystem (closed again; tests/crashlib.py)."""
+    _new_image(path, size_bytes=size_bytes, zone_size_bytes=zone_size_bytes,
+               max_active=max_active)
 
 
 async def write_file(fs: ZoneFS, name: bytes, data: bytes, *, parent: int = ROOT_INO,

@@ -60,6 +60,10 @@ def image(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.expect_log(
+    "zonefs_py.alloc.allocator", "ERROR",
+    "stopped taking writes after a write error")
+@pytest.mark.expect_log("zonefs_py.fs.writepipe", "ERROR", "injected write error")
 async def test_write_error_moves_the_writer_to_another_zone(image: Path) -> None:
     a1, a2, b = data(1, 300 * KiB), data(2, 300 * KiB), data(3, 200 * KiB)
     async with engine(image) as (fs, dev):
@@ -83,6 +87,10 @@ async def test_write_error_moves_the_writer_to_another_zone(image: Path) -> None
         assert await read_file(fs, b"a.log") == a1 + a2
 
 
+@pytest.mark.expect_log(
+    "zonefs_py.alloc.allocator", "ERROR",
+    "stopped taking writes after a write error")
+@pytest.mark.expect_log("zonefs_py.fs.writepipe", "ERROR", "injected write error")
 @pytest.mark.parametrize("failing", ["first", "second"])
 async def test_write_error_in_either_piece_of_a_straddling_chunk(image: Path,
                                                                  failing: str) -> None:
@@ -115,6 +123,10 @@ async def test_write_error_in_either_piece_of_a_straddling_chunk(image: Path,
         assert await read_file(fs, b"ckpt.pt") == head + tail
 
 
+@pytest.mark.expect_log(
+    "zonefs_py.alloc.allocator", "ERROR",
+    "stopped taking writes after a write error")
+@pytest.mark.expect_log("zonefs_py.fs.writepipe", "ERROR", "injected write error")
 async def test_every_zone_failing_writes_is_eio_and_consistent(image: Path) -> None:
     keep = data(4, 100 * KiB)
     async with engine(image) as (fs, dev):
@@ -129,6 +141,8 @@ async def test_every_zone_failing_writes_is_eio_and_consistent(image: Path) -> N
     assert fsck_findings(image) == []
 
 
+@pytest.mark.expect_log("zonefs_py.fs.zonesums", "ERROR", "injected read error")
+@pytest.mark.expect_log("zonefs_py.fs.readpath", "ERROR", "injected read error")
 async def test_read_error_is_eio_and_other_zones_stay_readable(image: Path) -> None:
     a, b = data(6, 3 * MiB), data(7, 100 * KiB)
     async with engine(image) as (fs, dev):
@@ -143,6 +157,7 @@ async def test_read_error_is_eio_and_other_zones_stay_readable(image: Path) -> N
     assert fsck_findings(image) == []
 
 
+@pytest.mark.expect_log("zonefs_py.fs.readpath", "ERROR", "checksum mismatch")
 async def test_bit_flip_is_eio_never_wrong_bytes(image: Path) -> None:
     a, b = data(8, 64 * KiB), data(9, 64 * KiB)
     async with engine(image) as (fs, dev):
@@ -157,6 +172,10 @@ async def test_bit_flip_is_eio_never_wrong_bytes(image: Path) -> None:
     assert fsck_findings(image) == []
 
 
+@pytest.mark.expect_log(
+    "zonefs_py.alloc.allocator", "ERROR",
+    "stopped taking writes after a write error")
+@pytest.mark.expect_log("zonefs_py.fs.writepipe", "ERROR", "is READONLY")
 async def test_zone_turning_readonly_keeps_data_and_moves_writes(image: Path) -> None:
     a1, a2, b = data(10, 200 * KiB), data(11, 200 * KiB), data(12, 50 * KiB)
     async with engine(image) as (fs, dev):
@@ -177,6 +196,7 @@ async def test_zone_turning_readonly_keeps_data_and_moves_writes(image: Path) ->
         assert await read_file(fs, b"a") == a1 + a2
 
 
+@pytest.mark.expect_log("zonefs_py.fs", "ERROR", "OFFLINE zone")
 async def test_zone_going_offline_loses_only_its_files(image: Path) -> None:
     lost, kept = data(13, 3 * MiB), data(14, 100 * KiB)
     async with engine(image) as (fs, dev):
@@ -200,6 +220,10 @@ async def test_zone_going_offline_loses_only_its_files(image: Path) -> None:
             await read_file(fs, b"lost")
 
 
+@pytest.mark.expect_log(
+    "zonefs_py.journal.journal", "ERROR",
+    "journal write failed: .*injected write error")
+@pytest.mark.expect_log("zonefs_py.fs.filesystem", "ERROR", "read-only failsafe")
 async def test_journal_write_error_is_eio_then_read_only_and_nothing_acked_is_lost(
         image: Path) -> None:
     """A failed journal write: that fsync is EIO, the mount turns read-only (EROFS), and
@@ -230,6 +254,7 @@ async def test_journal_write_error_is_eio_then_read_only_and_nothing_acked_is_lo
         assert got in (None, b"", after)  # never acknowledged: absent, empty or complete
 
 
+@pytest.mark.expect_log("zonefs_py", "ERROR", "")
 async def test_fault_mix_keeps_fsck_clean(image: Path) -> None:
     """Random transient read/write faults over a workload; every acknowledged file reads back."""
     rng = random.Random(99)

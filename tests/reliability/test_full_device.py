@@ -112,6 +112,7 @@ def test_fill_delete_refill_20_rounds(workdir: Path, mount_factory: Mount) -> No
     assert worst >= capacity * 0.7, per_round
 
 
+@pytest.mark.expect_log("zonefs_py.fs.namespace", "WARNING", "the metadata area is full")
 def test_full_meta_area_gives_enospc_and_stays_writable(workdir: Path,
                                                         mount_factory: Mount) -> None:
     """Names fill the meta area (4 zones of 256 KiB: ~13,000 empty files): creates get

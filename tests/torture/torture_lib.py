@@ -54,6 +54,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from crashlib import fsck_findings  # noqa: E402 - shared with the other crash tests
 from integration.conftest import fusermount_u  # noqa: E402 - retries while EBUSY
 
 REPO = Path(__file__).resolve().parents[2]
@@ -415,15 +416,7 @@ class Daemon:
 
 def fsck_image(image: Path) -> list[str]:
     """check_filesystem on the (unmounted) image, read-only; return its findings."""
-    from zonefs_py.device.emulated import EmulatedZonedDevice
-    from zonefs_py.fsck import check_filesystem
-
-    dev = EmulatedZonedDevice.open(image, read_only=True)
-    try:
-        report = check_filesystem(dev, check_data=True)
-    finally:
-        dev.close()
-    return [f"{f.invariant}: {f.message}" for f in report.findings]
+    return fsck_findings(image, check_data=True)
 
 
 def read_or_none(path: Path) -> bytes | None:

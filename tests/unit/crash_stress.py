@@ -29,6 +29,8 @@ from pathlib import Path
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests/: crashlib
+from crashlib import findings_text, power_was_cut  # noqa: E402
 from engine_helpers import (  # noqa: E402
     CTX,
     CountingDevice,
@@ -264,14 +266,14 @@ async def run_workload(image: Path, seed: int, cut_after: int | None, mode: str)
                 try:
                     await WORKERS[name](fs, t, wrng, dirs[name])
                 except (OSError, errors.ZoneFSError):
-                    if not cdev.cut and not dev_cut(dev):
+                    if not cdev.cut and not power_was_cut(dev):
                         raise
 
             async def background() -> None:
                 try:
                     await fs.serve_background()
                 except (OSError, errors.ZoneFSError):
-                    if not cdev.cut and not dev_cut(dev):
+                    if not cdev.cut and not power_was_cut(dev):
                         raise
 
             async with trio.open_nursery() as outer:
@@ -282,7 +284,7 @@ async def run_workload(image: Path, seed: int, cut_after: int | None, mode: str)
                 outer.cancel_scope.cancel()
             checkpoints = fs.journal.checkpoints_written
             inside = getattr(fs.journal, "commits_during_checkpoints", 0)
-            if not (cdev.cut or dev_cut(dev)):
+            if not (cdev.cut or power_was_cut(dev)):
                 await fs.close()
         except (OSError, errors.ZoneFSError):
             if cut_after is None or cdev.writes < cut_after:
@@ -293,14 +295,10 @@ async def run_workload(image: Path, seed: int, cut_after: int | None, mode: str)
                    checkpoints, inside)
 
 
-def dev_cut(dev: EmulatedZonedDevice) -> bool:
-    return bool(getattr(dev, "power_cut", False) or getattr(dev, "_dead", False))
-
-
 async def verify(image: Path, t: Paths) -> list[str]:
     report = fsck(image)
     if not report.clean:
-        return [f"fsck before remount: {report.findings}"]
+        return [f"fsck before remount: {findings_text(report)}"]
     dev = EmulatedZonedDevice.open(image)
     try:
         fs = await ZoneFS.load(dev, FsOptions(commit_interval_s=3600.0))
@@ -312,7 +310,7 @@ async def verify(image: Path, t: Paths) -> list[str]:
     if bad:
         return bad
     report = fsck(image)
-    return [] if report.clean else [f"fsck after remount: {report.findings}"]
+    return [] if report.clean else [f"fsck after remount: {findings_text(report)}"]
 
 
 def stress_knobs() -> Callable[[], None]:

@@ -18,14 +18,15 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import crashlib
+
 from zonefs_py import errors
 from zonefs_py.device.base import DeviceInfo, Zone
 from zonefs_py.device.emulated import EmulatedZonedDevice
 from zonefs_py.fs.api import ROOT_INO, Attr, Ctx
 from zonefs_py.fs.filesystem import ZoneFS
-from zonefs_py.fs.mkfs import make_filesystem
 from zonefs_py.fs.options import FsOptions
-from zonefs_py.fsck import Report, check_filesystem
+from zonefs_py.fsck import Report
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -53,13 +54,9 @@ TINY = Geometry(size_bytes=4 * MiB, zone_size_bytes=64 * KiB, meta_zones=4)
 
 def new_image(path: Path, geo: Geometry = SMALL) -> None:
     """Create an emulated image at `path` holding a fresh filesystem (closed again)."""
-    dev = EmulatedZonedDevice.create(path, size_bytes=geo.size_bytes,
-                                     zone_size_bytes=geo.zone_size_bytes,
-                                     block_size=geo.block_size, max_active=geo.max_active)
-    try:
-        make_filesystem(dev, meta_zones=geo.meta_zones)
-    finally:
-        dev.close()
+    crashlib.new_image(path, size_bytes=geo.size_bytes, zone_size_bytes=geo.zone_size_bytes,
+                       block_size=geo.block_size, max_active=geo.max_active,
+                       meta_zones=geo.meta_zones)
 
 
 def open_image(path: Path, **kwargs: object) -> EmulatedZonedDevice:
@@ -67,17 +64,13 @@ def open_image(path: Path, **kwargs: object) -> EmulatedZonedDevice:
 
 
 def fsck(path: Path, *, check_data: bool = True) -> Report:
-    """Run check_filesystem on a closed image (opened read-only)."""
-    dev = EmulatedZonedDevice.open(path, read_only=True)
-    try:
-        return check_filesystem(dev, check_data=check_data)
-    finally:
-        dev.close()
+    """Run check_filesystem on a closed image (opened read-only; tests/crashlib.py)."""
+    return crashlib.fsck_report(path, check_data=check_data)
 
 
 def assert_fsck_clean(path: Path) -> None:
     report = fsck(path)
-    assert report.clean, [f"{f.invariant}: {f.message}" for f in report.findings]
+    assert report.clean, crashlib.findings_text(report)
 
 
 @asynccontextmanager

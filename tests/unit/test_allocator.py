@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from zonefs_py.alloc.allocator import Allocator
 from zonefs_py.device.base import DeviceInfo, Zone, ZoneCond, ZoneType
 from zonefs_py.format.constants import Stream
@@ -106,6 +108,9 @@ def test_a_zone_that_dies_twice_waits_for_the_later_death() -> None:
     assert alloc.take_resettable(durable_txn=9) == [3]
 
 
+@pytest.mark.expect_log(
+    "zonefs_py.alloc.allocator", "ERROR",
+    "stopped taking writes after a write error")
 def test_a_zone_whose_write_failed_is_reset_once_dead_and_used_again() -> None:
     alloc = make_alloc()
     ops: list[Op] = []
@@ -124,6 +129,9 @@ def test_a_zone_whose_write_failed_is_reset_once_dead_and_used_again() -> None:
     assert dz in alloc.empty_zones()
 
 
+@pytest.mark.expect_log(
+    "zonefs_py.alloc.allocator", "ERROR",
+    "stopped taking writes after a write error")
 def test_a_zone_that_cannot_be_reset_stays_out_of_use() -> None:
     alloc = make_alloc()
     ops: list[Op] = []
@@ -164,6 +172,9 @@ def test_a_zone_being_read_is_not_reset_until_the_read_is_done() -> None:
     assert alloc.take_resettable(durable_txn=1 << 30) == [4]
 
 
+@pytest.mark.expect_log(
+    "zonefs_py.alloc.allocator", "ERROR",
+    "stopped taking writes after a write error")
 def test_total_capacity_follows_zones_going_out_of_use_and_back() -> None:
     alloc = make_alloc()
     # What data may fill of a zone: its capacity less the room for its summary.

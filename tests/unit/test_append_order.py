@@ -35,20 +35,24 @@ def test_workers_enter_in_ticket_order_whatever_order_they_start() -> None:
 
 
 def test_a_ticket_never_used_costs_its_successor_one_bounded_wait() -> None:
+    """The successor gives up after wait_s (one timeout); later tickets do not wait.
+
+    Asserted through `timeouts`, not the clock: a wait that wrongly blocked
+    would time out too and count, whatever the machine's load.
+    """
     order = AppendOrder(wait_s=0.05)
     order.ticket(1)  # its task was cancelled before its thread ran
     second = order.ticket(1)
     start = time.monotonic()
     order.wait(1, second)
-    assert 0.04 <= time.monotonic() - start < 2.0
+    assert time.monotonic() - start >= 0.05  # it did wait (a lower bound cannot flake)
     assert order.timeouts == 1
     order.done(1, second)
     # The skipped ticket's late `done` changes nothing, and new tickets go at once.
     order.done(1, 0)
     third = order.ticket(1)
-    start = time.monotonic()
     order.wait(1, third)
-    assert time.monotonic() - start < 0.04
+    assert order.timeouts == 1, "the third ticket waited for the skipped one"
     order.done(1, third)
     assert order.pending_zones() == 0
 
@@ -57,14 +61,13 @@ def test_zones_are_independent() -> None:
     order = AppendOrder(wait_s=5.0)
     order.ticket(1)
     t2 = order.ticket(2)
-    start = time.monotonic()
     order.wait(2, t2)  # zone 1's pending ticket does not hold zone 2
-    assert time.monotonic() - start < 1.0
+    assert order.timeouts == 0, "zone 2's ticket waited for zone 1's"
 
 
 async def test_a_sequential_file_is_one_extent_per_zone(tmp_path: Path) -> None:
     """1 MiB writes, 4 chunks in flight: without the order the chunks landed shuffled
-    (7,603 extents for 10 GiB in 1 MiB chunks, 40 zones)."""
+    (7,603-8,414 extents for 10 GiB in 1 MiB chunks, 40 zones, over the runs measured)."""
     geo = Geometry(size_bytes=256 * MiB, zone_size_bytes=8 * MiB)
     async with mounted(tmp_path / "fs.img", geo=geo, create=True) as fs:
         assert fs.data.append_order is not None

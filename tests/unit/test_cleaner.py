@@ -15,6 +15,7 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import trio
 from engine_helpers import KiB, mounted, pattern, read_file, resolve, write_file
 
@@ -251,6 +252,7 @@ async def test_clean_zone_copies_every_live_block_in_device_order() -> None:
     assert host.cleaned_bytes == 120 * BS
 
 
+@pytest.mark.expect_log("zonefs_py.cleaner.cleaner", "ERROR", "fails its checksum")
 async def test_an_unreadable_zone_is_left_alone_and_never_picked_again() -> None:
     host, cleaner = fresh()
     host.write(0, 1, range(10))

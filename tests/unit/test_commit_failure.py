@@ -11,6 +11,7 @@ import errno
 import threading
 from pathlib import Path
 
+import pytest
 import trio
 import trio.testing
 from engine_helpers import CTX, mounted
@@ -19,6 +20,8 @@ from zonefs_py import errors
 from zonefs_py.fs.api import ROOT_INO
 
 
+@pytest.mark.expect_log("zonefs_py.journal.journal", "ERROR", "journal write failed")
+@pytest.mark.expect_log("zonefs_py.fs.filesystem", "ERROR", "switching to read-only failsafe mode")
 async def test_commit_queued_behind_a_failing_one_fails_too(tmp_path: Path) -> None:
     image = tmp_path / "fs.img"
     async with mounted(image, create=True, fsck_after=False) as fs:

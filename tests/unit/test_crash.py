@@ -665,6 +665,7 @@ async def sweep(tmp_path: Path, name: str, mode: str,
     return total, seen
 
 
+@pytest.mark.expect_log("zonefs_py", "ERROR", "")
 @pytest.mark.parametrize("mode", ["drop", "tear"])
 @pytest.mark.parametrize("name", list(SCENARIOS))
 async def test_power_cut_after_every_write(tmp_path: Path, name: str, mode: str) -> None:

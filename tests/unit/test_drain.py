@@ -297,6 +297,8 @@ async def test_changed_while_uploading_is_requeued(tmp_path: Path,
         assert not store.uploads  # the abandoned multipart upload was aborted
 
 
+@pytest.mark.expect_log("zonefs_py.drain.drainer", "WARNING", "injected transient")
+@pytest.mark.expect_log("zonefs_py.drain.drainer", "ERROR", "refused our credentials")
 async def test_store_errors_back_off_and_auth_logs_once(
         tmp_path: Path, clock: trio.testing.MockClock,
         caplog: pytest.LogCaptureFixture) -> None:
@@ -360,6 +362,7 @@ async def test_keep_evicts_and_open_restores(tmp_path: Path,
         assert (await fs.getattr(inos[0])).mtime_ns == mtime
 
 
+@pytest.mark.expect_log("zonefs_py.drain.manager", "ERROR", "checksum mismatch")
 async def test_corrupt_object_is_eio_never_wrong_bytes(tmp_path: Path,
                                                        clock: trio.testing.MockClock) -> None:
     data = payload(4 * PART + 5, 3)
@@ -424,6 +427,7 @@ async def test_policy_xattrs_are_checked(tmp_path: Path) -> None:
             await fs.setxattr(await resolve(fs, "/ck/f"), KEEP_XATTR, b"2", XattrFlags(0), CTX)
 
 
+@pytest.mark.expect_log("zonefs_py.drain.manager", "ERROR", "injected transient")
 async def test_write_or_truncate_of_evicted_file(tmp_path: Path,
                                                  clock: trio.testing.MockClock) -> None:
     """Opening an evicted file for writing restores it first, or is refused (EIO) when

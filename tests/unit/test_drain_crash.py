@@ -183,6 +183,7 @@ async def verify(image: Path, store: FakeStore, p: Progress, where: str) -> str:
     return found
 
 
+@pytest.mark.expect_log("zonefs_py", "ERROR", "")
 @pytest.mark.parametrize("mode", ["drop", "tear"])
 async def test_power_cut_across_drain_evict_move_restore(
         tmp_path: Path, clock: trio.testing.MockClock, mode: str) -> None:

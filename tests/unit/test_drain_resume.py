@@ -93,6 +93,7 @@ async def test_files_upload_in_parallel(tmp_path: Path, clock: trio.testing.Mock
             assert store.objects[(BUCKET, "run1" + path[3:])][0] == data
 
 
+@pytest.mark.expect_log("zonefs_py.drain.drainer", "WARNING", "the store went away")
 async def test_crash_mid_multipart_resumes_only_missing_parts(
         tmp_path: Path, clock: trio.testing.MockClock) -> None:
     """The store takes 2 of 6 parts, then goes away; power off. The next mount lists
@@ -133,6 +134,7 @@ async def test_crash_mid_multipart_resumes_only_missing_parts(
         assert upload_id not in store.uploads
 
 
+@pytest.mark.expect_log("zonefs_py.drain.drainer", "WARNING", "the store went away")
 async def test_resume_of_a_vanished_upload_starts_again(
         tmp_path: Path, clock: trio.testing.MockClock) -> None:
     """The pending upload was aborted in the store meanwhile (lifecycle rule): the
@@ -215,6 +217,7 @@ async def test_new_file_at_the_old_name_waits_for_the_move(
         assert store.objects[(BUCKET, "run1/x.pt")][0] == new
 
 
+@pytest.mark.expect_log("zonefs_py.drain.drainer", "WARNING", "injected transient")
 @pytest.mark.parametrize("cut", ["before_copy", "before_delete", "before_done"])
 async def test_crash_mid_move_resumes(tmp_path: Path, clock: trio.testing.MockClock,
                                       cut: str) -> None:
@@ -264,6 +267,7 @@ async def test_crash_mid_move_resumes(tmp_path: Path, clock: trio.testing.MockCl
     assert_fsck_clean(image)
 
 
+@pytest.mark.expect_log("zonefs_py.drain.drainer", "WARNING", "the store went away")
 async def test_stop_mid_upload_keeps_it_for_the_next_mount(
         tmp_path: Path, clock: trio.testing.MockClock) -> None:
     """A clean unmount while parts are in flight does not abort the upload: the next

@@ -107,6 +107,7 @@ async def test_full_check_of_a_clean_image_passes(tmp_path: Path) -> None:
     assert report.data_blocks_checked == 13
 
 
+@pytest.mark.expect_log("zonefs_py.fs.readpath", "ERROR", "checksum mismatch in /a")
 async def test_flipped_data_block_is_inv12(tmp_path: Path) -> None:
     image = tmp_path / "fs.img"
     async with mounted(image, create=True) as fs:
@@ -136,6 +137,9 @@ async def test_journal_record_damaged_at_the_tail_is_a_torn_tail(tmp_path: Path)
         assert await read_file(fs, "/f2") == pattern(2, 3000)
 
 
+@pytest.mark.expect_log(
+    "zonefs_py.journal.recovery", "WARNING",
+    "stopping the log replay at damage")
 async def test_journal_record_damaged_in_the_middle_refuses_mount(tmp_path: Path) -> None:
     image = tmp_path / "fs.img"
     await journal_image(image)

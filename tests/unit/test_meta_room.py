@@ -29,6 +29,7 @@ async def fill(fs: ZoneFS, parent: int, prefix: bytes, inline: bytes) -> int:
     return n
 
 
+@pytest.mark.expect_log("zonefs_py.fs.namespace", "WARNING", "the metadata area is full")
 @pytest.mark.parametrize("inline", [b"", b"y" * 200])
 async def test_creates_get_enospc_and_the_mount_stays_writable(tmp_path: Path,
                                                                inline: bytes) -> None:

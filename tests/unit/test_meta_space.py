@@ -114,6 +114,9 @@ async def test_meta_zone_accounting_asks_the_device_nothing(tmp_path: Path) -> N
         dev.close()
 
 
+@pytest.mark.expect_log(
+    "zonefs_py.journal.journal", "ERROR",
+    "checkpoint write failed: .*power cut")
 async def test_cached_meta_zones_equal_the_zone_report(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """After commits, zone rolls, checkpoints, and the mount-time repairs (a
@@ -315,6 +318,7 @@ async def test_a_fill_rewrites_the_metadata_a_bounded_number_of_times(tmp_path: 
 
 # -- 4. the bound on files -------------------------------------------------------------
 
+@pytest.mark.expect_log("zonefs_py.fs.namespace", "WARNING", "the metadata area is full")
 async def test_file_bound_uses_device_bytes_and_holds(tmp_path: Path) -> None:
     image = tmp_path / "fs.img"
     async with mounted(image, geo=SMALL_META, create=True) as fs:
@@ -357,6 +361,7 @@ async def test_file_bound_uses_device_bytes_and_holds(tmp_path: Path) -> None:
         assert await read_file(fs, "/after") == pattern(1, 3000)
 
 
+@pytest.mark.expect_log("zonefs_py.fs.namespace", "WARNING", "the metadata area is full")
 @pytest.mark.parametrize("late", ["inline-500", "inline-2000", "name-255"])
 async def test_files_that_do_not_compress_after_files_that_do(tmp_path: Path,
                                                              late: str) -> None:

@@ -65,6 +65,7 @@ def test_watchdog_interval(env: dict[str, str], interval: float | None) -> None:
     assert Notifier({"NOTIFY_SOCKET": "/nonexistent", **env}).watchdog_interval_s == interval
 
 
+@pytest.mark.expect_log("zonefs_py.daemon", "WARNING", "cannot notify systemd")
 def test_unreachable_socket_warns_once(caplog: pytest.LogCaptureFixture) -> None:
     n = Notifier({"NOTIFY_SOCKET": "/nonexistent/sock"})
     assert n.send("READY=1") is False
@@ -74,6 +75,7 @@ def test_unreachable_socket_warns_once(caplog: pytest.LogCaptureFixture) -> None
     caplog.clear()  # the warning is the behaviour under test
 
 
+@pytest.mark.expect_log("zonefs_py.daemon", "WARNING", "is not a unix socket address")
 def test_vsock_address_is_refused(caplog: pytest.LogCaptureFixture) -> None:
     assert not Notifier({"NOTIFY_SOCKET": "vsock:2:1234"}).enabled
     assert "not a unix socket address" in caplog.text

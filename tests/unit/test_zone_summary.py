@@ -146,6 +146,7 @@ async def test_the_cleaner_copies_out_of_a_sealed_zone(tmp_path: Path) -> None:
             assert await read_file(fs, path) == data
 
 
+@pytest.mark.expect_log("zonefs_py.fs.zonesums", "ERROR", "damaged checksum block in /big")
 async def test_a_damaged_summary_block_fails_exactly_the_blocks_it_covers(
         tmp_path: Path) -> None:
     image = tmp_path / "fs.img"

@@ -1,4 +1,7 @@
-"""On-disk constants. docs/SPEC.md documents each one; a test checks they agree.
+"""On-disk constants. docs/SPEC.md documents each one.
+
+A test checks that SPEC.md states this DISK_VERSION (tests/unit/test_spec_engine.py);
+the other values are checked by review against SPEC.md, not by a test.
 
 Retired values stay reserved forever: never reuse a record or op type number.
 """

@@ -10,6 +10,9 @@ cases, what is recovered is exactly what was acknowledged.
 Pure: no I/O, no trio. Accounting of live blocks per zone is kept here
 (`zone_live_blocks`), because only apply() knows which device blocks stopped
 being referenced.
+
+The inode record is in model/inode.py, the checkpoint's listing of a State
+(and its copy-on-write `Snapshot`) in model/snapshot.py.
 """
 
 from __future__ import annotations
@@ -21,155 +24,19 @@ from zonefs_py.format.constants import OpType
 from zonefs_py.format.ops import Op
 from zonefs_py.format.zonesum import summary_end
 from zonefs_py.model.drain import DrainRecord
+from zonefs_py.model.errors import StateError
 from zonefs_py.model.extents import EMPTY_EXTENTS, ExtentMap, Freed
+from zonefs_py.model.inode import CAPABILITY_XATTR, Inode, inline_op
 from zonefs_py.model.prealloc import Reservations
 from zonefs_py.model.shared import SharedBlocks
+from zonefs_py.model.snapshot import Snapshot, snapshot_ops
 
-#: The xattr the kernel looks for before every write(2) (file capabilities).
-CAPABILITY_XATTR = b"security.capability"
-
-
-class _Rare:
-    """The fields of an Inode that almost every inode leaves empty (see Inode.rare)."""
-
-    __slots__ = ("rdev", "target", "xattrs")
-
-    def __init__(self) -> None:
-        self.rdev = 0
-        self.target: bytes | None = None
-        self.xattrs: dict[bytes, bytes] | None = None
-
-
-class Inode:
-    __slots__ = (
-        "atime", "ckpt_gen", "ctime", "entries", "extents", "flags", "gid", "ino", "inline",
-        "lookups", "mode", "mtime", "nlink", "opens", "parent", "rare", "size", "uid",
-    )
-
-    def __init__(self, ino: int, mode: int = 0, uid: int = 0, gid: int = 0, nlink: int = 0,
-                 rdev: int = 0, size: int = 0, atime: int = 0, mtime: int = 0, ctime: int = 0,
-                 flags: int = 0) -> None:
-        self.ino = ino
-        self.mode = mode
-        self.uid = uid
-        self.gid = gid
-        self.nlink = nlink
-        #: rdev, the symlink target and the xattrs, None while all three are empty:
-        #: one slot instead of three puts every Inode in a 16-byte smaller
-        #: allocation (176 bytes instead of 192, issue 15). Read and set them
-        #: through the properties below.
-        self.rare: _Rare | None = None
-        if rdev:
-            self.rdev = rdev
-        self.size = size
-        self.atime = atime
-        self.mtime = mtime
-        self.ctime = ctime
-        self.flags = flags
-        fmt = mode & 0o170000
-        self.entries: dict[bytes, int] | None = {} if fmt == statmod.S_IFDIR else None
-        #: Regular files only (the shared EMPTY_EXTENTS until their first extent).
-        self.extents: ExtentMap | None = EMPTY_EXTENTS if fmt == statmod.S_IFREG else None
-        #: Regular files: the file's bytes kept in the metadata (INLINE op), empty when
-        #: its data is in blocks (or it has none). Bytes past it up to size are zeros.
-        self.inline = b""
-        self.parent = 0
-        self.lookups = 0
-        self.opens = 0
-        #: Generation of the last Snapshot that encoded this inode (see Snapshot).
-        self.ckpt_gen = 0
-
-    def _rare_for_set(self, value: object) -> _Rare | None:
-        """The _Rare to store a value in: made for a non-empty value, None (nothing
-        to store) for an empty one when there is none."""
-        rare = self.rare
-        if rare is None and value:
-            rare = self.rare = _Rare()
-        return rare
-
-    def _drop_rare_if_empty(self) -> None:
-        rare = self.rare
-        if rare is not None and not rare.rdev and rare.target is None and rare.xattrs is None:
-            self.rare = None
-
-    @property
-    def rdev(self) -> int:
-        rare = self.rare
-        return 0 if rare is None else rare.rdev
-
-    @rdev.setter
-    def rdev(self, value: int) -> None:
-        rare = self._rare_for_set(value)
-        if rare is not None:
-            rare.rdev = value
-            self._drop_rare_if_empty()
-
-    @property
-    def target(self) -> bytes | None:
-        """A symlink's target (None for other files)."""
-        rare = self.rare
-        return None if rare is None else rare.target
-
-    @target.setter
-    def target(self, value: bytes | None) -> None:
-        rare = self._rare_for_set(value is not None)
-        if rare is not None:
-            rare.target = value
-            self._drop_rare_if_empty()
-
-    @property
-    def xattrs(self) -> dict[bytes, bytes] | None:
-        """Extended attributes, name -> value (None when there are none)."""
-        rare = self.rare
-        return None if rare is None else rare.xattrs
-
-    @xattrs.setter
-    def xattrs(self, value: dict[bytes, bytes] | None) -> None:
-        rare = self._rare_for_set(value is not None)
-        if rare is not None:
-            rare.xattrs = value
-            self._drop_rare_if_empty()
-
-    @property
-    def is_dir(self) -> bool:
-        return statmod.S_ISDIR(self.mode)
-
-    @property
-    def is_reg(self) -> bool:
-        return statmod.S_ISREG(self.mode)
-
-    @property
-    def is_symlink(self) -> bool:
-        return statmod.S_ISLNK(self.mode)
-
-    @property
-    def stream(self) -> int:
-        return self.flags & 0xFF
-
-    def op(self, **changes: int) -> Op:
-        """Return an INODE op with this inode's attributes, some replaced."""
-        g = changes.get
-        return (OpType.INODE, self.ino, g("mode", self.mode), g("uid", self.uid),
-                g("gid", self.gid), g("nlink", self.nlink), g("rdev", self.rdev),
-                g("size", self.size), g("atime", self.atime), g("mtime", self.mtime),
-                g("ctime", self.ctime), g("flags", self.flags))
-
-
-def inline_op(inode: Inode, data: bytes, size: int | None = None, mtime: int | None = None,
-              ctime: int | None = None) -> Op:
-    """Return an INLINE op setting `inode`'s inline bytes (and size and times, by
-    default the inode's own)."""
-    return (OpType.INLINE, inode.ino, inode.size if size is None else size,
-            inode.mtime if mtime is None else mtime, inode.ctime if ctime is None else ctime,
-            data)
-
+# Importers of the model's names from here keep working (the classes live in
+# model/inode.py, model/snapshot.py and model/errors.py).
+__all__ = ["CAPABILITY_XATTR", "Inode", "Snapshot", "State", "StateError", "inline_op"]
 
 #: State shares the int objects of at most this many distinct modes, uids and gids.
 _SHARED_INTS_MAX = 4096
-
-
-class StateError(Exception):
-    """An op does not fit the state it is applied to (corrupt log or a bug)."""
 
 
 class State:
@@ -515,70 +382,10 @@ class State:
             if left == 0 and self.on_zone_emptied is not None:
                 self.on_zone_emptied(zone)
 
-    # -- snapshots ----------------------------------------------------------------
     def snapshot_ops(self, max_csum_blocks: int = 65536) -> Iterator[Op]:
-        """Yield ops that rebuild this state from nothing (the checkpoint).
+        """Yield ops that rebuild this state from nothing (model/snapshot.py)."""
+        return snapshot_ops(self, max_csum_blocks)
 
-        Order matters: counters and zones, then every inode, then names,
-        symlink targets, xattrs and extents (which need their inodes).
-        """
-        yield from self.snapshot_head_ops()
-        for inode in self.inodes.values():
-            yield inode.op()
-        for inode in self.inodes.values():
-            yield from self.inode_body_ops(inode, max_csum_blocks)
-
-    def snapshot_head_ops(self) -> Iterator[Op]:
-        """The snapshot's ops that belong to no inode: counters, tenants, zones."""
-        yield (OpType.NEXT_INO, self.next_ino)
-        yield (OpType.COUNTERS, dict(self.counters))
-        for dir_ino, written in self.tenant_written.items():
-            yield (OpType.TENANT_BYTES, dir_ino, written)
-        for zone, (stream, flags, resets) in sorted(self.zone_info.items()):
-            yield (OpType.ZONE_STATE, zone, stream, flags, resets)
-        for zone, (resets, data_blocks) in sorted(self.zone_seals.items()):
-            yield (OpType.ZONE_SEAL, zone, resets, data_blocks)
-        for dev, nblocks, extra in self.shared.items():
-            yield (OpType.SHARE, dev, nblocks, extra)
-
-    def inode_body_ops(self, inode: Inode, max_csum_blocks: int = 65536) -> Iterator[Op]:
-        """The snapshot's ops of one inode after its INODE op: names (of a
-        directory), symlink target, xattrs, drain state, inline data, extents."""
-        if inode.entries:
-            for name, child in inode.entries.items():
-                yield (OpType.DIRENT_ADD, inode.ino, child, name)
-        if inode.target is not None:
-            yield (OpType.SYMLINK, inode.ino, inode.target)
-        if inode.xattrs:
-            for name, value in inode.xattrs.items():
-                yield (OpType.XATTR_SET, inode.ino, name, value)
-        drain = self.drain.get(inode.ino)
-        if drain is not None:
-            yield drain.op(inode.ino)
-        if inode.inline:
-            yield inline_op(inode, inode.inline)
-        if inode.extents is not None:
-            bs = self.block_size
-            for e in inode.extents:
-                if e.csums is None:  # sealed zone: no checksums to carry
-                    yield (OpType.EXTENT, inode.ino, e.fblock, e.nblocks, e.dev, None)
-                    continue
-                # Split huge extents so one op stays well under a record's size.
-                for off in range(0, e.nblocks, max_csum_blocks):
-                    n = min(max_csum_blocks, e.nblocks - off)
-                    yield (OpType.EXTENT, inode.ino, e.fblock + off, n, e.dev + off * bs,
-                           e.csums[off * 4:(off + n) * 4])
-            for lo, hi in self.prealloc.ranges.get(inode.ino, ()):
-                yield (OpType.PREALLOC, inode.ino, lo, hi - lo)
-
-
-#: Ops whose op[1] is an inode they change (for DIRENT_* the directory; the
-#: child's `parent` is derived, not stored).
-_CHANGES_INODE = frozenset({
-    OpType.INODE, OpType.INODE_FREE, OpType.DIRENT_ADD, OpType.DIRENT_DEL, OpType.EXTENT,
-    OpType.TRUNCATE, OpType.SYMLINK, OpType.XATTR_SET, OpType.XATTR_DEL, OpType.DRAIN,
-    OpType.INLINE, OpType.PREALLOC, OpType.PUNCH,
-})
 
 #: Ops that change which bytes a file's blocks hold (State.on_data_changed).
 _DATA_OPS = frozenset({OpType.EXTENT, OpType.TRUNCATE, OpType.INODE_FREE, OpType.INLINE,
@@ -586,87 +393,3 @@ _DATA_OPS = frozenset({OpType.EXTENT, OpType.TRUNCATE, OpType.INODE_FREE, OpType
 
 #: Past every file block (file sizes stay below 2**63 bytes, FILE_SIZE_MAX).
 _NO_BLOCK = 1 << 63
-
-
-class Snapshot:
-    """The State as it was when this object was made, encoded a slice at a time.
-
-    A checkpoint of a big namespace takes seconds to encode (about 3 us per
-    file); `step()` encodes a slice of the inodes that existed at the start,
-    and the caller lets other requests run between slices. Requests keep
-    changing the State meanwhile, so the snapshot is copy-on-write: while it
-    is installed (`State.snapshot`), `State.apply` calls `before_apply`
-    first, which encodes the inode the op is about to change if it existed
-    at the start and is not encoded yet (its pre-image). Each inode is
-    encoded exactly once, either way, as it was at the start:
-
-    * an inode not yet encoded has not been changed since the start (every
-      change goes through apply(), and apply() would have encoded it first);
-    * inodes born after the start carry this snapshot's generation and are
-      never encoded; inodes freed after it were encoded before the free.
-
-    Everything outside inodes (next inode number, counters, tenants, zone
-    states) is small and encoded at once by the constructor. The result is
-    exactly what `snapshot_ops()` would have given at the start, except for
-    the order of names across directories (DESIGN.md, "Checkpoint").
-    """
-
-    def __init__(self, state: State, encode: Callable[[Op], bytes]) -> None:
-        if state.snapshot is not None:
-            raise StateError("a snapshot is already being taken")
-        state.snapshot_gen += 1
-        self.gen = state.snapshot_gen
-        self.state = state
-        self.encode = encode
-        self.head = [encode(op) for op in state.snapshot_head_ops()]
-        self.inode_part: list[bytes] = []
-        self.body_part: list[bytes] = []
-        self._todo: list[Inode] = list(state.inodes.values())
-        self._pos = 0
-        #: Inodes encoded ahead of the cursor because an op was about to change them.
-        self.copied = 0
-        state.snapshot = self
-
-    def _take(self, inode: Inode) -> None:
-        inode.ckpt_gen = self.gen
-        encode = self.encode
-        self.inode_part.append(encode(inode.op()))
-        self.body_part.extend(encode(op) for op in self.state.inode_body_ops(inode))
-
-    def before_apply(self, op: Op) -> None:
-        if op[0] in _CHANGES_INODE:
-            inode = self.state.inodes.get(op[1])
-            if inode is not None:
-                self.before_change(inode)
-
-    def before_change(self, inode: Inode) -> None:
-        """Encode `inode` now if it is not encoded yet: it is about to change."""
-        if inode.ckpt_gen != self.gen:
-            self._take(inode)
-            self.copied += 1
-
-    def step(self, max_inodes: int) -> bool:
-        """Encode up to `max_inodes` more inodes; True once every one is encoded."""
-        todo = self._todo
-        end = min(self._pos + max_inodes, len(todo))
-        gen = self.gen
-        for i in range(self._pos, end):
-            inode = todo[i]
-            if inode.ckpt_gen != gen:
-                self._take(inode)
-        self._pos = end
-        if end < len(todo):
-            return False
-        self._todo = []
-        return True
-
-    def encoded_ops(self) -> list[bytes]:
-        """Every encoded op, in checkpoint order (call once `step` returned True)."""
-        if self._todo:
-            raise StateError("snapshot is not complete")
-        return self.head + self.inode_part + self.body_part
-
-    def close(self) -> None:
-        """Stop tracking changes (always call it, also when the checkpoint fails)."""
-        if self.state.snapshot is self:
-            self.state.snapshot = None

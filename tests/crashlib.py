@@ -1,0 +1,58 @@
+"""The crash harnesses' shared parts: fresh images, fsck findings, power-cut detection.
+
+Used by tests/unit (engine_helpers, crash_stress), tests/reliability (helpers)
+and tests/torture (torture_lib), so that "make an image", "what does fsck say
+about the crashed image" and "did the device lose power" mean the same thing
+in every crash test. Importable as `crashlib`: pytest puts tests/ on sys.path
+(tests/conftest.py lives there); scripts that run outside pytest insert it.
+
+Findings are rendered as 'INV-n: message', the invariant fsck names
+(docs/DESIGN.md's invariant index).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from zonefs_py.device.emulated import EmulatedZonedDevice
+from zonefs_py.fs.mkfs import make_filesystem
+from zonefs_py.fsck import Report, check_filesystem
+
+MiB = 1 << 20
+
+
+def new_image(path: Path, *, size_bytes: int = 64 * MiB, zone_size_bytes: int = 2 * MiB,
+              block_size: int = 4096, max_active: int = 0,
+              meta_zones: int | None = None) -> None:
+    """Create an emulated image at `path` holding a fresh filesystem (closed again)."""
+    dev = EmulatedZonedDevice.create(path, size_bytes=size_bytes,
+                                     zone_size_bytes=zone_size_bytes, block_size=block_size,
+                                     max_active=max_active)
+    try:
+        make_filesystem(dev, meta_zones=meta_zones)
+    finally:
+        dev.close()
+
+
+def fsck_report(path: Path, *, check_data: bool = True) -> Report:
+    """Run check_filesystem on a closed image, opened read-only."""
+    dev = EmulatedZonedDevice.open(path, read_only=True)
+    try:
+        return check_filesystem(dev, check_data=check_data)
+    finally:
+        dev.close()
+
+
+def findings_text(report: Report) -> list[str]:
+    """A report's findings as 'INV-n: message' lines (empty when it is clean)."""
+    return [f"{f.invariant}: {f.message}" for f in report.findings]
+
+
+def fsck_findings(path: Path, *, check_data: bool = True) -> list[str]:
+    """fsck a closed image read-only; return its findings as 'INV-n: message'."""
+    return findings_text(fsck_report(path, check_data=check_data))
+
+
+def power_was_cut(dev: EmulatedZonedDevice) -> bool:
+    """True once an emulated device lost power (a cut hook fired, or it is dead)."""
+    return bool(getattr(dev, "power_cut", False) or getattr(dev, "_dead", False))
