@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -201,21 +201,6 @@ def make_image(directory: Path, size: str = IMAGE_SIZE, zone_size: str = ZONE_SI
     zonefs("emu", "create", str(image), "--size", size, "--zone-size", zone_size)
     zonefs("mkfs", str(image))
     return image
-
-
-@pytest.fixture(autouse=True)
-def _known_daemon_warnings(expect_log: Callable[[str, str, str], None]) -> None:
-    """Daemon warnings every integration mount logs here, not yet explained.
-
-    KNOWN (issue 31 report): under pytest daemons often warn that their mount
-    point is "not found in /proc/self/mountinfo" when they raise the FUSE
-    background limit or set the readahead window (daemon/tuning.py,
-    `_mount_dev`), although the mount is there; the same command started by
-    hand finds it. Remove once understood.
-    """
-    expect_log("zonefs_py.daemon", "WARNING",
-               r"could not (raise the FUSE background limit|set the readahead window) "
-               r".* not found in /proc/self/mountinfo")
 
 
 @pytest.fixture

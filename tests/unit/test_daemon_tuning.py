@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -61,3 +62,15 @@ def test_min_tasks_option(tmp_path: Path) -> None:
     for bad in ("min_tasks=0", "min_tasks=x", "min_tasks"):
         with pytest.raises(MountError, match="min_tasks"):
             MountConfig.build(str(image), str(mnt), [bad])
+
+
+def test_mount_dev_falls_back_to_stat_when_mountinfo_misses_the_mount(
+        tmp_path: Path) -> None:
+    """A read of mountinfo can miss a mount while others come and go: stat(2) names
+    the device then (seen as 'not found in /proc/self/mountinfo' in test runs)."""
+    empty = tmp_path / "empty-mountinfo"
+    empty.write_text("")
+    st = os.stat("/")
+    assert _mount_dev("/", str(empty)) == f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    with pytest.raises(OSError, match="not found"):
+        _mount_dev(str(tmp_path), str(empty))  # not a mount point

@@ -45,9 +45,15 @@ def _unescape_mountinfo(field: str) -> str:
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
+class MountGone(OSError):
+    """The mount point is no longer a mount: it was unmounted before it was tuned
+    (a short-lived mount; logged at debug level, not as a warning)."""
+
+
 def _mount_dev(mountpoint: str, mountinfo: str = "/proc/self/mountinfo") -> str:
     """The mount's device number "major:minor", from /proc/self/mountinfo
-    (the last mount on `mountpoint`: the one on top)."""
+    (the last mount on `mountpoint`: the one on top), else from stat(2).
+    Call it from a worker thread: the stat reaches this daemon."""
     # The kernel records the path with symlinks resolved.
     wanted = {mountpoint, os.path.realpath(mountpoint)}
     dev = None
@@ -57,7 +63,14 @@ def _mount_dev(mountpoint: str, mountinfo: str = "/proc/self/mountinfo") -> str:
             if len(fields) > 4 and _unescape_mountinfo(fields[4]) in wanted:
                 dev = fields[2]
     if dev is None:
-        raise OSError(f"{mountpoint} not found in /proc/self/mountinfo")
+        # A read of mountinfo can miss entries while other mounts come and go (seen
+        # in test runs beside other mounting sessions). stat(2) of the mount point
+        # names the same device; it is answered by this daemon, so it is called
+        # from a worker thread (as every caller here is), never the trio thread.
+        if not os.path.ismount(mountpoint):
+            raise MountGone(f"{mountpoint} not found in /proc/self/mountinfo")
+        st = os.stat(mountpoint)
+        dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
     return dev
 
 
@@ -90,6 +103,8 @@ def set_max_background(mountpoint: str, limit: int) -> None:
         with open(os.path.join(conn, "max_background"), "w") as f:
             f.write(str(limit))
         log.info("FUSE background limit %d, congestion threshold %d", limit, threshold)
+    except MountGone as exc:
+        log.debug("not raising the FUSE background limit: %s (unmounted already)", exc)
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("could not raise the FUSE background limit of %s: %s (O_DIRECT "
                     "readers may slow buffered writers)", mountpoint, exc)
@@ -107,5 +122,7 @@ def set_readahead(mountpoint: str, kib: int) -> None:
         dev = _mount_dev(mountpoint)
         with open(f"/sys/class/bdi/{dev}/read_ahead_kb", "w") as f:
             f.write(str(kib))
+    except MountGone as exc:
+        log.debug("not setting the readahead window: %s (unmounted already)", exc)
     except OSError as exc:
         log.warning("could not set the readahead window of %s: %s", mountpoint, exc)
