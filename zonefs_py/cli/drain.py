@@ -26,9 +26,9 @@ from collections.abc import Callable
 from typing import Any
 
 from zonefs_py.cli.stat import read_status, render
+from zonefs_py.model.drain import STATE_XATTR
 
 CTL_XATTR = "trusted.zonefs.ctl"
-STATE_XATTR = "user.zonefs.state"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

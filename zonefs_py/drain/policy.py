@@ -21,11 +21,11 @@ import re
 from zonefs_py import errors
 from zonefs_py.drain.store import META_SIZE, META_XXH3, join_url, object_key, parse_url
 from zonefs_py.format.constants import ROOT_INO
+from zonefs_py.model.drain import STATE_XATTR as STATE_XATTR
 from zonefs_py.model.state import Inode, State
 
 DRAIN_XATTR = b"user.zonefs.drain"
 KEEP_XATTR = b"user.zonefs.keep"
-STATE_XATTR = b"user.zonefs.state"
 MAX_DEPTH = 64
 #: A run of digits in a name (`N:number` ranks by the last one).
 NUMBER = re.compile(rb"(\d+)")

@@ -41,6 +41,10 @@ from dataclasses import dataclass, replace
 from zonefs_py.format.constants import OpType
 from zonefs_py.format.ops import Op
 
+#: The per-file xattr that shows a file's drain state and takes `evict` / `fetch`
+#: (read by the drain, written by `zonefs-py evict|fetch`; not stored).
+STATE_XATTR = b"user.zonefs.state"
+
 #: Bit 7 of a DRAIN op's state byte: a move is in flight; the token is its destination.
 MOVING_BIT = 0x80
 
