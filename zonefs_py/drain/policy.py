@@ -6,7 +6,7 @@ Policy, per directory, inherited by everything below it (like streams):
   * `user.zonefs.keep` = N (newest N by mtime) or `N:number` (newest N by
     the last number in the name, e.g. step-1200.pt): of the regular files
     of one directory, the newest N stay local, older *drained* ones are
-    evicted (`keep_of`; eviction in evict.py). A file that is not drained is
+    evicted (`keep_of`; eviction in manager.py, `DrainManager.evict`). A file that is not drained is
     never evicted.
 
 Both are ordinary xattrs, stored in the metadata like any other
