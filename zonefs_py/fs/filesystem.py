@@ -162,22 +162,28 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
     @classmethod
     @asynccontextmanager
     async def mount(cls, dev: ZonedDevice, options: FsOptions | None = None, *,
-                   progress: Callable[[int, int], None] | None = None
-                   ) -> AsyncIterator[ZoneFS]:
+                   progress: Callable[[int, int], None] | None = None,
+                   close: bool = True) -> AsyncIterator[ZoneFS]:
         """Recover the filesystem on `dev` and serve it, owning its background tasks.
 
         On a normal exit of the block the filesystem is closed cleanly (flush,
         commit, checkpoint: `close`), then the mount's nursery is cancelled and
-        waited for. On an exception it is not closed (as after a crash: the
-        next mount recovers); its tasks are cancelled all the same. A bug raised
-        by a background task cancels the block and leaves from it. Raises as
+        waited for. On an exception, or with `close=False` (tests that cut the
+        power inside the block), it is not closed (as after a crash: the next
+        mount recovers); its tasks are cancelled all the same. A bug raised by
+        a background task cancels the block and leaves from it. Raises as
         `load` does.
         """
         tasks = MountTasks()
         async with tasks.run():
             fs = await cls.load(dev, options, progress=progress, tasks=tasks)
-            yield fs
-            await fs.close()
+            try:
+                yield fs
+                if close:
+                    await fs.close()
+            finally:
+                if fs.data.reader is not None:
+                    fs.data.reader.close()  # after close(): nothing left to free
 
     @classmethod
     async def load(cls, dev: ZonedDevice, options: FsOptions | None = None, *,
