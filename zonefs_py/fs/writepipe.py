@@ -108,8 +108,11 @@ class WritePipeline:
         most MAX_INFLIGHT chunks of the file are in flight)."""
         chunk, chunks = self.writes.add_chunk(inode.ino, fblock, data, logical_end, mtime)
         if final or not self.tasks.is_open:
-            await self._write_chunk(inode, chunk)
-            err = self.writes.write_errors.pop(inode.ino, None)
+            try:
+                await self._write_chunk(inode, chunk)
+            finally:
+                # The caller gets the error now (or what propagated instead of it).
+                err = self.writes.write_errors.pop(inode.ino, None)
             if err is not None:
                 raise err
             return
