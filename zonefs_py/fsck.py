@@ -531,6 +531,7 @@ def repair_filesystem(dev: ZonedDevice) -> list[str]:
     from zonefs_py.format.constants import OpType
     from zonefs_py.fs.filesystem import ZoneFS
     from zonefs_py.fs.options import FsOptions
+    from zonefs_py.fs.tasks import MountTasks
 
     fixed: list[str] = []
 
@@ -544,7 +545,7 @@ def repair_filesystem(dev: ZonedDevice) -> list[str]:
             rec.scan.append_zone = None
             rec.log.cur_zone = None
             rec.log.next_seq += 1 << 32
-        fs = ZoneFS(dev, rec, FsOptions(commit_interval_s=3600))
+        fs = ZoneFS(dev, rec, FsOptions(commit_interval_s=3600), MountTasks())  # no tasks
         state = fs.state
         ops = []
         refs: Counter[int] = Counter()

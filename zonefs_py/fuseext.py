@@ -15,9 +15,12 @@ pyfuse3 hands to libfuse. Unarmed, our `fuse_session_new` only passes the
 call on.
 
 Requests arrive on the trio thread, inside pyfuse3's call to
-`fuse_session_process_buf`; each is run as a trio system task (the callback
-itself must not block) and answered exactly once (`fuse_reply_err`, or
-`fuse_reply_write` with the bytes a copy made).
+`fuse_session_process_buf`; each is run as a task in the nursery the daemon
+hands over with `serving(nursery)` around `pyfuse3.main` (the callback itself
+must not block) and answered exactly once (`fuse_reply_err`, or
+`fuse_reply_write` with the bytes a copy made). One that arrives outside
+`serving` (none should: the session runs inside it) is answered EIO at once
+and logged.
 
 The census: `census_arm()` (before `pyfuse3.init`) wraps every handler in
 libfuse's table with a C counter; `census()` returns the counts by opcode
@@ -39,7 +42,8 @@ import ctypes
 import errno
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import trio
@@ -54,6 +58,31 @@ CopyHandler = Callable[[int, int, int, int, int, int], Awaitable[tuple[int, int]
 _handler: FallocateHandler | None = None
 _copy_handler: CopyHandler | None = None
 _ext: Any = None
+#: Where requests run while the session serves (`serving`), else None.
+_nursery: trio.Nursery | None = None
+
+
+@contextmanager
+def serving(nursery: trio.Nursery) -> Iterator[None]:
+    """Run the requests that arrive meanwhile as tasks of `nursery` (around
+    `pyfuse3.main`)."""
+    global _nursery
+    if _nursery is not None:
+        raise RuntimeError("fuseext.serving() is already active (one mount per process)")
+    _nursery = nursery
+    try:
+        yield
+    finally:
+        _nursery = None
+
+
+def _start(fn: Callable[..., Awaitable[None]], req: Any, *args: Any, name: str) -> None:
+    """Start a request's task in the serving nursery; with none, answer EIO now."""
+    if _nursery is None:
+        log.error("%s request arrived with no serving nursery; answered EIO", name)
+        _ext.lib.zfx_reply_err(req, errno.EIO)
+        return
+    _nursery.start_soon(fn, req, *args, name=name)
 
 
 def _load() -> Any:
@@ -80,14 +109,13 @@ def _register(ext: Any) -> None:
     @ext.ffi.def_extern()
     def zfx_py_fallocate(req: Any, ino: int, mode: int, offset: int, length: int,
                          fh: int) -> None:
-        trio.lowlevel.spawn_system_task(_run_fallocate, req, ino, fh, mode, offset, length,
-                                        name="fuse-fallocate")
+        _start(_run_fallocate, req, ino, fh, mode, offset, length, name="fuse-fallocate")
 
     @ext.ffi.def_extern()
     def zfx_py_copy_file_range(req: Any, fh_in: int, off_in: int, fh_out: int, off_out: int,
                                length: int, flags: int) -> None:
-        trio.lowlevel.spawn_system_task(_run_copy, req, fh_in, off_in, fh_out, off_out,
-                                        length, flags, name="fuse-copy-file-range")
+        _start(_run_copy, req, fh_in, off_in, fh_out, off_out, length, flags,
+               name="fuse-copy-file-range")
 
 
 async def _run_copy(req: Any, fh_in: int, off_in: int, fh_out: int, off_out: int,
@@ -100,7 +128,7 @@ async def _run_copy(req: Any, fh_in: int, off_in: int, fh_out: int, off_out: int
     except trio.Cancelled:
         err = errno.EINTR
         raise
-    except Exception:  # noqa: BLE001 - a system task must not raise; EIO answers it
+    except Exception:  # noqa: BLE001 - a request's failure is its EIO, as pyfuse3's are
         log.exception("copy_file_range handler failed")
     finally:
         if err:
@@ -119,7 +147,7 @@ async def _run_fallocate(req: Any, ino: int, fh: int, mode: int, offset: int,
     except trio.Cancelled:
         err = errno.EINTR
         raise
-    except Exception:  # noqa: BLE001 - a system task must not raise; EIO answers it
+    except Exception:  # noqa: BLE001 - a request's failure is its EIO, as pyfuse3's are
         log.exception("fallocate handler failed")
     finally:
         _ext.lib.zfx_reply_err(req, err)

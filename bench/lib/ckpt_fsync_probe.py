@@ -48,55 +48,56 @@ async def main(files: int, image: Path, checkpoints: int, interval: float) -> di
     out: dict[str, object] = {"files": files}
     try:
         # commit= long: only the probe's fsyncs and the checkpoints write the log.
-        fs = await ZoneFS.load(dev, FsOptions(commit_interval_s=3600.0, cleaner_rate_mb_s=0.0))
-        t0 = time.monotonic()
-        for d in range(files // 1000 + 1):
-            dino = (await fs.mkdir(ROOT_INO, b"d%05d" % d, 0o755, CTX)).ino
-            for i in range(min(1000, files - d * 1000)):
-                fh, attr = await fs.create(dino, b"f%04d" % i, 0o644, os.O_WRONLY, CTX)
-                await fs.release(fh)
-                fs.forget([(attr.ino, 1)])
-            await fs.journal.commit()
-        out["build_s"] = round(time.monotonic() - t0, 1)
-        t0 = time.monotonic()
-        await fs.journal.checkpoint()
-        out["first_checkpoint_s"] = round(time.monotonic() - t0, 2)
-        probe_fh, _ = await fs.create(ROOT_INO, b"probe", 0o644, os.O_RDWR, CTX)
-        block = os.urandom(4096)
-        quiet: list[float] = []
-        during: list[float] = []
-        phase: list[list[float] | None] = [quiet]
-        ckpt_s: list[float] = []
+        options = FsOptions(commit_interval_s=3600.0, cleaner_rate_mb_s=0.0)
+        async with ZoneFS.mount(dev, options) as fs:
+            t0 = time.monotonic()
+            for d in range(files // 1000 + 1):
+                dino = (await fs.mkdir(ROOT_INO, b"d%05d" % d, 0o755, CTX)).ino
+                for i in range(min(1000, files - d * 1000)):
+                    fh, attr = await fs.create(dino, b"f%04d" % i, 0o644, os.O_WRONLY, CTX)
+                    await fs.release(fh)
+                    fs.forget([(attr.ino, 1)])
+                await fs.journal.commit()
+            out["build_s"] = round(time.monotonic() - t0, 1)
+            t0 = time.monotonic()
+            await fs.journal.checkpoint()
+            out["first_checkpoint_s"] = round(time.monotonic() - t0, 2)
+            probe_fh, _ = await fs.create(ROOT_INO, b"probe", 0o644, os.O_RDWR, CTX)
+            block = os.urandom(4096)
+            quiet: list[float] = []
+            during: list[float] = []
+            phase: list[list[float] | None] = [quiet]
+            ckpt_s: list[float] = []
 
-        async def probe() -> None:
-            n = 0
-            while (into := phase[0]) is not None:
-                t = time.monotonic()
-                await fs.write(probe_fh, 0, block[n % 8:] + block[:n % 8])
-                await fs.fsync(probe_fh, False)
-                into.append(time.monotonic() - t)
-                n += 1
-                await trio.sleep(interval)
+            async def probe() -> None:
+                n = 0
+                while (into := phase[0]) is not None:
+                    t = time.monotonic()
+                    await fs.write(probe_fh, 0, block[n % 8:] + block[:n % 8])
+                    await fs.fsync(probe_fh, False)
+                    into.append(time.monotonic() - t)
+                    n += 1
+                    await trio.sleep(interval)
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(fs.serve_background)
-            nursery.start_soon(probe)
-            await trio.sleep(5)
-            phase[0] = during
-            for _ in range(checkpoints):
-                t = time.monotonic()
-                await fs.journal.checkpoint()
-                ckpt_s.append(round(time.monotonic() - t, 2))
-                await trio.sleep(0.5)
-            phase[0] = None
-            await fs.close()
-        out["probe_quiet"] = summary(quiet)
-        out["probe_during_checkpoints"] = summary(during)
-        out["checkpoint_s"] = ckpt_s
-        out["checkpoint_bytes"] = fs.journal.last_checkpoint_bytes
-        out["commits_during_checkpoints"] = getattr(fs.journal, "commits_during_checkpoints",
-                                                    None)
-        out["max_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fs.serve_background)
+                nursery.start_soon(probe)
+                await trio.sleep(5)
+                phase[0] = during
+                for _ in range(checkpoints):
+                    t = time.monotonic()
+                    await fs.journal.checkpoint()
+                    ckpt_s.append(round(time.monotonic() - t, 2))
+                    await trio.sleep(0.5)
+                phase[0] = None
+                await fs.close()
+            out["probe_quiet"] = summary(quiet)
+            out["probe_during_checkpoints"] = summary(during)
+            out["checkpoint_s"] = ckpt_s
+            out["checkpoint_bytes"] = fs.journal.last_checkpoint_bytes
+            out["commits_during_checkpoints"] = getattr(fs.journal, "commits_during_checkpoints",
+                                                        None)
+            out["max_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
     finally:
         dev.close()
     return out

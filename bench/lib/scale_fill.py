@@ -61,42 +61,42 @@ async def fill(image: str, ckpt_files: int, ckpt_gib: float, dataset_files: int,
 
     figures: dict[str, float] = {}
     try:
-        fs = await ZoneFS.load(dev, FsOptions(zone_append=zone_append))
-        try:
-            start = time.perf_counter()
-            ckpt = (await fs.mkdir(ROOT_INO, b"ckpt", 0o755, CTX)).ino
-            ckpt_bytes = int(ckpt_gib * 1024) * MiB
-            for idx in range(ckpt_files):
-                fh = await _new_file(fs, ckpt, f"c{idx:05d}".encode())
-                for off in range(0, ckpt_bytes, WRITE_BYTES):
-                    await fs.write(fh, off, payload(min(WRITE_BYTES, ckpt_bytes - off)))
-                await fs.fsync(fh, False)
-                await fs.release(fh)
-            figures["ckpt_fill_s"] = time.perf_counter() - start
-            figures["ckpt_bytes"] = ckpt_files * ckpt_bytes
-            start = time.perf_counter()
-            data = (await fs.mkdir(ROOT_INO, b"data", 0o755, CTX)).ino
-            parent = data
-            for idx in range(dataset_files):
-                if idx % 1000 == 0:
-                    parent = (await fs.mkdir(data, f"d{idx // 1000:05d}".encode(), 0o755,
-                                             CTX)).ino
-                fh = await _new_file(fs, parent, f"f{idx:08d}".encode())
-                small = payload(dataset_kib * 1024)
-                await fs.write(fh, 0, small)
-                if idx % 1000 == 999 or idx == dataset_files - 1:
+        async with ZoneFS.mount(dev, FsOptions(zone_append=zone_append)) as fs:
+            try:
+                start = time.perf_counter()
+                ckpt = (await fs.mkdir(ROOT_INO, b"ckpt", 0o755, CTX)).ino
+                ckpt_bytes = int(ckpt_gib * 1024) * MiB
+                for idx in range(ckpt_files):
+                    fh = await _new_file(fs, ckpt, f"c{idx:05d}".encode())
+                    for off in range(0, ckpt_bytes, WRITE_BYTES):
+                        await fs.write(fh, off, payload(min(WRITE_BYTES, ckpt_bytes - off)))
                     await fs.fsync(fh, False)
-                await fs.release(fh)
-            figures["dataset_fill_s"] = time.perf_counter() - start
-            figures["dataset_bytes"] = dataset_files * dataset_kib * 1024
-        finally:
-            start = time.perf_counter()
-            await fs.close()
-            figures["close_s"] = time.perf_counter() - start
-            # What the fill cost the metadata log: journal and checkpoints (the
-            # checkpoint trigger decides how much of it is rewritten checkpoints).
-            figures["meta_bytes_written"] = fs.journal.log.bytes_written
-            figures["checkpoints"] = fs.journal.checkpoints_written
+                    await fs.release(fh)
+                figures["ckpt_fill_s"] = time.perf_counter() - start
+                figures["ckpt_bytes"] = ckpt_files * ckpt_bytes
+                start = time.perf_counter()
+                data = (await fs.mkdir(ROOT_INO, b"data", 0o755, CTX)).ino
+                parent = data
+                for idx in range(dataset_files):
+                    if idx % 1000 == 0:
+                        parent = (await fs.mkdir(data, f"d{idx // 1000:05d}".encode(), 0o755,
+                                                 CTX)).ino
+                    fh = await _new_file(fs, parent, f"f{idx:08d}".encode())
+                    small = payload(dataset_kib * 1024)
+                    await fs.write(fh, 0, small)
+                    if idx % 1000 == 999 or idx == dataset_files - 1:
+                        await fs.fsync(fh, False)
+                    await fs.release(fh)
+                figures["dataset_fill_s"] = time.perf_counter() - start
+                figures["dataset_bytes"] = dataset_files * dataset_kib * 1024
+            finally:
+                start = time.perf_counter()
+                await fs.close()
+                figures["close_s"] = time.perf_counter() - start
+                # What the fill cost the metadata log: journal and checkpoints (the
+                # checkpoint trigger decides how much of it is rewritten checkpoints).
+                figures["meta_bytes_written"] = fs.journal.log.bytes_written
+                figures["checkpoints"] = fs.journal.checkpoints_written
     finally:
         dev.close()
     return figures

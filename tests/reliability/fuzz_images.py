@@ -111,87 +111,89 @@ async def build(path: Path, rng: random.Random
         # the commits after it would write a compact checkpoint that replaces it
         # (as they did with 8 meta zones): `log_coverage` checks it is the last.
         make_filesystem(dev, meta_zones=12)
-        fs = await ZoneFS.load(dev, FsOptions(commit_interval_s=3600.0, cleaner_rate_mb_s=0.0))
-        # Checkpoints only where written below (the daemon's background task would
-        # write the ones commits ask for; there is none here), so that the image
-        # ends with the checkpoint that has commits inside it.
-        fs.journal.request_checkpoint = lambda: None
-        sub = (await fs.mkdir(ROOT_INO, b"dir", 0o755, CTX)).ino
-        for i in range(12):
-            data = rng.randbytes(rng.randrange(1, 24 * KiB))
-            written.add(data)
-            await _write(fs, sub if i % 2 else ROOT_INO, f"f{i}".encode(), data)
-        for i in range(6):  # small files: their bytes are INLINE ops (fs/inline.py)
-            data = rng.randbytes(rng.randrange(1, 512))
-            written.add(data)
-            await _write(fs, sub if i % 2 else ROOT_INO, f"s{i}".encode(), data)
-        # Files that fill data zones (15 data blocks of 4 KiB each, the 16th block
-        # holds the zone's summary): the full zones are sealed by a system task;
-        # waiting for it puts their ZONE_SEAL and EXTENT_SEALED ops in the checkpoint.
-        big0 = b""
-        for i in range(2):
+        options = FsOptions(commit_interval_s=3600.0, cleaner_rate_mb_s=0.0)
+        async with ZoneFS.mount(dev, options, close=False) as fs:
+            # Checkpoints only where written below (the daemon's background task would
+            # write the ones commits ask for; there is none here), so that the image
+            # ends with the checkpoint that has commits inside it.
+            fs.journal.request_checkpoint = lambda: None
+            sub = (await fs.mkdir(ROOT_INO, b"dir", 0o755, CTX)).ino
+            for i in range(12):
+                data = rng.randbytes(rng.randrange(1, 24 * KiB))
+                written.add(data)
+                await _write(fs, sub if i % 2 else ROOT_INO, f"f{i}".encode(), data)
+            for i in range(6):  # small files: their bytes are INLINE ops (fs/inline.py)
+                data = rng.randbytes(rng.randrange(1, 512))
+                written.add(data)
+                await _write(fs, sub if i % 2 else ROOT_INO, f"s{i}".encode(), data)
+            # Files that fill data zones (15 data blocks of 4 KiB each, the 16th block
+            # holds the zone's summary): the full zones are sealed by a system task;
+            # waiting for it puts their ZONE_SEAL and EXTENT_SEALED ops in the checkpoint.
+            big0 = b""
+            for i in range(2):
+                data = rng.randbytes(rng.randrange(130 * KiB, 250 * KiB))
+                written.add(data)
+                await _write(fs, sub if i else ROOT_INO, f"big{i}".encode(), data)
+                big0 = big0 or data
+            await fs.data.sealer.wait_idle()
+            if len(fs.state.zone_seals) < 2:
+                raise AssertionError(
+                    f"no zones sealed before the checkpoint: {fs.state.zone_seals}")
+            # A checkpoint of small records, with fsyncs committed while it is written:
+            # their JOURNAL records land inside it (format 3, issue 15).
+            saved = (journal_mod.RECORD_PAYLOAD_TARGET, journal_mod.CHECKPOINT_WRITE_BYTES,
+                     journal_mod.CHECKPOINT_SLICE_INODES)
+            (journal_mod.RECORD_PAYLOAD_TARGET, journal_mod.CHECKPOINT_WRITE_BYTES,
+             journal_mod.CHECKPOINT_SLICE_INODES) = 256, 1, 1
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(fs.journal.checkpoint)
+                    await trio.lowlevel.checkpoint()
+                    for i in range(0, 12, 3):  # overwrite, rename, unlink during and after it
+                        data = rng.randbytes(rng.randrange(1, 24 * KiB))
+                        written.add(data)
+                        await _write(fs, ROOT_INO if i % 2 == 0 else sub, f"f{i}".encode(), data)
+            finally:
+                (journal_mod.RECORD_PAYLOAD_TARGET, journal_mod.CHECKPOINT_WRITE_BYTES,
+                 journal_mod.CHECKPOINT_SLICE_INODES) = saved
+            for i in range(0, 6, 2):  # new inline bytes in the journal after the checkpoint
+                data = rng.randbytes(rng.randrange(1, 512))
+                written.add(data)
+                await _write(fs, ROOT_INO, f"s{i}".encode(), data)
+            # Seals only in the journal after the checkpoint: another zone-filling file;
+            # and an overwrite inside sealed data (its old blocks die, the summary
+            # keeps their checksums).
+            before = set(fs.state.zone_seals)
             data = rng.randbytes(rng.randrange(130 * KiB, 250 * KiB))
             written.add(data)
-            await _write(fs, sub if i else ROOT_INO, f"big{i}".encode(), data)
-            big0 = big0 or data
-        await fs.data.sealer.wait_idle()
-        if len(fs.state.zone_seals) < 2:
-            raise AssertionError(f"no zones sealed before the checkpoint: {fs.state.zone_seals}")
-        # A checkpoint of small records, with fsyncs committed while it is written:
-        # their JOURNAL records land inside it (format 3, issue 15).
-        saved = (journal_mod.RECORD_PAYLOAD_TARGET, journal_mod.CHECKPOINT_WRITE_BYTES,
-                 journal_mod.CHECKPOINT_SLICE_INODES)
-        (journal_mod.RECORD_PAYLOAD_TARGET, journal_mod.CHECKPOINT_WRITE_BYTES,
-         journal_mod.CHECKPOINT_SLICE_INODES) = 256, 1, 1
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(fs.journal.checkpoint)
-                await trio.lowlevel.checkpoint()
-                for i in range(0, 12, 3):  # overwrite, rename, unlink during and after it
-                    data = rng.randbytes(rng.randrange(1, 24 * KiB))
-                    written.add(data)
-                    await _write(fs, ROOT_INO if i % 2 == 0 else sub, f"f{i}".encode(), data)
-        finally:
-            (journal_mod.RECORD_PAYLOAD_TARGET, journal_mod.CHECKPOINT_WRITE_BYTES,
-             journal_mod.CHECKPOINT_SLICE_INODES) = saved
-        for i in range(0, 6, 2):  # new inline bytes in the journal after the checkpoint
-            data = rng.randbytes(rng.randrange(1, 512))
-            written.add(data)
-            await _write(fs, ROOT_INO, f"s{i}".encode(), data)
-        # Seals only in the journal after the checkpoint: another zone-filling file;
-        # and an overwrite inside sealed data (its old blocks die, the summary
-        # keeps their checksums).
-        before = set(fs.state.zone_seals)
-        data = rng.randbytes(rng.randrange(130 * KiB, 250 * KiB))
-        written.add(data)
-        await _write(fs, ROOT_INO, b"big2", data)
-        ino = (await fs.lookup(ROOT_INO, b"big0")).ino
-        fh = await fs.open(ino, os.O_WRONLY)
-        pos, piece = rng.randrange(len(big0) // 2), rng.randbytes(rng.randrange(1, 12 * KiB))
-        await fs.write(fh, pos, piece)
-        await fs.fsync(fh, False)
-        await fs.release(fh)
-        written.add(big0[:pos] + piece + big0[pos + len(piece):])
-        await fs.data.sealer.wait_idle()
-        await fs.journal.commit()
-        if not set(fs.state.zone_seals) - before:
-            raise AssertionError("no zone sealed after the checkpoint")
-        # Many small files in one commit: a JOURNAL payload past a block, stored
-        # compressed (FLAG_ZLIB, format 3).
-        for i in range(16):
-            data = bytes([i + 1]) * rng.randrange(150, 300)
-            written.add(data)
-            fh, _attr = await fs.create(sub, f"b{i}".encode(), 0o644, os.O_WRONLY, CTX)
-            await fs.write(fh, 0, data)
+            await _write(fs, ROOT_INO, b"big2", data)
+            ino = (await fs.lookup(ROOT_INO, b"big0")).ino
+            fh = await fs.open(ino, os.O_WRONLY)
+            pos, piece = rng.randrange(len(big0) // 2), rng.randbytes(rng.randrange(1, 12 * KiB))
+            await fs.write(fh, pos, piece)
+            await fs.fsync(fh, False)
             await fs.release(fh)
-        await fs.journal.commit()
-        await fs.rename(ROOT_INO, b"f0", sub, b"moved", 0)
-        await fs.unlink(ROOT_INO, b"f2")
-        await fs.symlink(sub, b"link", b"../f4", CTX)
-        await fs.data.sealer.wait_idle()  # every summary written has its ZONE_SEAL durable
-        await fs.sync()
-        seals = dict(fs.state.zone_seals)
-        # No fs.close(): the image stays as after a crash (journal after the checkpoint).
+            written.add(big0[:pos] + piece + big0[pos + len(piece):])
+            await fs.data.sealer.wait_idle()
+            await fs.journal.commit()
+            if not set(fs.state.zone_seals) - before:
+                raise AssertionError("no zone sealed after the checkpoint")
+            # Many small files in one commit: a JOURNAL payload past a block, stored
+            # compressed (FLAG_ZLIB, format 3).
+            for i in range(16):
+                data = bytes([i + 1]) * rng.randrange(150, 300)
+                written.add(data)
+                fh, _attr = await fs.create(sub, f"b{i}".encode(), 0o644, os.O_WRONLY, CTX)
+                await fs.write(fh, 0, data)
+                await fs.release(fh)
+            await fs.journal.commit()
+            await fs.rename(ROOT_INO, b"f0", sub, b"moved", 0)
+            await fs.unlink(ROOT_INO, b"f2")
+            await fs.symlink(sub, b"link", b"../f4", CTX)
+            await fs.data.sealer.wait_idle()  # every summary written has its ZONE_SEAL durable
+            await fs.sync()
+            seals = dict(fs.state.zone_seals)
+            # No fs.close(): the image stays as after a crash (journal after the checkpoint).
     finally:
         dev.close()
     if len(seals) < 2:
@@ -550,37 +552,36 @@ async def baseline(path: Path, written: set[bytes], blocks: set[bytes],
         report = check_filesystem(dev, check_data=True)
         if not report.clean:
             raise AssertionError(f"fsck of the base image: {report}")
-        fs = await ZoneFS.load(dev, OPTIONS)
-        if fs.state.zone_seals != seals:
-            raise AssertionError(f"recovered seals {fs.state.zone_seals} != written {seals}")
-        tree: dict[bytes, tuple[str, bytes | None]] = {}
-        bad = await read_everything(fs, written, blocks, False, tree)
-        if bad or any(kind == "file" and data is None for kind, data in tree.values()):
-            raise AssertionError(f"base image does not read back: {bad} {tree.keys()}")
-        state, bs, zsize = fs.state, fs.state.block_size, fs.state.zone_size
-        in_sealed = {s.zone for s in sealed}
-        live: set[int] = set()
-        named: set[int] = set()
-        for inode in state.inodes.values():
-            for e in inode.extents or ():
-                if e.dev // zsize in in_sealed:
-                    mapped = {e.dev + i * bs for i in range(e.nblocks)}
-                    live |= mapped
-                    if inode.nlink:
-                        named |= mapped
-        file_blocks: dict[bytes, set[int]] = {}
-        for fpath, (kind, data) in tree.items():
-            if kind != "file":
-                continue
-            if data is None or len(data) > MiB:  # read_everything reads the first MiB
-                raise AssertionError(f"{fpath!r}: {len(data or b'')} bytes in the base image")
-            ino = ROOT_INO
-            for name in fpath.strip(b"/").split(b"/"):
-                ino = (await fs.lookup(ino, name)).ino
-            extents = state.inodes[ino].extents or ()
-            file_blocks[fpath] = {e.dev + i * bs for e in extents for i in range(e.nblocks)
-                                  if (e.fblock + i) * bs < len(data)}
-        await fs.close()
+        async with ZoneFS.mount(dev, OPTIONS) as fs:
+            if fs.state.zone_seals != seals:
+                raise AssertionError(f"recovered seals {fs.state.zone_seals} != written {seals}")
+            tree: dict[bytes, tuple[str, bytes | None]] = {}
+            bad = await read_everything(fs, written, blocks, False, tree)
+            if bad or any(kind == "file" and data is None for kind, data in tree.values()):
+                raise AssertionError(f"base image does not read back: {bad} {tree.keys()}")
+            state, bs, zsize = fs.state, fs.state.block_size, fs.state.zone_size
+            in_sealed = {s.zone for s in sealed}
+            live: set[int] = set()
+            named: set[int] = set()
+            for inode in state.inodes.values():
+                for e in inode.extents or ():
+                    if e.dev // zsize in in_sealed:
+                        mapped = {e.dev + i * bs for i in range(e.nblocks)}
+                        live |= mapped
+                        if inode.nlink:
+                            named |= mapped
+            file_blocks: dict[bytes, set[int]] = {}
+            for fpath, (kind, data) in tree.items():
+                if kind != "file":
+                    continue
+                if data is None or len(data) > MiB:  # read_everything reads the first MiB
+                    raise AssertionError(f"{fpath!r}: {len(data or b'')} bytes in the base image")
+                ino = ROOT_INO
+                for name in fpath.strip(b"/").split(b"/"):
+                    ino = (await fs.lookup(ino, name)).ino
+                extents = state.inodes[ino].extents or ()
+                file_blocks[fpath] = {e.dev + i * bs for e in extents for i in range(e.nblocks)
+                                      if (e.fblock + i) * bs < len(data)}
     finally:
         dev.close()
     if not live or not any(b & live for b in file_blocks.values()):

@@ -34,9 +34,8 @@ def data(seed: int, n: int) -> bytes:
 async def engine(path: Path) -> AsyncIterator[tuple[ZoneFS, EmulatedZonedDevice]]:
     dev = EmulatedZonedDevice.open(path)
     try:
-        fs = await ZoneFS.load(dev, OPTIONS)
-        yield fs, dev
-        await fs.close()
+        async with ZoneFS.mount(dev, OPTIONS) as fs:
+            yield fs, dev
     finally:
         dev.close()
 
@@ -231,17 +230,17 @@ async def test_journal_write_error_is_eio_then_read_only_and_nothing_acked_is_lo
     before, after = data(16, 20 * KiB), data(17, 20 * KiB)
     dev = EmulatedZonedDevice.open(image)
     try:
-        fs = await ZoneFS.load(dev, OPTIONS)
-        await write_file(fs, b"before", before)
-        for z in range(fs.sb.meta_first_zone, fs.sb.meta_first_zone + fs.sb.meta_zone_count):
-            dev.faults.fail_writes(z, times=1)
-        with pytest.raises(errors.IOFailure):
-            await write_file(fs, b"after", after)
-        dev.faults.clear()
-        with pytest.raises(errors.ReadOnly):
-            await write_file(fs, b"later", after)
-        assert await read_file(fs, b"before") == before  # reads still served
-        dev.simulate_power_cut("drop")
+        async with ZoneFS.mount(dev, OPTIONS, close=False) as fs:
+            await write_file(fs, b"before", before)
+            for z in range(fs.sb.meta_first_zone, fs.sb.meta_first_zone + fs.sb.meta_zone_count):
+                dev.faults.fail_writes(z, times=1)
+            with pytest.raises(errors.IOFailure):
+                await write_file(fs, b"after", after)
+            dev.faults.clear()
+            with pytest.raises(errors.ReadOnly):
+                await write_file(fs, b"later", after)
+            assert await read_file(fs, b"before") == before  # reads still served
+            dev.simulate_power_cut("drop")
     finally:
         dev.close()
     assert fsck_findings(image) == []

@@ -24,13 +24,13 @@ async def test_directory_with_two_names_in_the_log_is_refused(tmp_path: Path) ->
     new_image(image)
     dev = EmulatedZonedDevice.open(image)
     try:
-        fs = await ZoneFS.load(dev, OPTIONS)
-        a = (await fs.mkdir(ROOT_INO, b"a", 0o755, CTX)).ino
-        b = (await fs.mkdir(a, b"b", 0o755, CTX)).ino
-        fs.journal.add([(OpType.DIRENT_ADD, b, a, b"loop")])  # forged: a inside its own child
-        await fs.journal.commit()
-        fh, _ = await fs.create(ROOT_INO, b"f", 0o644, os.O_RDWR, CTX)
-        await fs.release(fh)
+        async with ZoneFS.mount(dev, OPTIONS, close=False) as fs:
+            a = (await fs.mkdir(ROOT_INO, b"a", 0o755, CTX)).ino
+            b = (await fs.mkdir(a, b"b", 0o755, CTX)).ino
+            fs.journal.add([(OpType.DIRENT_ADD, b, a, b"loop")])  # forged: a inside its own child
+            await fs.journal.commit()
+            fh, _ = await fs.create(ROOT_INO, b"f", 0o644, os.O_RDWR, CTX)
+            await fs.release(fh)
     finally:
         dev.close()  # no clean close: the forged op stays in the journal
     assert any(f.startswith("INV-11") for f in fsck_findings(image))

@@ -18,14 +18,14 @@ async def test_fsck_of_crashed_image_with_unlinked_open_file_is_clean(tmp_path: 
     new_image(image)
     dev = EmulatedZonedDevice.open(image, volatile_cache=True)
     try:
-        fs = await ZoneFS.load(dev, OPTIONS)
-        await write_file(fs, b"keep", b"k" * 5000)
-        fh, _attr = await fs.create(ROOT_INO, b"open-unlinked", 0o644, os.O_RDWR, CTX)
-        await fs.write(fh, 0, b"x" * 10000)
-        await fs.fsync(fh, False)
-        await fs.unlink(ROOT_INO, b"open-unlinked")
-        await fs.sync()
-        dev.simulate_power_cut("drop")
+        async with ZoneFS.mount(dev, OPTIONS, close=False) as fs:
+            await write_file(fs, b"keep", b"k" * 5000)
+            fh, _attr = await fs.create(ROOT_INO, b"open-unlinked", 0o644, os.O_RDWR, CTX)
+            await fs.write(fh, 0, b"x" * 10000)
+            await fs.fsync(fh, False)
+            await fs.unlink(ROOT_INO, b"open-unlinked")
+            await fs.sync()
+            dev.simulate_power_cut("drop")
     finally:
         dev.close()
     assert fsck_findings(image) == []

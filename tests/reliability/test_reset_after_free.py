@@ -24,16 +24,16 @@ async def test_zone_of_a_freed_orphan_is_not_reset_before_the_free_is_durable(
     new_image(image)
     dev = EmulatedZonedDevice.open(image, volatile_cache=True)
     try:
-        fs = await ZoneFS.load(dev, OPTIONS)
-        fh, attr = await fs.create(ROOT_INO, b"ckpt.pt", 0o644, os.O_RDWR, CTX)
-        await fs.write(fh, 0, random.Random(1).randbytes(2 * MiB))  # owns a whole zone
-        await fs.fsync(fh, False)
-        await fs.unlink(ROOT_INO, b"ckpt.pt")
-        await fs.sync()  # the unlink (nlink 0) is durable; the inode lives on, open
-        fs.forget([(attr.ino, 1)])
-        await fs.release(fh)  # INODE_FREE: its zone dies, in a transaction not yet durable
-        await fs.reclaim.reset_dead_zones()  # a reset pass now must leave that zone alone
-        dev.simulate_power_cut("drop")
+        async with ZoneFS.mount(dev, OPTIONS, close=False) as fs:
+            fh, attr = await fs.create(ROOT_INO, b"ckpt.pt", 0o644, os.O_RDWR, CTX)
+            await fs.write(fh, 0, random.Random(1).randbytes(2 * MiB))  # owns a whole zone
+            await fs.fsync(fh, False)
+            await fs.unlink(ROOT_INO, b"ckpt.pt")
+            await fs.sync()  # the unlink (nlink 0) is durable; the inode lives on, open
+            fs.forget([(attr.ino, 1)])
+            await fs.release(fh)  # INODE_FREE: its zone dies, in a transaction not yet durable
+            await fs.reclaim.reset_dead_zones()  # a reset pass now must leave that zone alone
+            dev.simulate_power_cut("drop")
     finally:
         dev.close()
     assert fsck_findings(image) == []

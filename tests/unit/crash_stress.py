@@ -254,41 +254,41 @@ async def run_workload(image: Path, seed: int, cut_after: int | None, mode: str)
     t = Paths()
     checkpoints = inside = 0
     try:
-        fs = await ZoneFS.load(cdev, OPTIONS)  # type: ignore[arg-type]
-        try:
-            dirs = {}
-            for name in WORKERS:
-                dirs[name] = (await fs.mkdir(ROOT_INO, name.encode(), stat.S_IFDIR | 0o755,
-                                             CTX)).ino
-            await fs.sync()
+        async with ZoneFS.mount(cdev, OPTIONS, close=False) as fs:  # type: ignore[arg-type]
+            try:
+                dirs = {}
+                for name in WORKERS:
+                    dirs[name] = (await fs.mkdir(ROOT_INO, name.encode(), stat.S_IFDIR | 0o755,
+                                                 CTX)).ino
+                await fs.sync()
 
-            async def one(name: str, wrng: random.Random) -> None:
-                try:
-                    await WORKERS[name](fs, t, wrng, dirs[name])
-                except (OSError, errors.ZoneFSError):
-                    if not cdev.cut and not power_was_cut(dev):
-                        raise
+                async def one(name: str, wrng: random.Random) -> None:
+                    try:
+                        await WORKERS[name](fs, t, wrng, dirs[name])
+                    except (OSError, errors.ZoneFSError):
+                        if not cdev.cut and not power_was_cut(dev):
+                            raise
 
-            async def background() -> None:
-                try:
-                    await fs.serve_background()
-                except (OSError, errors.ZoneFSError):
-                    if not cdev.cut and not power_was_cut(dev):
-                        raise
+                async def background() -> None:
+                    try:
+                        await fs.serve_background()
+                    except (OSError, errors.ZoneFSError):
+                        if not cdev.cut and not power_was_cut(dev):
+                            raise
 
-            async with trio.open_nursery() as outer:
-                outer.start_soon(background)
-                async with trio.open_nursery() as nursery:
-                    for name in WORKERS:
-                        nursery.start_soon(one, name, random.Random(rng.random()))
-                outer.cancel_scope.cancel()
-            checkpoints = fs.journal.checkpoints_written
-            inside = getattr(fs.journal, "commits_during_checkpoints", 0)
-            if not (cdev.cut or power_was_cut(dev)):
-                await fs.close()
-        except (OSError, errors.ZoneFSError):
-            if cut_after is None or cdev.writes < cut_after:
-                raise
+                async with trio.open_nursery() as outer:
+                    outer.start_soon(background)
+                    async with trio.open_nursery() as nursery:
+                        for name in WORKERS:
+                            nursery.start_soon(one, name, random.Random(rng.random()))
+                    outer.cancel_scope.cancel()
+                checkpoints = fs.journal.checkpoints_written
+                inside = getattr(fs.journal, "commits_during_checkpoints", 0)
+                if not (cdev.cut or power_was_cut(dev)):
+                    await fs.close()
+            except (OSError, errors.ZoneFSError):
+                if cut_after is None or cdev.writes < cut_after:
+                    raise
     finally:
         dev.close()
     return Outcome(cdev.writes, cut_after is not None and cdev.writes >= cut_after, t,
@@ -301,10 +301,9 @@ async def verify(image: Path, t: Paths) -> list[str]:
         return [f"fsck before remount: {findings_text(report)}"]
     dev = EmulatedZonedDevice.open(image)
     try:
-        fs = await ZoneFS.load(dev, FsOptions(commit_interval_s=3600.0))
-        files, _dirs = await read_tree(fs)
-        bad = t.problems(files)
-        await fs.close()
+        async with ZoneFS.mount(dev, FsOptions(commit_interval_s=3600.0)) as fs:
+            files, _dirs = await read_tree(fs)
+            bad = t.problems(files)
     finally:
         dev.close()
     if bad:

@@ -87,9 +87,8 @@ async def mounted(path: Path, *, geo: Geometry = SMALL, create: bool = False,
     dev = EmulatedZonedDevice.open(path)
     clean_exit = False
     try:
-        fs = await ZoneFS.load(dev, options)
-        yield fs
-        await fs.close()
+        async with ZoneFS.mount(dev, options) as fs:
+            yield fs
         clean_exit = True
     finally:
         dev.close()

@@ -52,15 +52,17 @@ def ring_or_skip(reader: AsyncReader) -> None:
 async def ring_reader(dev: EmulatedZonedDevice, sqpoll_ms: int = 0
                       ) -> AsyncIterator[tuple[AsyncReader, int, bytes]]:
     """A reader with a ring (or skip), and 1 MiB of random data written in zone 2:
-    yields (reader, device offset of the data, the data); closes the reader."""
+    yields (reader, device offset of the data, the data); closes the reader (its
+    reapers run in a nursery of this helper)."""
     blob = os.urandom(MiB)
     at = dev.append(2, blob)
-    reader = AsyncReader(dev, sqpoll_ms=sqpoll_ms)
-    ring_or_skip(reader)
-    try:
-        yield reader, at, blob
-    finally:
-        await reader.aclose()
+    async with trio.open_nursery() as nursery:
+        reader = AsyncReader(dev, nursery, sqpoll_ms=sqpoll_ms)
+        ring_or_skip(reader)
+        try:
+            yield reader, at, blob
+        finally:
+            await reader.aclose()
 
 
 @pytest.mark.parametrize("sqpoll_ms", [0, 2])
@@ -123,9 +125,9 @@ async def test_queued_small_reads_use_the_polled_ring_others_the_plain_ring(
 
 
 async def test_reads_the_device_must_emulate_take_the_thread_path(
-        dev: EmulatedZonedDevice) -> None:
+        dev: EmulatedZonedDevice, nursery: trio.Nursery) -> None:
     at = dev.append(3, b"\x01" * 8192)
-    reader = AsyncReader(dev)
+    reader = AsyncReader(dev, nursery)
     ring_or_skip(reader)
     try:
         # Past the write pointer: zeros come from the emulator, not the image.
@@ -142,10 +144,11 @@ async def test_reads_the_device_must_emulate_take_the_thread_path(
         await reader.aclose()
 
 
-async def test_a_cancelled_read_leaves_the_reader_usable(dev: EmulatedZonedDevice) -> None:
+async def test_a_cancelled_read_leaves_the_reader_usable(dev: EmulatedZonedDevice,
+                                                         nursery: trio.Nursery) -> None:
     blob = os.urandom(64 * 4096)
     at = dev.append(1, blob)
-    reader = AsyncReader(dev)
+    reader = AsyncReader(dev, nursery)
     ring_or_skip(reader)
     try:
         with trio.move_on_after(0):
@@ -231,27 +234,25 @@ async def test_a_file_scattered_by_zone_appends_reads_back_exactly(tmp_path: Pat
     new_image(path, Geometry(size_bytes=96 * MiB, zone_size_bytes=8 * MiB))
     dev = EmulatedZonedDevice.open(path, zone_append=True)
     try:
-        fs = await ZoneFS.load(dev, TEST_OPTIONS)
-        if fs.data.reader is None or not fs.data.reader.uses_ring:
-            await fs.close()
-            pytest.skip("io_uring is not available on this kernel")
-        data = os.urandom(6 * MiB + 12345)
-        fh, attr = await fs.create(ROOT_INO, b"ckpt", 0o644, os.O_RDWR, CTX)
-        for off in range(0, len(data), MiB):
-            await fs.write(fh, off, data[off:off + MiB])
-        await fs.fsync(fh, False)
-        inode = fs.state.inodes[attr.ino]
-        assert inode.extents is not None
-        assert len(inode.extents) > 6  # scattered: more pieces than chunks
-        rng = random.Random(12)
-        for _ in range(200):
-            off = rng.randrange(len(data))
-            n = rng.choice([1, 4096, 100_000, MiB, 3 * MiB])
-            assert bytes(await fs.read(fh, off, n)) == data[off:off + n]
-        assert bytes(await fs.read(fh, 0, len(data))) == data
-        await fs.release(fh)
-        fs.forget([(attr.ino, 1)])
-        await fs.close()
+        async with ZoneFS.mount(dev, TEST_OPTIONS) as fs:
+            if fs.data.reader is None or not fs.data.reader.uses_ring:
+                pytest.skip("io_uring is not available on this kernel")
+            data = os.urandom(6 * MiB + 12345)
+            fh, attr = await fs.create(ROOT_INO, b"ckpt", 0o644, os.O_RDWR, CTX)
+            for off in range(0, len(data), MiB):
+                await fs.write(fh, off, data[off:off + MiB])
+            await fs.fsync(fh, False)
+            inode = fs.state.inodes[attr.ino]
+            assert inode.extents is not None
+            assert len(inode.extents) > 6  # scattered: more pieces than chunks
+            rng = random.Random(12)
+            for _ in range(200):
+                off = rng.randrange(len(data))
+                n = rng.choice([1, 4096, 100_000, MiB, 3 * MiB])
+                assert bytes(await fs.read(fh, off, n)) == data[off:off + n]
+            assert bytes(await fs.read(fh, 0, len(data))) == data
+            await fs.release(fh)
+            fs.forget([(attr.ino, 1)])
     finally:
         dev.close()
     assert_fsck_clean(path)

@@ -130,26 +130,26 @@ async def test_checkpoint_lets_requests_run_and_recovers_exactly(
     turns = 0
     dev = EmulatedZonedDevice.open(image)
     try:
-        fs = await ZoneFS.load(dev, TEST_OPTIONS)
-        for i in range(300):
-            await fs.mknod(ROOT_INO, b"m%03d" % i, stat.S_IFREG | 0o644, 0, CTX)
-        await fs.sync()
-        before = fs.journal.checkpoints_written
+        async with ZoneFS.mount(dev, TEST_OPTIONS, close=False) as fs:
+            for i in range(300):
+                await fs.mknod(ROOT_INO, b"m%03d" % i, stat.S_IFREG | 0o644, 0, CTX)
+            await fs.sync()
+            before = fs.journal.checkpoints_written
 
-        async def meanwhile() -> None:
-            nonlocal turns
-            while fs.journal.checkpoints_written == before:
-                turns += 1
-                await fs.unlink(ROOT_INO, b"m%03d" % turns)
-                await write_file(fs, f"/w{turns}", pattern(turns, 5000), fsync=False)
-                await trio.lowlevel.checkpoint()
+            async def meanwhile() -> None:
+                nonlocal turns
+                while fs.journal.checkpoints_written == before:
+                    turns += 1
+                    await fs.unlink(ROOT_INO, b"m%03d" % turns)
+                    await write_file(fs, f"/w{turns}", pattern(turns, 5000), fsync=False)
+                    await trio.lowlevel.checkpoint()
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(meanwhile)
-            await fs.journal.checkpoint()
-        assert turns >= 3, f"only {turns} turns for other requests during the checkpoint"
-        await fs.sync()
-        expected = await read_tree(fs)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(meanwhile)
+                await fs.journal.checkpoint()
+            assert turns >= 3, f"only {turns} turns for other requests during the checkpoint"
+            await fs.sync()
+            expected = await read_tree(fs)
     finally:
         # No clean unmount (it would write a checkpoint of its own): recovery must
         # rebuild the state from this checkpoint plus the journal written after it.

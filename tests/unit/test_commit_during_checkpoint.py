@@ -92,37 +92,36 @@ async def test_commits_inside_a_checkpoint_survive_a_lost_superblock_write(
     mp.setattr(journal_mod, "CHECKPOINT_WRITE_BYTES", 1)  # type: ignore[attr-defined]
     dev = EmulatedZonedDevice.open(image)
     try:
-        fs = await ZoneFS.load(dev, TEST_OPTIONS)
-        before = read_superblock(dev)[0].checkpoint_offset
-        # The crash takes the superblock write and everything after it.
-        mp.setattr(fs.journal.sbstore, "write", lambda sb: None)  # type: ignore[attr-defined]
-        mp.setattr(fs.journal.log, "reset_zones", lambda zones: None)  # type: ignore[attr-defined]
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(fs.journal.checkpoint)
-            await trio.lowlevel.checkpoint()
-            for i in range(5):
-                await write_file(fs, f"/b{i}", pattern(100 + i, 3000), fsync=True)
-                await fs.unlink(ROOT_INO, b"a%d" % i)
-                await fs.sync()
-        # No clean unmount: the "crash" is here, with everything flushed.
-        await trio.to_thread.run_sync(dev.flush)
+        async with ZoneFS.mount(dev, TEST_OPTIONS, close=False) as fs:
+            before = read_superblock(dev)[0].checkpoint_offset
+            # The crash takes the superblock write and everything after it.
+            mp.setattr(fs.journal.sbstore, "write", lambda sb: None)  # type: ignore[attr-defined]
+            mp.setattr(fs.journal.log, "reset_zones", lambda zones: None)  # type: ignore[attr-defined]
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fs.journal.checkpoint)
+                await trio.lowlevel.checkpoint()
+                for i in range(5):
+                    await write_file(fs, f"/b{i}", pattern(100 + i, 3000), fsync=True)
+                    await fs.unlink(ROOT_INO, b"a%d" % i)
+                    await fs.sync()
+            # No clean unmount: the "crash" is here, with everything flushed.
+            await trio.to_thread.run_sync(dev.flush)
     finally:
         dev.close()
     mp.undo()  # type: ignore[attr-defined]
     dev = EmulatedZonedDevice.open(image)
     try:
         assert read_superblock(dev)[0].checkpoint_offset == before
-        fs = await ZoneFS.load(dev, TEST_OPTIONS)
-        rec = fs.recovered
-        assert rec.newest_checkpoint is not None
-        assert rec.newest_checkpoint.offset != before
-        assert _journal_inside_newest_checkpoint(rec), "no commit landed inside it"
-        for i in range(5):
-            assert await read_file(fs, f"/b{i}") == pattern(100 + i, 3000)
-        names = {n for n in fs.state.inodes[ROOT_INO].entries or {}}
-        assert not {b"a%d" % i for i in range(5)} & names
-        assert {b"a%d" % i for i in range(5, 50)} <= names
-        await fs.close()
+        async with ZoneFS.mount(dev, TEST_OPTIONS) as fs:
+            rec = fs.recovered
+            assert rec.newest_checkpoint is not None
+            assert rec.newest_checkpoint.offset != before
+            assert _journal_inside_newest_checkpoint(rec), "no commit landed inside it"
+            for i in range(5):
+                assert await read_file(fs, f"/b{i}") == pattern(100 + i, 3000)
+            names = {n for n in fs.state.inodes[ROOT_INO].entries or {}}
+            assert not {b"a%d" % i for i in range(5)} & names
+            assert {b"a%d" % i for i in range(5, 50)} <= names
     finally:
         dev.close()
     assert fsck(image).clean

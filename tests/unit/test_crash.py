@@ -596,9 +596,8 @@ async def run_scenario(image: Path, scenario: Scenario, *, cut_after: int | None
             drop and dev.faults.writes_seen >= cut_after))
 
     try:
-        fs = await ZoneFS.load(cdev, TEST_OPTIONS)  # type: ignore[arg-type]
-        await scenario(fs, t)
-        await fs.close()
+        async with ZoneFS.mount(cdev, TEST_OPTIONS) as fs:  # type: ignore[arg-type]
+            await scenario(fs, t)
     except (OSError, errors.ZoneFSError):
         if not was_cut():
             raise
@@ -615,22 +614,22 @@ async def verify_after_crash(image: Path, t: Tracker, where: str) -> set[str]:
     dev = EmulatedZonedDevice.open(image)
     try:
         sb_checkpoint = read_superblock(dev)[0].checkpoint_offset
-        fs = await ZoneFS.load(dev, TEST_OPTIONS)
-        rec = fs.recovered
-        if rec.scan.torn_tail:
-            paths.add("torn tail")
-        if rec.torn_checkpoint is not None:
-            paths.add("torn checkpoint")
-            if rec.torn_checkpoint_holds_commits:
-                paths.add("torn checkpoint holding commits")
-        if rec.newest_checkpoint and rec.newest_checkpoint.offset != sb_checkpoint:
-            paths.add("checkpoint newer than superblock")
-        files, dirs = await read_tree(fs)
-        try:
-            t.check(files, dirs)
-        except AssertionError as exc:
-            raise AssertionError(f"{where}: {exc}") from None
-        await fs.close()
+        async with ZoneFS.mount(dev, TEST_OPTIONS, close=False) as fs:
+            rec = fs.recovered
+            if rec.scan.torn_tail:
+                paths.add("torn tail")
+            if rec.torn_checkpoint is not None:
+                paths.add("torn checkpoint")
+                if rec.torn_checkpoint_holds_commits:
+                    paths.add("torn checkpoint holding commits")
+            if rec.newest_checkpoint and rec.newest_checkpoint.offset != sb_checkpoint:
+                paths.add("checkpoint newer than superblock")
+            files, dirs = await read_tree(fs)
+            try:
+                t.check(files, dirs)
+            except AssertionError as exc:
+                raise AssertionError(f"{where}: {exc}") from None
+            await fs.close()
     finally:
         dev.close()
     after = fsck(image)
@@ -712,21 +711,20 @@ async def test_meta_roll_scenario_really_rolls_and_checkpoints(tmp_path: Path) -
     new_image(image, TINY)
     dev = EmulatedZonedDevice.open(image)
     try:
-        fs = await ZoneFS.load(dev, TEST_OPTIONS)
-        started: list[int] = []
-        mlog = fs.journal.log
-        real_start = mlog._start_zone_locked
+        async with ZoneFS.mount(dev, TEST_OPTIONS) as fs:
+            started: list[int] = []
+            mlog = fs.journal.log
+            real_start = mlog._start_zone_locked
 
-        def spy() -> int:
-            started.append(real_start())
-            return started[-1]
+            def spy() -> int:
+                started.append(real_start())
+                return started[-1]
 
-        mlog._start_zone_locked = spy  # type: ignore[method-assign]
-        await meta_zone_roll(fs, Tracker())
-        print("meta zones started:", started, "checkpoints:", fs.journal.checkpoints_written)
-        assert fs.journal.checkpoints_written >= 2
-        assert len(started) > len(mlog.zones)  # the log went round the meta zones
-        await fs.close()
+            mlog._start_zone_locked = spy  # type: ignore[method-assign]
+            await meta_zone_roll(fs, Tracker())
+            print("meta zones started:", started, "checkpoints:", fs.journal.checkpoints_written)
+            assert fs.journal.checkpoints_written >= 2
+            assert len(started) > len(mlog.zones)  # the log went round the meta zones
     finally:
         dev.close()
 
@@ -736,25 +734,24 @@ async def test_unlink_open_file_then_crash_frees_orphan(tmp_path: Path) -> None:
     new_image(image)
     dev = EmulatedZonedDevice.open(image, volatile_cache=True)
     try:
-        fs = await ZoneFS.load(dev, TEST_OPTIONS)
-        await write_file(fs, "/keep", b"k" * 100)
-        parent, name = await parent_and_name(fs, "/orphan")
-        fh, attr = await fs.create(parent, name, 0o644, os.O_RDWR, CTX)
-        await fs.write(fh, 0, pattern(1, 50 * KiB))
-        await fs.fsync(fh, False)
-        await fs.unlink(ROOT_INO, b"orphan")
-        await fs.sync()
-        assert await fs.read(fh, 0, 10) == pattern(1, 10)
-        dev.simulate_power_cut("drop")
+        async with ZoneFS.mount(dev, TEST_OPTIONS, close=False) as fs:
+            await write_file(fs, "/keep", b"k" * 100)
+            parent, name = await parent_and_name(fs, "/orphan")
+            fh, attr = await fs.create(parent, name, 0o644, os.O_RDWR, CTX)
+            await fs.write(fh, 0, pattern(1, 50 * KiB))
+            await fs.fsync(fh, False)
+            await fs.unlink(ROOT_INO, b"orphan")
+            await fs.sync()
+            assert await fs.read(fh, 0, 10) == pattern(1, 10)
+            dev.simulate_power_cut("drop")
     finally:
         dev.close()
     dev = EmulatedZonedDevice.open(image)
     try:
-        fs = await ZoneFS.load(dev, TEST_OPTIONS)
-        assert attr.ino not in fs.state.inodes
-        assert sum(fs.state.zone_live_blocks.values()) == 0  # /keep is inline, no block
-        assert fs.state.inodes[await resolve(fs, "/keep")].inline == b"k" * 100
-        await fs.close()
+        async with ZoneFS.mount(dev, TEST_OPTIONS) as fs:
+            assert attr.ino not in fs.state.inodes
+            assert sum(fs.state.zone_live_blocks.values()) == 0  # /keep is inline, no block
+            assert fs.state.inodes[await resolve(fs, "/keep")].inline == b"k" * 100
     finally:
         dev.close()
     report = fsck(image)

@@ -193,43 +193,42 @@ async def test_every_state_survives_a_crash(tmp_path: Path, via: str) -> None:
     }
     dev = open_image(image)
     try:
-        fs = await ZoneFS.load(dev, OPTIONS)
-        await setup_dir(fs)
-        inos = {}
-        for i, (st, rec) in enumerate(records.items()):
-            await write_file(fs, f"/ck/f{i + 1}", b"abc")
-            ino = await resolve(fs, f"/ck/f{i + 1}")
-            fs.drain.queue.clear()
-            ops = [rec.op(ino)]
-            if st == DrainState.EVICTED:
-                ops.insert(0, (OpType.TRUNCATE, ino, 0))
-            fs._txn(ops)
-            inos[st] = ino
-        # A LOCAL op drops a record: queue then local, net nothing.
-        await write_file(fs, "/ck/f5", b"abc")
-        local_ino = await resolve(fs, "/ck/f5")
-        fs._txn([model.queue(fs.state.drain.get(local_ino)).op(local_ino)])
-        fs._txn([model.local_op(local_ino)])
-        if via == "checkpoint":
-            await fs.checkpoint()
-        else:
-            await fs.journal.commit()
+        async with ZoneFS.mount(dev, OPTIONS, close=False) as fs:
+            await setup_dir(fs)
+            inos = {}
+            for i, (st, rec) in enumerate(records.items()):
+                await write_file(fs, f"/ck/f{i + 1}", b"abc")
+                ino = await resolve(fs, f"/ck/f{i + 1}")
+                fs.drain.queue.clear()
+                ops = [rec.op(ino)]
+                if st == DrainState.EVICTED:
+                    ops.insert(0, (OpType.TRUNCATE, ino, 0))
+                fs._txn(ops)
+                inos[st] = ino
+            # A LOCAL op drops a record: queue then local, net nothing.
+            await write_file(fs, "/ck/f5", b"abc")
+            local_ino = await resolve(fs, "/ck/f5")
+            fs._txn([model.queue(fs.state.drain.get(local_ino)).op(local_ino)])
+            fs._txn([model.local_op(local_ino)])
+            if via == "checkpoint":
+                await fs.checkpoint()
+            else:
+                await fs.journal.commit()
     finally:
         dev.close()  # crash: no clean unmount
     dev = open_image(image)
     try:
-        fs = await ZoneFS.load(dev, OPTIONS)
-        for st, ino in inos.items():
-            assert fs.state.drain[ino] == records[st], st
-        assert local_ino not in fs.state.drain
-        assert await fs.getxattr(inos[DrainState.EVICTED], STATE_XATTR) == b"evicted"
-        assert await fs.getxattr(local_ino, STATE_XATTR) == b"local"
-        fs.drain.resume_after_mount()
-        # The multipart upload is kept, to resume (ListParts) under its id.
-        assert fs.state.drain[inos[DrainState.UPLOADING]] == records[DrainState.UPLOADING]
-        assert fs.drain.stale_uploads == []
-        assert set(fs.drain.queue) == {inos[DrainState.QUEUED], inos[DrainState.UPLOADING]}
-        await fs.close()
+        async with ZoneFS.mount(dev, OPTIONS) as fs:
+            for st, ino in inos.items():
+                assert fs.state.drain[ino] == records[st], st
+            assert local_ino not in fs.state.drain
+            assert await fs.getxattr(inos[DrainState.EVICTED], STATE_XATTR) == b"evicted"
+            assert await fs.getxattr(local_ino, STATE_XATTR) == b"local"
+            fs.drain.resume_after_mount()
+            # The multipart upload is kept, to resume (ListParts) under its id.
+            assert fs.state.drain[inos[DrainState.UPLOADING]] == records[DrainState.UPLOADING]
+            assert fs.drain.stale_uploads == []
+            assert set(fs.drain.queue) == {inos[DrainState.QUEUED], inos[DrainState.UPLOADING]}
     finally:
         dev.close()
     assert_fsck_clean(image)

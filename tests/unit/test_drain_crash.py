@@ -111,15 +111,15 @@ async def run_once(image: Path, store: FakeStore, cut_after: int | None, mode: s
             drop and dev.faults.writes_seen >= cut_after))
 
     try:
-        fs = await ZoneFS.load(cdev, OPTIONS)  # type: ignore[arg-type]
-        try:
-            await scenario(fs, store, p, lambda: was_cut() or fs.failsafe is not None)
-            await fs.close()
-        except BaseExceptionGroup as group:
-            exc: BaseException = group
-            while isinstance(exc, BaseExceptionGroup):
-                exc = exc.exceptions[0]
-            raise exc from None
+        async with ZoneFS.mount(cdev, OPTIONS, close=False) as fs:  # type: ignore[arg-type]
+            try:
+                await scenario(fs, store, p, lambda: was_cut() or fs.failsafe is not None)
+                await fs.close()
+            except BaseExceptionGroup as group:
+                exc: BaseException = group
+                while isinstance(exc, BaseExceptionGroup):
+                    exc = exc.exceptions[0]
+                raise exc from None
     except (OSError, errors.ZoneFSError, AssertionError):
         if not was_cut():
             raise
@@ -140,43 +140,43 @@ async def verify(image: Path, store: FakeStore, p: Progress, where: str) -> str:
     assert_fsck_clean(image)
     dev = EmulatedZonedDevice.open(image)
     try:
-        fs = await ZoneFS.load(dev, OPTIONS)
-        fs.drain.store = store
-        fs.drain.part_bytes = PART
-        path = "/ck/b.pt"
-        try:
-            ino = await resolve(fs, path)
-        except errors.NotFound:
-            path = "/ck/a.pt"
+        async with ZoneFS.mount(dev, OPTIONS, close=False) as fs:
+            fs.drain.store = store
+            fs.drain.part_bytes = PART
+            path = "/ck/b.pt"
             try:
                 ino = await resolve(fs, path)
             except errors.NotFound:
-                assert not p.synced, f"{where}: the fsync'ed file is gone"
-                await fs.close()
-                return "absent"
-        assert not p.renamed or path == "/ck/b.pt", f"{where}: the rename was lost"
-        rec = fs.state.drain.get(ino)
-        found = "local" if rec is None else rec.state.name.lower()
-        if rec is not None and rec.state in (DrainState.DRAINED, DrainState.EVICTED):
-            obj = object_of(store, rec.url)
-            if obj is None and rec.moving_to:
-                obj = object_of(store, rec.moving_to)
-                found += " (moving, old key gone)"
-            assert obj is not None, f"{where}: {found} but no object under {rec.url!r}"
-            assert len(obj) == rec.size, f"{where}: {found}: object of another size"
-            assert xxhash.xxh3_64_intdigest(obj) == rec.xxh3, f"{where}: {found}: other xxh3"
-            assert obj == DATA, f"{where}: the object holds other bytes"
-        if p.synced or rec is not None:
-            assert await read_file(fs, path) == DATA, f"{where}: {found}: wrong bytes"
-            if fs.state.drain.get(ino) is not None:
-                async with drainer_running(fs):
-                    await wait_for(lambda: state_of(fs, ino) == "drained"
-                                   and not fs.drain.needs_move(fs.state.inodes[ino],
-                                                               fs.state.drain[ino]))
-                key = path.rsplit("/", 1)[1]
-                assert fs.state.drain[ino].url == f"s3://{BUCKET}/run1/{key}".encode()
-                assert object_of(store, fs.state.drain[ino].url) == DATA
-        await fs.close()
+                path = "/ck/a.pt"
+                try:
+                    ino = await resolve(fs, path)
+                except errors.NotFound:
+                    assert not p.synced, f"{where}: the fsync'ed file is gone"
+                    await fs.close()
+                    return "absent"
+            assert not p.renamed or path == "/ck/b.pt", f"{where}: the rename was lost"
+            rec = fs.state.drain.get(ino)
+            found = "local" if rec is None else rec.state.name.lower()
+            if rec is not None and rec.state in (DrainState.DRAINED, DrainState.EVICTED):
+                obj = object_of(store, rec.url)
+                if obj is None and rec.moving_to:
+                    obj = object_of(store, rec.moving_to)
+                    found += " (moving, old key gone)"
+                assert obj is not None, f"{where}: {found} but no object under {rec.url!r}"
+                assert len(obj) == rec.size, f"{where}: {found}: object of another size"
+                assert xxhash.xxh3_64_intdigest(obj) == rec.xxh3, f"{where}: {found}: other xxh3"
+                assert obj == DATA, f"{where}: the object holds other bytes"
+            if p.synced or rec is not None:
+                assert await read_file(fs, path) == DATA, f"{where}: {found}: wrong bytes"
+                if fs.state.drain.get(ino) is not None:
+                    async with drainer_running(fs):
+                        await wait_for(lambda: state_of(fs, ino) == "drained"
+                                       and not fs.drain.needs_move(fs.state.inodes[ino],
+                                                                   fs.state.drain[ino]))
+                    key = path.rsplit("/", 1)[1]
+                    assert fs.state.drain[ino].url == f"s3://{BUCKET}/run1/{key}".encode()
+                    assert object_of(store, fs.state.drain[ino].url) == DATA
+            await fs.close()
     finally:
         dev.close()
     assert_fsck_clean(image)

@@ -56,10 +56,10 @@ async def crashing(image: Path, store: FakeStore,
     (power off after the last commit): only what was committed survives."""
     dev = open_image(image)
     try:
-        fs = await ZoneFS.load(dev, options)
-        fs.drain.store = store
-        fs.drain.part_bytes = PART
-        yield fs
+        async with ZoneFS.mount(dev, options, close=False) as fs:
+            fs.drain.store = store
+            fs.drain.part_bytes = PART
+            yield fs
     finally:
         dev.close()
 

@@ -316,16 +316,14 @@ async def test_filesystem_on_a_discarding_image(tmp_path: Path) -> None:
                                      discard_data=True)
     sb = make_filesystem(dev)
     assert dev.discard.first_zone == sb.data_first_zone
-    fs = await ZoneFS.load(dev, TEST_OPTIONS)
-    await write_file(fs, "/zeros", bytes(6 * MiB))
-    await fs.close()
+    async with ZoneFS.mount(dev, TEST_OPTIONS) as fs:
+        await write_file(fs, "/zeros", bytes(6 * MiB))
     dev.close()
     # The 6 MiB of data never reached the image file; the metadata did.
     assert os.stat(img).st_blocks * 512 < 2 * MiB
     dev = EmulatedZonedDevice.open(img)
-    fs = await ZoneFS.load(dev, TEST_OPTIONS)
-    assert await read_file(fs, "/zeros") == bytes(6 * MiB)  # checksums of zeros verify
-    await fs.close()
+    async with ZoneFS.mount(dev, TEST_OPTIONS) as fs:
+        assert await read_file(fs, "/zeros") == bytes(6 * MiB)  # checksums of zeros verify
     dev.close()
     assert_fsck_clean(img)
 

@@ -166,14 +166,15 @@ async def test_a_damaged_data_block_is_eio_for_exactly_that_block(tmp_path: Path
 # -- the reader's checksum verification alone ------------------------------------------
 
 @pytest.mark.parametrize("ring", [True, False])
-async def test_reader_verifies_the_checksums_it_is_given(tmp_path: Path, ring: bool) -> None:
+async def test_reader_verifies_the_checksums_it_is_given(tmp_path: Path, ring: bool,
+                                                         nursery: trio.Nursery) -> None:
     dev = EmulatedZonedDevice.create(tmp_path / "d.img", size_bytes=16 * 4 * MiB,
                                      zone_size_bytes=4 * MiB)
     try:
         blob = os.urandom(64 * KiB)
         at = dev.append(2, blob)
         sums = block_checksums(blob, BS)
-        reader = AsyncReader(dev)
+        reader = AsyncReader(dev, nursery)
         if ring and not reader.uses_ring:
             pytest.skip("io_uring is not available on this kernel")
         if not ring:

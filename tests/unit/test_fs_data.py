@@ -39,9 +39,8 @@ async def counted(tmp_path: Path) -> AsyncIterator[tuple[ZoneFS, CountingDevice]
     dev = EmulatedZonedDevice.open(image)
     cdev = CountingDevice(dev)
     try:
-        fs = await ZoneFS.load(cdev, TEST_OPTIONS)  # type: ignore[arg-type]
-        yield fs, cdev
-        await fs.close()
+        async with ZoneFS.mount(cdev, TEST_OPTIONS) as fs:  # type: ignore[arg-type]
+            yield fs, cdev
     finally:
         dev.close()
     assert_fsck_clean(image)
@@ -190,19 +189,18 @@ async def test_bit_flip_in_a_data_block_is_an_io_failure(
         await write_file(fs, "/bystander", pattern(14, 4096))
     dev = EmulatedZonedDevice.open(image)
     try:
-        fs = await ZoneFS.load(dev, TEST_OPTIONS)
-        ino = await resolve(fs, "/victim")
-        ext = next(iter(fs.state.inodes[ino].extents or []))
-        dev.faults.flip_bit_on_read(ext.dev + 4096 + 17, bit=3)  # second block
-        fh = await fs.open(ino, os.O_RDONLY)
-        with caplog.at_level(logging.ERROR), pytest.raises(errors.IOFailure, match="4096"):
-            await fs.read(fh, 0, 3 * 4096)
-        assert await fs.read(fh, 0, 4096) == pattern(13, 4096)  # the good block still reads
-        with pytest.raises(errors.IOFailure):
-            await fs.read(fh, 5000, 10)
-        await fs.release(fh)
-        assert await read_file(fs, "/bystander") == pattern(14, 4096)
-        await fs.close()
+        async with ZoneFS.mount(dev, TEST_OPTIONS) as fs:
+            ino = await resolve(fs, "/victim")
+            ext = next(iter(fs.state.inodes[ino].extents or []))
+            dev.faults.flip_bit_on_read(ext.dev + 4096 + 17, bit=3)  # second block
+            fh = await fs.open(ino, os.O_RDONLY)
+            with caplog.at_level(logging.ERROR), pytest.raises(errors.IOFailure, match="4096"):
+                await fs.read(fh, 0, 3 * 4096)
+            assert await fs.read(fh, 0, 4096) == pattern(13, 4096)  # the good block still reads
+            with pytest.raises(errors.IOFailure):
+                await fs.read(fh, 5000, 10)
+            await fs.release(fh)
+            assert await read_file(fs, "/bystander") == pattern(14, 4096)
     finally:
         dev.close()
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]

@@ -211,22 +211,22 @@ async def run(seed: int, tmp_path: Path, *, rounds: int, ops: int) -> None:
     for rnd in range(rounds):
         dev = EmulatedZonedDevice.open(image, volatile_cache=True)
         try:
-            fs = await ZoneFS.load(dev, TEST_OPTIONS)
-            await r.check(fs, r.model)
-            for _ in range(ops):
-                await r.step(fs)
-            ending = r.rng.choice(["close", "cut"])
-            r.log.append(f"round {rnd} ends with {ending}")
-            if ending == "close":
-                await fs.close()
-            else:
-                await fs.sync()
-                durable = r.model.copy()
-                for _ in range(r.rng.randrange(1, 6)):  # not synced: may vanish
-                    await r.step(fs, durable=False)
-                dev.simulate_power_cut(r.rng.choice(["drop", "tear"]),
-                                       rng=random.Random(seed * 1000 + rnd))
-                r.model = durable
+            async with ZoneFS.mount(dev, TEST_OPTIONS, close=False) as fs:
+                await r.check(fs, r.model)
+                for _ in range(ops):
+                    await r.step(fs)
+                ending = r.rng.choice(["close", "cut"])
+                r.log.append(f"round {rnd} ends with {ending}")
+                if ending == "close":
+                    await fs.close()
+                else:
+                    await fs.sync()
+                    durable = r.model.copy()
+                    for _ in range(r.rng.randrange(1, 6)):  # not synced: may vanish
+                        await r.step(fs, durable=False)
+                    dev.simulate_power_cut(r.rng.choice(["drop", "tear"]),
+                                           rng=random.Random(seed * 1000 + rnd))
+                    r.model = durable
         finally:
             dev.close()
         try:
@@ -235,9 +235,8 @@ async def run(seed: int, tmp_path: Path, *, rounds: int, ops: int) -> None:
             raise AssertionError(f"{r.where()}: {exc}") from None
     dev = EmulatedZonedDevice.open(image)
     try:
-        fs = await ZoneFS.load(dev, TEST_OPTIONS)
-        await r.check(fs, r.model)
-        await fs.close()
+        async with ZoneFS.mount(dev, TEST_OPTIONS) as fs:
+            await r.check(fs, r.model)
     finally:
         dev.close()
 

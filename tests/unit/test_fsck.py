@@ -87,10 +87,10 @@ async def journal_image(image: Path, files: int = 4) -> None:
     new_image(image)
     dev = EmulatedZonedDevice.open(image)
     try:
-        fs = await ZoneFS.load(dev, TEST_OPTIONS)
-        for i in range(files):
-            await write_file(fs, f"/f{i}", pattern(i, 3000))
-        dev.simulate_power_cut("drop")
+        async with ZoneFS.mount(dev, TEST_OPTIONS, close=False) as fs:
+            for i in range(files):
+                await write_file(fs, f"/f{i}", pattern(i, 3000))
+            dev.simulate_power_cut("drop")
     finally:
         dev.close()
 
@@ -206,13 +206,13 @@ async def test_unlinked_open_file_after_crash_is_freed_by_mount(tmp_path: Path) 
     new_image(image)
     dev = EmulatedZonedDevice.open(image)
     try:
-        fs = await ZoneFS.load(dev, TEST_OPTIONS)
-        fh, attr = await fs.create(ROOT_INO, b"o", 0o600, os.O_RDWR, CTX)
-        await fs.write(fh, 0, b"x" * 10000)
-        await fs.fsync(fh, False)
-        await fs.unlink(ROOT_INO, b"o")
-        await fs.sync()
-        dev.simulate_power_cut("drop")
+        async with ZoneFS.mount(dev, TEST_OPTIONS, close=False) as fs:
+            fh, attr = await fs.create(ROOT_INO, b"o", 0o600, os.O_RDWR, CTX)
+            await fs.write(fh, 0, b"x" * 10000)
+            await fs.fsync(fh, False)
+            await fs.unlink(ROOT_INO, b"o")
+            await fs.sync()
+            dev.simulate_power_cut("drop")
     finally:
         dev.close()
     assert_fsck_clean(image)  # nlink 0 and no names: expected, every mount frees it

@@ -58,18 +58,17 @@ async def test_small_file_is_inline_and_costs_no_block(tmp_path: Path) -> None:
     dev = EmulatedZonedDevice.open(image)
     cdev = CountingDevice(dev)
     try:
-        fs = await ZoneFS.load(cdev, TEST_OPTIONS)  # type: ignore[arg-type]
-        live_before = fs.state.live_blocks_total
-        for i in range(20):
-            await write_file(fs, f"/s{i}", pattern(i, 256), fsync=i % 2 == 0)
-        assert fs.state.live_blocks_total == live_before  # no data block at all
-        ino = await resolve(fs, "/s3")
-        assert fs.state.inodes[ino].inline == pattern(3, 256)
-        attr = await fs.getattr(ino)
-        assert attr.size == 256
-        assert attr.blocks == 1
-        assert fs.inline.files_inlined == 20
-        await fs.close()
+        async with ZoneFS.mount(cdev, TEST_OPTIONS) as fs:  # type: ignore[arg-type]
+            live_before = fs.state.live_blocks_total
+            for i in range(20):
+                await write_file(fs, f"/s{i}", pattern(i, 256), fsync=i % 2 == 0)
+            assert fs.state.live_blocks_total == live_before  # no data block at all
+            ino = await resolve(fs, "/s3")
+            assert fs.state.inodes[ino].inline == pattern(3, 256)
+            attr = await fs.getattr(ino)
+            assert attr.size == 256
+            assert attr.blocks == 1
+            assert fs.inline.files_inlined == 20
     finally:
         dev.close()
     # Replayed from the checkpoint written at unmount.
@@ -265,10 +264,10 @@ async def test_damaged_inline_record_is_refused(tmp_path: Path) -> None:
     new_image(image)
     dev = EmulatedZonedDevice.open(image)
     try:
-        fs = await ZoneFS.load(dev, TEST_OPTIONS)
-        await write_file(fs, "/f", marker)
-        await write_file(fs, "/g", pattern(3, 5000))  # a later record in the same zone
-        # Crash (no clean unmount): the bytes are only in a JOURNAL record.
+        async with ZoneFS.mount(dev, TEST_OPTIONS, close=False) as fs:
+            await write_file(fs, "/f", marker)
+            await write_file(fs, "/g", pattern(3, 5000))  # a later record in the same zone
+            # Crash (no clean unmount): the bytes are only in a JOURNAL record.
     finally:
         dev.close()
     raw = image.read_bytes()
@@ -303,21 +302,21 @@ async def test_times_only_inode_ops_superseded_in_the_same_commit(tmp_path: Path
     new_image(image)
     dev = EmulatedZonedDevice.open(image)
     try:
-        fs = await ZoneFS.load(dev, TEST_OPTIONS)
-        d = (await fs.mkdir(ROOT_INO, b"d", 0o755, CTX)).ino
-        for i in range(5):
-            fh, attr = await fs.create(d, f"f{i}".encode(), 0o644, os.O_RDWR, CTX)
-            fs.forget([(attr.ino, 1)])
-            await fs.write(fh, 0, pattern(i, 256))
-            await fs.setattr(attr.ino, SetAttrRequest(mtime_ns=123 + i), CTX)  # mtime only
-            await fs.flush(fh)
-            await fs.release(fh)
-        await fs.setattr(d, SetAttrRequest(mode=0o700), CTX)  # not times only: kept
-        assert fs.journal.superseded_bytes >= 4 * 73 + 5 * 73
-        await fs.sync()
-        want = {ino: (i.mode, i.nlink, i.size, i.atime, i.mtime, i.ctime, i.inline)
-                for ino, i in fs.state.inodes.items()}
-        # No close: the next mount replays the journal (no unmount checkpoint).
+        async with ZoneFS.mount(dev, TEST_OPTIONS, close=False) as fs:
+            d = (await fs.mkdir(ROOT_INO, b"d", 0o755, CTX)).ino
+            for i in range(5):
+                fh, attr = await fs.create(d, f"f{i}".encode(), 0o644, os.O_RDWR, CTX)
+                fs.forget([(attr.ino, 1)])
+                await fs.write(fh, 0, pattern(i, 256))
+                await fs.setattr(attr.ino, SetAttrRequest(mtime_ns=123 + i), CTX)  # mtime only
+                await fs.flush(fh)
+                await fs.release(fh)
+            await fs.setattr(d, SetAttrRequest(mode=0o700), CTX)  # not times only: kept
+            assert fs.journal.superseded_bytes >= 4 * 73 + 5 * 73
+            await fs.sync()
+            want = {ino: (i.mode, i.nlink, i.size, i.atime, i.mtime, i.ctime, i.inline)
+                    for ino, i in fs.state.inodes.items()}
+            # No close: the next mount replays the journal (no unmount checkpoint).
     finally:
         dev.close()
     async with mounted(image) as fs:

@@ -85,31 +85,30 @@ async def test_meta_zone_accounting_asks_the_device_nothing(tmp_path: Path) -> N
     dev = ReportCountingDevice(EmulatedZonedDevice.open(image))
     trio_thread = threading.get_ident()
     try:
-        fs = await ZoneFS.load(dev, TEST_OPTIONS)
-        j = fs.journal
-        zones_started = len(j.log.zone_first_seq)
-        dev.reports.clear()
-        for round_ in range(3):
-            await commit_files(fs, f"r{round_}-", 40)
-            await fs.checkpoint()
-        assert dev.reports[trio_thread] == 0, "a zone report ran on the trio thread"
-        assert dev.reports, "the workload never reported zones at all"
-        assert j.checkpoints_written == 3
-        assert len(j.log.zone_first_seq) + len(j.log.free_zones()) > zones_started
-        # The figures the commit path and the status ask for: memory only.
-        dev.reports.clear()
-        for pending in (False, True):
-            if pending:
-                await write_file(fs, "/pending", pattern(9, 4000), fsync=False)
-            j.checkpoint_needed(j.journal_limit)
-            j._meta_short()
-            j._last_meta_zones_at_stake()
-            j.log.free_zone_count()
-            j.log.room_in_current_zone()
-            j.estimated_checkpoint_bytes(len(fs.state.inodes))
-            await fs.statfs()
-        assert sum(dev.reports.values()) == 0
-        await fs.close()
+        async with ZoneFS.mount(dev, TEST_OPTIONS) as fs:
+            j = fs.journal
+            zones_started = len(j.log.zone_first_seq)
+            dev.reports.clear()
+            for round_ in range(3):
+                await commit_files(fs, f"r{round_}-", 40)
+                await fs.checkpoint()
+            assert dev.reports[trio_thread] == 0, "a zone report ran on the trio thread"
+            assert dev.reports, "the workload never reported zones at all"
+            assert j.checkpoints_written == 3
+            assert len(j.log.zone_first_seq) + len(j.log.free_zones()) > zones_started
+            # The figures the commit path and the status ask for: memory only.
+            dev.reports.clear()
+            for pending in (False, True):
+                if pending:
+                    await write_file(fs, "/pending", pattern(9, 4000), fsync=False)
+                j.checkpoint_needed(j.journal_limit)
+                j._meta_short()
+                j._last_meta_zones_at_stake()
+                j.log.free_zone_count()
+                j.log.room_in_current_zone()
+                j.estimated_checkpoint_bytes(len(fs.state.inodes))
+                await fs.statfs()
+            assert sum(dev.reports.values()) == 0
     finally:
         dev.close()
 
@@ -137,37 +136,37 @@ async def test_cached_meta_zones_equal_the_zone_report(tmp_path: Path,
     # mount completes them (fs/after_recovery.py).
     dev = EmulatedZonedDevice.open(image)
     try:
-        fs = await ZoneFS.load(dev, TEST_OPTIONS)
-        with monkeypatch.context() as mp:
-            mp.setattr(fs.journal.sbstore, "write", lambda sb: None)
-            mp.setattr(fs.journal.log, "reset_zones", lambda zones: None)
-            await commit_files(fs, "b", 10)
-            await fs.journal.checkpoint()
-        await trio.to_thread.run_sync(dev.flush)
+        async with ZoneFS.mount(dev, TEST_OPTIONS, close=False) as fs:
+            with monkeypatch.context() as mp:
+                mp.setattr(fs.journal.sbstore, "write", lambda sb: None)
+                mp.setattr(fs.journal.log, "reset_zones", lambda zones: None)
+                await commit_files(fs, "b", 10)
+                await fs.journal.checkpoint()
+            await trio.to_thread.run_sync(dev.flush)
     finally:
         dev.close()
     dev = EmulatedZonedDevice.open(image)
     try:
-        fs = await ZoneFS.load(dev, TEST_OPTIONS)
-        rec = fs.recovered
-        assert rec.newest_checkpoint is not None
-        assert rec.newest_checkpoint.offset != rec.sb.checkpoint_offset
-        assert len(rec.scan.chain_zones) > len(fs.journal.log.zone_first_seq)  # reset
-        assert_log_matches_device(fs.journal.log)
-        # A checkpoint torn at its END (the journal breaks; the "crash" follows).
-        await commit_files(fs, "c", 5)
-        real_append = fs.journal.log.append
+        async with ZoneFS.mount(dev, TEST_OPTIONS, close=False) as fs:
+            rec = fs.recovered
+            assert rec.newest_checkpoint is not None
+            assert rec.newest_checkpoint.offset != rec.sb.checkpoint_offset
+            assert len(rec.scan.chain_zones) > len(fs.journal.log.zone_first_seq)  # reset
+            assert_log_matches_device(fs.journal.log)
+            # A checkpoint torn at its END (the journal breaks; the "crash" follows).
+            await commit_files(fs, "c", 5)
+            real_append = fs.journal.log.append
 
-        def append(records: list[tuple[RecordType, bytes]], **kw: bool) -> object:
-            if records[0][0] == RecordType.CHECKPOINT_END:
-                raise OSError(5, "power cut")
-            return real_append(records, **kw)
+            def append(records: list[tuple[RecordType, bytes]], **kw: bool) -> object:
+                if records[0][0] == RecordType.CHECKPOINT_END:
+                    raise OSError(5, "power cut")
+                return real_append(records, **kw)
 
-        with monkeypatch.context() as mp:
-            mp.setattr(fs.journal.log, "append", append)
-            with pytest.raises(errors.IOFailure):
-                await fs.journal.checkpoint()
-        await trio.to_thread.run_sync(dev.flush)
+            with monkeypatch.context() as mp:
+                mp.setattr(fs.journal.log, "append", append)
+                with pytest.raises(errors.IOFailure):
+                    await fs.journal.checkpoint()
+            await trio.to_thread.run_sync(dev.flush)
     finally:
         dev.close()
     async with mounted(image) as fs:

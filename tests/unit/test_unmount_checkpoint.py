@@ -105,9 +105,9 @@ async def test_unmount_after_a_crash_writes_a_checkpoint(tmp_path: Path) -> None
         await fill(fs)
     dev = EmulatedZonedDevice.open(image)
     try:
-        fs = await ZoneFS.load(dev, TEST_OPTIONS)
-        await write_file(fs, "/synced", pattern(7, 700), fsync=True)
-        await trio.to_thread.run_sync(dev.flush)  # then the power goes
+        async with ZoneFS.mount(dev, TEST_OPTIONS, close=False) as fs:
+            await write_file(fs, "/synced", pattern(7, 700), fsync=True)
+            await trio.to_thread.run_sync(dev.flush)  # then the power goes
     finally:
         dev.close()
     async with mounted(image) as fs:

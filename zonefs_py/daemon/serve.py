@@ -4,12 +4,15 @@
 in the foreground with `-f`):
 
   1. take the device lock (`DeviceLock`) and start the state record
-     (`RunState`), open the device, `ZoneFS.load` (which runs crash
-     recovery; with the cycle collector off, then frozen: `gcpolicy`),
-     `pyfuse3.init` (the mount(2) call);
+     (`RunState`), open the device, enter `ZoneFS.mount` (which runs crash
+     recovery, with the cycle collector off, then frozen: `gcpolicy`; and
+     owns the engine's task group: chunk pipeline, read-ahead, seals, the
+     io_uring reaper), `pyfuse3.init` (the mount(2) call); the device and the
+     mount are entered on one AsyncExitStack;
   2. serve: `pyfuse3.main` plus the engine's `serve_background`, a signal
      watcher, the readiness task, the memory trimmer and the cycle
-     collector's collect-then-freeze step (`gcpolicy.GcFreezer`), in one
+     collector's collect-then-freeze step (`gcpolicy.GcFreezer`) and the
+     FALLOCATE / COPY_FILE_RANGE requests (`fuseext.serving`), in one
      trio nursery. The readiness task
      waits for INIT and a STATFS to be answered, tunes the connection, and
      only then calls `report(None)`: `zonefs-py mount` exits 0 only once the
@@ -17,15 +20,18 @@ in the foreground with `-f`):
      filesystem and is reported as one line (traceback in the log);
   3. on `fusermount3 -u` / `umount` (the session ends) or SIGTERM / SIGINT
      (we call `pyfuse3.terminate`): unmount, then `fs.close()` (buffered data
-     written, journal checkpointed, device flushed), remove the state record
-     and release (and remove) the lock, exit 0.
+     written, journal checkpointed, device flushed), then the engine's task
+     group is cancelled and waited for (leaving `ZoneFS.mount`) and the device
+     closed; remove the state record and release (and remove) the lock, exit 0.
+     A bug raised by an engine task cancels the whole serve and leaves the
+     daemon with it (exit non-zero; the next mount recovers).
 
 Under systemd (`$NOTIFY_SOCKET`, daemon/sdnotify.py) the daemon says
 STATUS= while loading, READY=1 at the moment `report(None)` is called,
 WATCHDOG=1 and a fresh STATUS= while serving, STOPPING=1 when step 3
 begins.
 
-A `kill -9` skips step 3; the next mount's `ZoneFS.load` recovers. Any
+A `kill -9` skips step 3; the next mount's recovery runs. Any
 fatal error is written to the log and to the state record, where
 `zonefs-py stat` finds it.
 
@@ -51,11 +57,12 @@ import os
 import signal
 import sys
 import time
+from contextlib import AsyncExitStack
 from typing import Any
 
 import trio
 
-from zonefs_py import control, errors
+from zonefs_py import control, errors, fuseext
 from zonefs_py.daemon.daemonize import Reporter, logs_to_journal
 from zonefs_py.daemon.gcpolicy import GcFreezer
 from zonefs_py.daemon.gcpolicy import loading as gc_loading
@@ -213,15 +220,19 @@ async def serve(cfg: MountConfig, report: Reporter, state: RunState,
         try:
             notifier.status(f"loading {cfg.device} (recovery replays the metadata log if the "
                             "last unmount was not clean)")
-            device = open_device(cfg.device, read_only=cfg.fs_options.read_only,
-                                 zone_append=cfg.fs_options.zone_append)
-            try:
+            # Exits in reverse: the engine's tasks are cancelled and waited for
+            # (after its clean close, in _serve_mounted), then the device closes.
+            async with AsyncExitStack() as stack:
+                device = open_device(cfg.device, read_only=cfg.fs_options.read_only,
+                                     zone_append=cfg.fs_options.zone_append)
+                stack.callback(device.close)
                 log.info("loading %s (recovery runs if the last unmount was not clean)",
                          cfg.device)
                 # On a terminal (the caller's, until ready) the replay shows progress.
                 with gc_loading():
-                    fs = await ZoneFS.load(device, cfg.fs_options, progress=progress_printer(
-                        "mount: replaying the metadata log", "B"))
+                    fs = await stack.enter_async_context(ZoneFS.mount(
+                        device, cfg.fs_options, progress=progress_printer(
+                            "mount: replaying the metadata log", "B")))
                 ops = Operations(fs, writeback_cache=cfg.writeback_cache,
                                  attr_timeout_s=cfg.attr_timeout_s,
                                  entry_timeout_s=cfg.attr_timeout_s,
@@ -242,8 +253,6 @@ async def serve(cfg: MountConfig, report: Reporter, state: RunState,
                 status = await _serve_mounted(cfg, fs, ops, signals, report, state, notifier)
                 clean = status == 0
                 return status
-            finally:
-                device.close()
         finally:
             if clean:
                 state.remove()
@@ -322,7 +331,9 @@ async def _serve_mounted(cfg: MountConfig, fs: Any, ops: Any, signals: Any,
             # for a request, and starts one whenever none waits: with min_tasks=1
             # a queue-depth-16 reader made it start and end a task per request or
             # so (Nursery.start_soon and the idle tasks' lock hand-offs in py-spy).
-            await pyfuse3.main(min_tasks=cfg.min_tasks, max_tasks=cfg.max_tasks)
+            # FALLOCATE and COPY_FILE_RANGE requests (fuseext) run in this nursery.
+            with fuseext.serving(nursery):
+                await pyfuse3.main(min_tasks=cfg.min_tasks, max_tasks=cfg.max_tasks)
         except (OSError, BaseExceptionGroup) as exc:
             # An unmount racing requests still in flight (e.g. RELEASEDIR of many
             # descriptors closed just before fusermount3 -u) aborts the session with

@@ -103,6 +103,13 @@ class _Device(Protocol):
     def read(self, offset_bytes: int, length_bytes: int) -> bytes: ...
 
 
+class TaskStarter(Protocol):
+    """Starts a task in a nursery: a `trio.Nursery`, or the mount's `MountTasks`."""
+
+    def start_soon(self, fn: Callable[..., Any], *args: Any, name: str | None = None
+                   ) -> None: ...
+
+
 class BadChecksum(OSError):
     """A read whose data failed the checksums it was given (`AsyncReader.read`):
     `block` is the index, within the read, of the first block that failed."""
@@ -185,9 +192,11 @@ def _abort_wait(slot: _Slot) -> Callable[[Any], trio.lowlevel.Abort]:
 class AsyncReader:
     """`await reader.read(offset, length)`: a device read that never blocks trio."""
 
-    def __init__(self, dev: Any, limiter: trio.CapacityLimiter | None = None,
+    def __init__(self, dev: Any, tasks: TaskStarter, limiter: trio.CapacityLimiter | None = None,
                  sqpoll_ms: int = 0) -> None:
         self.dev = dev
+        #: Where the reapers run: the mount's task group (fs/tasks.py) or a nursery.
+        self.tasks = tasks
         self.sqpoll_ms = sqpoll_ms
         self.limiter = limiter
         self.block_size: int = dev.info.block_size
@@ -431,9 +440,9 @@ class AsyncReader:
 
     def _ensure_reaper(self, ring: _Ring) -> None:
         if not ring.reaper_started:
+            self.tasks.start_soon(self._reaper, ring,
+                                  name=f"zonefs-py io_uring reaper ({ring.name})")
             ring.reaper_started = True
-            trio.lowlevel.spawn_system_task(self._reaper, ring,
-                                            name=f"zonefs-py io_uring reaper ({ring.name})")
 
     async def _reaper(self, ring: _Ring) -> None:
         try:

@@ -42,6 +42,7 @@ from zonefs_py.fs.clock import now_ns
 from zonefs_py.fs.prefetch import Prefetcher
 from zonefs_py.fs.qos import ReadLatencyController
 from zonefs_py.fs.readpath import ReadPath
+from zonefs_py.fs.tasks import MountTasks
 from zonefs_py.fs.writepipe import WritePipeline
 from zonefs_py.fs.writestate import Chunk, FileWrites, WriteBuffer
 from zonefs_py.fs.zonesums import SumCache, ZoneSealer
@@ -74,7 +75,8 @@ class DataPath:
                  qos: ReadLatencyController | None = None,
                  reader: AsyncReader | None = None, stamp_times: bool = True,
                  prefetch_bytes: int = 0, fast_read: bool = True,
-                 on_need_space: Callable[[], Awaitable[bool]] | None = None) -> None:
+                 on_need_space: Callable[[], Awaitable[bool]] | None = None,
+                 tasks: MountTasks) -> None:
         self.dev = dev
         self.state = state
         self.journal = journal
@@ -91,12 +93,14 @@ class DataPath:
         self.inflight = self.writes.inflight
         self.locks = self.writes.locks
         #: Zone summaries: sealing full zones, and the checksums of sealed ones.
-        self.sealer = ZoneSealer(dev, state, journal, alloc, limiter)
+        #: The mount's task group (fs/tasks.py): chunks, seals, read-ahead run in it.
+        self.tasks = tasks
+        self.sealer = ZoneSealer(dev, state, journal, alloc, limiter, tasks)
         self.sums = SumCache(dev, state, read_limiter, cache_bytes, path_of, reader=reader)
         self.reads = ReadPath(dev, state, alloc, self.writes, self.sums, read_limiter, path_of,
-                              reader=reader, prefetch_bytes=prefetch_bytes, fast=fast_read)
+                              tasks, reader=reader, prefetch_bytes=prefetch_bytes, fast=fast_read)
         self.pipe = WritePipeline(dev, state, journal, alloc, limiter, self.writes,
-                                  self.sealer, path_of, on_need_space=on_need_space)
+                                  self.sealer, path_of, tasks, on_need_space=on_need_space)
         #: Writes set the file's mtime/ctime to their arrival time. False when the
         #: caller owns the times (FUSE writeback cache: FsOptions.kernel_write_times);
         #: a buffer or chunk then carries time 0, "leave the times as they are".

@@ -30,7 +30,8 @@ import logging
 import os
 import stat as statmod
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 
 import trio
 
@@ -66,6 +67,7 @@ from zonefs_py.fs.quota import QuotaTracker
 from zonefs_py.fs.reclaim import SpaceReclaim
 from zonefs_py.fs.reflink import Copier
 from zonefs_py.fs.status import build_status
+from zonefs_py.fs.tasks import MountTasks
 from zonefs_py.journal.journal import Journal
 from zonefs_py.journal.recovery import Recovered, recover
 from zonefs_py.model.state import Inode, State
@@ -83,10 +85,19 @@ class _DirHandle:
 
 
 class ZoneFS(NamespaceOps, FileSystemAPI):
-    """A mounted zonefs-py filesystem. Create with `await ZoneFS.load(...)`."""
+    """A mounted zonefs-py filesystem: `async with ZoneFS.mount(dev, options) as fs:`.
 
-    def __init__(self, dev: ZonedDevice, rec: Recovered, options: FsOptions) -> None:
+    `ZoneFS.mount` owns the mount's background tasks (fs/tasks.py). An engine from
+    `ZoneFS.load` owns none: it serves requests with no read-ahead, no io_uring
+    reader and no pipelined chunks (written inline), and seals zones when it
+    closes (`ZoneSealer.wait_idle`), for tools and tests that use the engine alone.
+    """
+
+    def __init__(self, dev: ZonedDevice, rec: Recovered, options: FsOptions,
+                 tasks: MountTasks) -> None:
         self.dev = dev
+        #: The mount's background tasks (open only inside `ZoneFS.mount`).
+        self.tasks = tasks
         self.options = options
         self.sb = rec.sb
         self.state: State = rec.state
@@ -107,15 +118,16 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         # The allocator tells the journal of every append it accounts (INV-7).
         self.alloc = Allocator(dev.info, rec.sb, self.state, dev.report_zones(), self.journal)
         self.state.on_zone_emptied = self.alloc.zone_emptied
-        reader = (AsyncReader(dev, self.read_limiter, options.sqpoll_ms)
-                  if options.io_uring else None)
+        reader = (AsyncReader(dev, tasks, self.read_limiter, options.sqpoll_ms)
+                  if options.io_uring and tasks.is_open else None)
         self.data = DataPath(dev, self.state, self.journal, self.alloc, self.limiter,
                              self.path_of, read_limiter=self.read_limiter,
                              cache_bytes=options.cache_mb << 20,
                              qos=ReadLatencyController(options.read_latency_ms / 1e3),
                              reader=reader, stamp_times=not options.kernel_write_times,
                              prefetch_bytes=options.prefetch_mb << 20,
-                             fast_read=options.fast_read, on_need_space=self._need_space)
+                             fast_read=options.fast_read, on_need_space=self._need_space,
+                             tasks=tasks)
         self.inline = InlineData(self.state, self.data, self.journal,
                                  inline_threshold(self.bs, options.inline_max_bytes))
         self.reclaim = SpaceReclaim(dev, self.state, self.journal, self.alloc, self.limiter,
@@ -148,9 +160,39 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
 
     # -- lifecycle ------------------------------------------------------------------
     @classmethod
+    @asynccontextmanager
+    async def mount(cls, dev: ZonedDevice, options: FsOptions | None = None, *,
+                   progress: Callable[[int, int], None] | None = None,
+                   close: bool = True) -> AsyncIterator[ZoneFS]:
+        """Recover the filesystem on `dev` and serve it, owning its background tasks.
+
+        On a normal exit of the block the filesystem is closed cleanly (flush,
+        commit, checkpoint: `close`), then the mount's nursery is cancelled and
+        waited for. On an exception, or with `close=False` (tests that cut the
+        power inside the block), it is not closed (as after a crash: the next
+        mount recovers); its tasks are cancelled all the same. A bug raised by
+        a background task cancels the block and leaves from it. Raises as
+        `load` does.
+        """
+        tasks = MountTasks()
+        async with tasks.run():
+            fs = await cls.load(dev, options, progress=progress, tasks=tasks)
+            try:
+                yield fs
+                if close:
+                    await fs.close()
+            finally:
+                if fs.data.reader is not None:
+                    fs.data.reader.close()  # after close(): nothing left to free
+
+    @classmethod
     async def load(cls, dev: ZonedDevice, options: FsOptions | None = None, *,
-                   progress: Callable[[int, int], None] | None = None) -> ZoneFS:
+                   progress: Callable[[int, int], None] | None = None,
+                   tasks: MountTasks | None = None) -> ZoneFS:
         """Recover the filesystem on `dev` and return it ready to serve.
+
+        Without `tasks` (an open `MountTasks`) the engine owns no background task
+        (see the class docstring); `ZoneFS.mount` is the mount.
 
         `progress(done_bytes, total_bytes)` follows the log replay (called from
         the worker thread that runs it).
@@ -161,7 +203,7 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
         options = options or FsOptions()
         rec = await trio.to_thread.run_sync(functools.partial(recover, dev, progress=progress))
         refuse_non_tree(rec.state, dev.info.path)
-        fs = cls(dev, rec, options)
+        fs = cls(dev, rec, options, tasks or MountTasks())
         log.info("recovered %s: %d records, %d ops in %.2f s (torn tail: %s; journal "
                  "replayed after the checkpoint: %d bytes)", dev.info.path, rec.records,
                  rec.ops, rec.seconds, rec.scan.torn_tail, rec.journal_bytes)
@@ -434,7 +476,7 @@ class ZoneFS(NamespaceOps, FileSystemAPI):
             self.finish_later(to_finish)
 
     def finish_later(self, zones: list[int]) -> None:
-        """Seal and finish zones the allocator stopped writing, from a system task."""
+        """Seal and finish zones the allocator stopped writing, from a task of the mount."""
         self.data.sealer.close_zones_later(zones)
 
 

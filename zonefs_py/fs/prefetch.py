@@ -37,7 +37,8 @@ state (buffered or in-flight data) are read under their lock as before and
 never served from here. Segments are verified against their checksums like
 every read (`DataPath._read_view`); a failed segment is dropped and the
 request reads the device itself, so errors surface exactly as without
-read-ahead. Segment reads run as system tasks; nothing here holds a lock.
+read-ahead. Segment reads run in the mount's task group (fs/tasks.py); nothing
+here holds a lock.
 
 Memory: at most MAX_STREAMS x (window + request + SEGMENT_BYTES) of segments.
 """
@@ -48,6 +49,9 @@ from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 
 import trio
+
+from zonefs_py import errors
+from zonefs_py.fs.tasks import MountTasks
 
 #: Bytes of one device read ahead of a stream: at most the ring's largest read
 #: (device/aread.py MAX_RING_READ), so segments use its warm pooled buffers (2 MiB
@@ -105,8 +109,10 @@ class Prefetcher:
     `read_stored(ino, offset, length)` reads the file's stored bytes (verified).
     """
 
-    def __init__(self, read_stored: ReadFn, window_bytes: int = WINDOW_BYTES) -> None:
+    def __init__(self, read_stored: ReadFn, tasks: MountTasks,
+                 window_bytes: int = WINDOW_BYTES) -> None:
         self._read_stored = read_stored
+        self.tasks = tasks
         self.window = window_bytes
         self._streams: OrderedDict[int, _Stream] = OrderedDict()
         #: Requests answered from read-ahead, and segments read / dropped unused.
@@ -191,19 +197,24 @@ class Prefetcher:
             end = min(start + SEGMENT_BYTES, limit)
             seg = _Segment(start, end)
             st.segments.append(seg)
+            if not self.tasks.is_open:
+                # No mount runs (an engine from ZoneFS.load): no read-ahead.
+                st.segments.pop()
+                return
+            self.tasks.start_soon(self._fill, ino, seg, name=f"zonefs-readahead-{ino}")
             if not self._filling:
                 self._idle = trio.Event()
             self._filling += 1
-            trio.lowlevel.spawn_system_task(self._fill, ino, seg,
-                                            name=f"zonefs-readahead-{ino}")
             start = end
 
     async def _fill(self, ino: int, seg: _Segment) -> None:
-        """Read one segment (system task: never raises; a failure leaves it empty)."""
+        """Read one segment (a task of the mount); a failed read leaves it empty (the
+        request then reads the device itself); a bug propagates to the mount."""
         try:
             seg.data = await self._read_stored(ino, seg.start, seg.end - seg.start)
             self.segments_read += 1
-        except BaseException:  # noqa: BLE001 - the request reads the device itself
+        except (errors.ZoneFSError, OSError, KeyError):
+            # KeyError: the file was deleted before its segment was read.
             seg.data = None
         finally:
             seg.ready.set()

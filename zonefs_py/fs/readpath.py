@@ -39,6 +39,7 @@ from zonefs_py.device.aread import AsyncReader, BadChecksum
 from zonefs_py.device.base import ZonedDevice
 from zonefs_py.format.checksum import Data, first_bad_block
 from zonefs_py.fs.prefetch import Prefetcher
+from zonefs_py.fs.tasks import MountTasks
 from zonefs_py.fs.writestate import FileWrites
 from zonefs_py.fs.zonesums import SumCache
 from zonefs_py.model.extents import Piece
@@ -52,9 +53,12 @@ class ReadPath:
 
     def __init__(self, dev: ZonedDevice, state: State, alloc: Allocator, writes: FileWrites,
                  sums: SumCache, read_limiter: trio.CapacityLimiter,
-                 path_of: Callable[[int], str], *, reader: AsyncReader | None = None,
+                 path_of: Callable[[int], str], tasks: MountTasks, *,
+                 reader: AsyncReader | None = None,
                  prefetch_bytes: int = 0, fast: bool = True) -> None:
         self.dev = dev
+        #: The mount's task group: read-ahead segments run in it.
+        self.tasks = tasks
         self.state = state
         self.alloc = alloc
         self.writes = writes
@@ -80,7 +84,7 @@ class ReadPath:
         async def read_stored(ino: int, offset: int, length: int) -> bytes | memoryview:
             return await self._stored(self.state.inodes[ino], offset, length)
 
-        self.prefetch = Prefetcher(read_stored, window_bytes)
+        self.prefetch = Prefetcher(read_stored, self.tasks, window_bytes)
 
     def data_changed(self, ino: int) -> None:
         """State hook: the file's stored bytes change now; read-ahead of it is stale."""

@@ -7,7 +7,7 @@ later write of the same blocks always wins. Until its ops are applied a
 chunk stays readable from the file's in-flight list.
 
 Pipelining: a full chunk carved from a streaming buffer is written by a
-system task while the writer goes on filling the next one (at most
+task of the mount (fs/tasks.py) while the writer goes on filling the next one (at most
 `MAX_INFLIGHT` chunks per file). fsync, close, truncate and non-sequential
 writes drain the file's in-flight chunks first (`FileWrites.drain`); a chunk
 that could not be written makes the next flush/fsync of that file fail with
@@ -41,6 +41,7 @@ from zonefs_py.format.checksum import block_checksums
 from zonefs_py.format.constants import C_DATA_BYTES, C_STREAM_BASE, FLAG_STREAM_SET, OpType, Stream
 from zonefs_py.format.ops import Op
 from zonefs_py.fs.append_order import AppendOrder
+from zonefs_py.fs.tasks import MountTasks
 from zonefs_py.fs.writestate import Chunk, FileWrites
 from zonefs_py.fs.zonesums import ZoneSealer
 from zonefs_py.journal.journal import Journal
@@ -68,7 +69,7 @@ class WritePipeline:
 
     def __init__(self, dev: ZonedDevice, state: State, journal: Journal, alloc: Allocator,
                  limiter: trio.CapacityLimiter, writes: FileWrites, sealer: ZoneSealer,
-                 path_of: Callable[[int], str], *,
+                 path_of: Callable[[int], str], tasks: MountTasks, *,
                  on_need_space: Callable[[], Awaitable[bool]] | None = None) -> None:
         self.dev = dev
         self.state = state
@@ -78,6 +79,8 @@ class WritePipeline:
         self.writes = writes
         self.sealer = sealer
         self.path_of = path_of
+        #: The mount's task group: the chunks of streaming writes run in it.
+        self.tasks = tasks
         self.bs = dev.info.block_size
         self.counters = state.counters
         #: Foreground cleaning (the engine's): returns False when nothing was freed.
@@ -100,22 +103,43 @@ class WritePipeline:
 
     async def queue_chunk(self, inode: Inode, fblock: int, data: bytes | bytearray,
                           logical_end: int, mtime: int, final: bool) -> None:
-        """Send one chunk: written before returning if `final`, else by a system task
-        (returning once at most MAX_INFLIGHT chunks of the file are in flight)."""
+        """Send one chunk: written before returning if `final` (or when no mount runs:
+        an engine from ZoneFS.load), else by a task of the mount (returning once at
+        most MAX_INFLIGHT chunks of the file are in flight)."""
         chunk, chunks = self.writes.add_chunk(inode.ino, fblock, data, logical_end, mtime)
-        if final:
-            await self._write_chunk(inode, chunk)
-            err = self.writes.write_errors.pop(inode.ino, None)
+        if final or not self.tasks.is_open:
+            try:
+                await self._write_chunk(inode, chunk)
+            finally:
+                # The caller gets the error now (or what propagated instead of it).
+                err = self.writes.write_errors.pop(inode.ino, None)
             if err is not None:
                 raise err
             return
-        trio.lowlevel.spawn_system_task(self._write_chunk, inode, chunk,
-                                        name=f"zonefs-chunk-{inode.ino}")
+        self.tasks.start_soon(self._write_chunk, inode, chunk, name=f"zonefs-chunk-{inode.ino}")
         if len(chunks) > MAX_INFLIGHT:
             await chunks[-1 - MAX_INFLIGHT].applied.wait()
 
     async def _write_chunk(self, inode: Inode, chunk: Chunk) -> None:
-        """Write one chunk and apply its ops after its predecessor's. Never raises."""
+        """Write one chunk and apply its ops after its predecessor's.
+
+        A ZoneFSError is recorded in `write_errors` (the file's next flush/fsync
+        fails with it). Anything else (a bug, or Cancelled: the mount ends
+        uncleanly, a clean end flushes first) is recorded as an IOFailure too and
+        propagates, to the mount's nursery; the chunk always leaves the in-flight
+        list.
+        """
+        try:
+            await self._write_chunk_now(inode, chunk)
+        except BaseException as exc:
+            if not isinstance(exc, trio.Cancelled):
+                log.exception("unexpected error writing file data of inode %d", inode.ino)
+            self.writes.write_errors.setdefault(
+                inode.ino, errors.IOFailure(f"chunk not written: {exc!r}"))
+            self.writes.chunk_done(inode.ino, chunk)
+            raise
+
+    async def _write_chunk_now(self, inode: Inode, chunk: Chunk) -> None:
         ops: list[Op] = []
         error: errors.ZoneFSError | None = None
         try:
@@ -123,16 +147,6 @@ class WritePipeline:
             placed = await self.place_file_data(inode, chunk.fblock, chunk.data)
         except errors.ZoneFSError as exc:
             error = exc
-            placed = []
-        except trio.Cancelled:
-            # The event loop is ending (an unclean exit: a clean one flushes
-            # first); the chunk is not written, and nothing acknowledged it.
-            log.debug("write of a chunk of inode %d cancelled", inode.ino)
-            error = errors.IOFailure("cancelled: the filesystem is shutting down")
-            placed = []
-        except BaseException as exc:  # a system task must not raise
-            log.exception("unexpected error writing file data of inode %d", inode.ino)
-            error = errors.IOFailure(f"unexpected error: {exc!r}")
             placed = []
         if self.chunk_landing_hook is not None:
             await self.chunk_landing_hook()

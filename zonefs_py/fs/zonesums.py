@@ -36,6 +36,7 @@ from zonefs_py.device.aread import AsyncReader
 from zonefs_py.device.base import ZonedDevice
 from zonefs_py.format import zonesum
 from zonefs_py.format.constants import OpType
+from zonefs_py.fs.tasks import MountTasks
 from zonefs_py.journal.journal import Journal
 from zonefs_py.model.state import State
 
@@ -80,8 +81,13 @@ class ZoneSealer:
     """Writes the summaries of zones that take no more data (see the module doc)."""
 
     def __init__(self, dev: ZonedDevice, state: State, journal: Journal, alloc: Allocator,
-                 limiter: trio.CapacityLimiter) -> None:
+                 limiter: trio.CapacityLimiter, tasks: MountTasks) -> None:
         self.dev = dev
+        #: The mount's task group: seals and zone finishes run in it.
+        self.tasks = tasks
+        #: Work started while no mount runs (an engine from ZoneFS.load): run by
+        #: `wait_idle`, in order.
+        self._deferred: list[Callable[[], Awaitable[None]]] = []
         self.state = state
         self.journal = journal
         self.alloc = alloc
@@ -90,7 +96,7 @@ class ZoneSealer:
         self.sealed = 0
         self.summary_bytes = 0
         self._running = False
-        #: System tasks of this sealer still running (`wait_idle`).
+        #: Tasks of this sealer still running (`wait_idle`).
         self._tasks = 0
         self._idle = trio.Event()
         self._idle.set()
@@ -106,6 +112,9 @@ class ZoneSealer:
         self._spawn(self._run_queue, "zonefs-sealer")
 
     def _spawn(self, fn: Callable[[], Awaitable[None]], name: str) -> None:
+        if not self.tasks.is_open:
+            self._deferred.append(fn)
+            return
         if not self._tasks:
             self._idle = trio.Event()
         self._tasks += 1
@@ -118,10 +127,11 @@ class ZoneSealer:
                 if not self._tasks:
                     self._idle.set()
 
-        trio.lowlevel.spawn_system_task(task, name=name)
+        self.tasks.start_soon(task, name=name)
 
     async def _run_queue(self) -> None:
-        """System task: seal the queued zones. Never raises."""
+        """Task: seal the queued zones. A failed finish is logged; anything else
+        (a bug, Cancelled) gives the queued seals up and propagates."""
         try:
             while self.alloc.seal_queue:
                 zone = self.alloc.seal_queue.pop(0)
@@ -129,17 +139,19 @@ class ZoneSealer:
                     await self.seal(zone, finish=True)
                 except OSError as exc:
                     log.error("finishing data zone %d failed: %s", zone, exc)
-        except BaseException as exc:  # a system task must not raise
-            if not isinstance(exc, trio.Cancelled):
-                log.exception("sealing zones failed")
+        except BaseException:
             for z in self.alloc.seal_queue:
                 self.alloc.seal_written(z, ok=False)
             self.alloc.seal_queue.clear()
+            raise
         finally:
             self._running = False
 
     async def wait_idle(self) -> None:
-        """Wait until no seal or zone closing of this sealer is left (unmount, tests)."""
+        """Wait until no seal or zone closing of this sealer is left (unmount, tests);
+        run the work deferred while no mount ran."""
+        while self._deferred:
+            await self._deferred.pop(0)()
         while self._tasks:
             await self._idle.wait()
 
@@ -156,7 +168,8 @@ class ZoneSealer:
                                               limiter=limiter or self.limiter)
 
     def close_zones_later(self, zones: list[int]) -> None:
-        """`close_zones` from a system task (callers that cannot await); errors logged."""
+        """`close_zones` from a task of the mount (callers that cannot await); a failed
+        finish is logged; anything else gives the seals up and propagates."""
         if not zones:
             return
 
@@ -165,12 +178,11 @@ class ZoneSealer:
                 await self.close_zones(zones)
             except OSError as exc:
                 log.error("finishing zones %s failed: %s", zones, exc)
-            except BaseException as exc:  # a system task must not raise
-                if not isinstance(exc, trio.Cancelled):
-                    log.exception("closing zones %s failed", zones)
+            except BaseException:
                 for z in zones:
                     if self.alloc.zones[z].seal_at is not None:
                         self.alloc.seal_written(z, ok=False)
+                raise
 
         self._spawn(run, "zonefs-close-zones")
 
