@@ -199,6 +199,7 @@ def test_total_capacity_follows_zones_going_out_of_use_and_back() -> None:
     assert alloc.total_capacity() == brute() == 7 * DATA_ROOM
 
 
+@pytest.mark.expect_log("zonefs_py.alloc", "ERROR", "stopped taking writes after a write error")
 def test_every_accounted_append_tells_the_journal_to_flush_first() -> None:
     """INV-7 by construction: the allocator, which accounts every append, tells
     the journal that the next commit must flush the device before its records."""

@@ -106,6 +106,9 @@ def set_max_background(mountpoint: str, limit: int) -> None:
     except MountGone as exc:
         log.debug("not raising the FUSE background limit: %s (unmounted already)", exc)
     except (OSError, subprocess.SubprocessError) as exc:
+        if not os.path.ismount(mountpoint):  # unmounted meanwhile: its fusectl dir went too
+            log.debug("not raising the FUSE background limit: %s (unmounted already)", exc)
+            return
         log.warning("could not raise the FUSE background limit of %s: %s (O_DIRECT "
                     "readers may slow buffered writers)", mountpoint, exc)
 
@@ -125,4 +128,7 @@ def set_readahead(mountpoint: str, kib: int) -> None:
     except MountGone as exc:
         log.debug("not setting the readahead window: %s (unmounted already)", exc)
     except OSError as exc:
+        if not os.path.ismount(mountpoint):  # unmounted meanwhile: its bdi went too
+            log.debug("not setting the readahead window: %s (unmounted already)", exc)
+            return
         log.warning("could not set the readahead window of %s: %s", mountpoint, exc)
