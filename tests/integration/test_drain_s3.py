@@ -218,6 +218,7 @@ def test_rename_after_drain_moves_the_object(image: Path, mount_factory: Mount,
 
 
 @pytest.mark.slow
+@pytest.mark.expect_log("zonefs_py.drain", "WARNING", r"drain: /ck/a\.pt failed .*retrying in")
 def test_store_down_nothing_evicted_then_resumes(image: Path, mount_factory: Mount,
                                                  workdir: Path) -> None:
     server = SeaweedFS(workdir / "seaweed")

@@ -680,6 +680,7 @@ async def test_power_cut_after_every_write(tmp_path: Path, name: str, mode: str)
 
 
 @pytest.mark.slow
+@pytest.mark.expect_log("zonefs_py", "ERROR", "")  # every cut point fails writes on purpose
 @pytest.mark.parametrize("mode", ["drop", "tear"])
 @pytest.mark.parametrize("name", ["overwrite_in_place", "save_via_rename"])
 async def test_power_cut_with_appends_landing_out_of_order(tmp_path: Path, name: str,
