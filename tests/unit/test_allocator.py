@@ -40,7 +40,7 @@ def make_alloc(nr_data: int = 8, max_active: int = 0) -> Allocator:
                          reserve_bytes=0)
     state = State(BS, ZONE)
     alloc = Allocator(info, sb, state, zones, FakeJournal())  # type: ignore[arg-type]
-    state.on_zone_emptied = alloc.zone_emptied
+    state.subscribe(zone_emptied=alloc.zone_emptied)
     return alloc
 
 

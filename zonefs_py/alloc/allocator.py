@@ -179,8 +179,15 @@ class Allocator:
         self._total_capacity: int | None = None
         #: Zones whose seal is decided (`seal_at` set) for the engine's sealer to write.
         self.seal_queue: list[int] = []
-        #: Called (trio thread) when `seal_queue` gains a zone.
-        self.on_seal_ready: Callable[[], None] | None = None
+        #: Called (trio thread) when `seal_queue` gains a zone (`subscribe_seal_ready`).
+        self._on_seal_ready: Callable[[], None] | None = None
+
+    def subscribe_seal_ready(self, fn: Callable[[], None]) -> None:
+        """Register the one listener called (trio thread) when `seal_queue` gains
+        a zone: the engine's sealer. A second registration raises."""
+        if self._on_seal_ready is not None:
+            raise RuntimeError("Allocator: seal_ready already has a listener")
+        self._on_seal_ready = fn
 
     # -- queries -------------------------------------------------------------------
     def live_bytes(self, zone: int) -> int:
@@ -276,8 +283,8 @@ class Allocator:
             log.error("data zone %d stopped taking writes after a write error", zone_idx)
         elif not dz.inflight and dz.reserved >= dz.capacity and self._decide_seal(dz):
             self.seal_queue.append(zone_idx)
-            if self.on_seal_ready is not None:
-                self.on_seal_ready()
+            if self._on_seal_ready is not None:
+                self._on_seal_ready()
         self._maybe_dead(zone_idx)
 
     def _decide_seal(self, dz: DataZone) -> bool:

@@ -494,8 +494,9 @@ class AsyncReader:
     async def aclose(self) -> None:
         """Wait for reads in flight, then free the rings (the reader reads through threads)."""
         with trio.move_on_after(10):
-            while any(r.inflight and r.reaper_started for r in self._rings()):
-                await trio.sleep(0.001)
+            for ring in self._rings():
+                while ring.inflight and ring.reaper_started:
+                    await ring.room.wait()  # set by the reaper at each batch of completions
         self.close()
 
     def close(self) -> None:

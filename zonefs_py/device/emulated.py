@@ -22,7 +22,8 @@ Durability (docs/DESIGN.md, "Emulator"):
 Around it, each in its own module with one job: the image's state and the
 argument checks (`emu_base.EmuBase`), power cuts and the volatile cache
 (`emu_powercut`), the data-discarding mode (`emu_discard`), the zone append
-model (`emu_append`); the image layout (`emu_format`), zone semantics
+model (`emu_append`); creating and loading the image file (`emu_image`), the
+image layout (`emu_format`), zone semantics
 (`emu_zones`), data I/O (`emu_io`) and fault injection (`emu_faults`).
 
 Threading: every method may be called from several threads. `_state_lock`
@@ -49,36 +50,19 @@ from types import TracebackType
 from zonefs_py.device.base import DeviceInfo, Zone, ZoneCond
 from zonefs_py.device.emu_append import SCATTER_PIECE_BYTES, EmuZoneAppend
 from zonefs_py.device.emu_base import _power_loss
-from zonefs_py.device.emu_discard import _probe_punch_hole
 from zonefs_py.device.emu_faults import FaultInjector
 from zonefs_py.device.emu_format import (
-    HEADER_BYTES,
-    HEADER_MAGIC,
     DataDiscard,
     Geometry,
-    ImageFormatError,
     TableEntry,
-    decode_header_full,
-    encode_header,
-    encode_table,
-    pick_newest_table,
 )
+from zonefs_py.device.emu_image import load_image, probe_image, write_fresh_image
 from zonefs_py.device.emu_io import Buffer, ImageIO, IOMode, open_image_io
-from zonefs_py.device.emu_zones import ZoneStates
 from zonefs_py.errors import Busy, DeviceRefused
 
 __all__ = ["EmulatedZonedDevice", "probe_image"]
 
 
-
-
-def probe_image(path: str | os.PathLike[str]) -> bool:
-    """Return True if `path` starts with the emulator image magic (no validation)."""
-    try:
-        with open(path, "rb") as fh:
-            return fh.read(len(HEADER_MAGIC)) == HEADER_MAGIC
-    except OSError:
-        return False
 
 
 class EmulatedZonedDevice(EmuZoneAppend):
@@ -127,27 +111,7 @@ class EmulatedZonedDevice(EmuZoneAppend):
                        size_bytes // zone_size_bytes, nr_conventional, max_open, max_active)
         geo.validate()
         path = os.fspath(path)
-        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | (0 if overwrite else os.O_EXCL)
-        fd = os.open(path, flags, 0o644)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise Busy(f"{path}: image is open for writing by another process") from None
-            os.ftruncate(fd, 0)
-            os.ftruncate(fd, geo.image_bytes)
-            if discard_data:
-                _probe_punch_hole(path, fd, geo)
-            os.pwrite(fd, encode_header(geo, DataDiscard(enabled=discard_data)), 0)
-            os.pwrite(fd, encode_table(geo, 1, ZoneStates.fresh_entries(geo)), geo.table_offset)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        write_fresh_image(path, geo, overwrite=overwrite, discard_data=discard_data)
         return cls.open(path, volatile_cache=volatile_cache, io_mode=io_mode,
                         zone_append=zone_append)
 
@@ -173,7 +137,7 @@ class EmulatedZonedDevice(EmuZoneAppend):
                     fcntl.flock(io.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     raise Busy(f"{path}: image is open for writing by another process") from None
-            geo, discard, seq, entries = cls._load(path, io)
+            geo, discard, seq, entries = load_image(path, io)
         except BaseException:
             io.close()
             raise
@@ -182,24 +146,6 @@ class EmulatedZonedDevice(EmuZoneAppend):
         if cut_after_writes is not None:
             dev.faults.cut_after_writes(cut_after_writes)
         return dev
-
-    @staticmethod
-    def _load(path: str, io: ImageIO) -> tuple[Geometry, DataDiscard, int, list[TableEntry]]:
-        size = io.file_size()
-        if size < HEADER_BYTES:
-            raise DeviceRefused(f"{path}: too small to be an emulator image ({size} bytes)")
-        try:
-            geo, discard = decode_header_full(io.pread(0, HEADER_BYTES))
-            if size < geo.image_bytes:
-                raise DeviceRefused(
-                    f"{path}: truncated image ({size} bytes, geometry needs {geo.image_bytes})"
-                )
-            tbytes = geo.table_copy_bytes
-            copies = [io.pread(geo.table_offset + i * tbytes, tbytes) for i in range(2)]
-            _slot, seq, entries = pick_newest_table(geo, copies)
-        except ImageFormatError as exc:
-            raise DeviceRefused(f"{path}: not a valid emulator image: {exc}") from None
-        return geo, discard, seq, entries
 
     def close(self) -> None:
         """Flush (unless dead or read-only) and release the image; idempotent.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import stat as statmod
+from typing import TYPE_CHECKING
 
 from zonefs_py import errors
 from zonefs_py.alloc.streams import STREAM_XATTR, classify, parse_stream_name
@@ -51,23 +52,13 @@ class NamespaceOps:
     #: Whether the "meta area full" warning was logged (once per mount).
     _meta_full_logged = False
 
-    def _txn(self, ops: list[Op]) -> None:
-        raise NotImplementedError
-
-    def _writable(self) -> None:
-        raise NotImplementedError
-
-    def inode(self, ino: int) -> Inode:
-        raise NotImplementedError
-
-    def _dir(self, ino: int) -> Inode:
-        raise NotImplementedError
-
-    def attr(self, inode: Inode) -> Attr:
-        raise NotImplementedError
-
-    def _free_if_unused(self, inode: Inode) -> None:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # the rest of ZoneFS, for the type checker only
+        def _txn(self, ops: list[Op]) -> None: ...
+        def _writable(self) -> None: ...
+        def inode(self, ino: int) -> Inode: ...
+        def _dir(self, ino: int) -> Inode: ...
+        def attr(self, inode: Inode) -> Attr: ...
+        def _free_if_unused(self, inode: Inode) -> None: ...
 
     @staticmethod
     def _check_name(name: bytes) -> None:

@@ -11,7 +11,7 @@ user bytes written below it (persisted as TENANT_BYTES ops, committed with the
 journal) and computes the bytes stored on demand for `zonefs-py stat`.
 
 Usage of quota directories is kept incrementally: the State reports every
-change of a file's stored blocks (`on_blocks_changed`) and the tracker adds
+change of a file's stored blocks (`State.subscribe(blocks_changed=...)`) and the tracker adds
 it to each quota directory above the file. A rename that moves a file or
 directory to another parent, or a change of a quota xattr, marks the usages
 stale; they are recomputed by walking those subtrees at the next check.
@@ -47,7 +47,7 @@ class QuotaTracker:
         self.stale = True
         #: tenant ino -> bytes written since the last TENANT_BYTES op was queued
         self.dirty_tenants: set[int] = set()
-        state.on_blocks_changed = self.blocks_changed
+        state.subscribe(blocks_changed=self.blocks_changed)
 
     # -- maintenance ------------------------------------------------------------------
     def reload(self) -> None:

@@ -102,11 +102,13 @@ class ZoneSealer:
         self._idle.set()
         #: False: zones are never sealed (tests of the unsealed layout only).
         self.enabled = True
-        alloc.on_seal_ready = self._kick
+        #: False: queued zones wait until a caller seals them (tests that seal by hand).
+        self.automatic = True
+        alloc.subscribe_seal_ready(self._kick)
 
     # -- zones that filled up -----------------------------------------------------
     def _kick(self) -> None:
-        if self._running:
+        if self._running or not self.automatic:
             return
         self._running = True
         self._spawn(self._run_queue, "zonefs-sealer")

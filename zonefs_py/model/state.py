@@ -60,7 +60,7 @@ class State:
         #: top-level directory ino -> user bytes written below it (TENANT_BYTES ops).
         self.tenant_written: dict[int, int] = {}
         #: Called with (ino, delta_blocks) when a file's stored blocks change (quotas).
-        self.on_blocks_changed: Callable[[int, int], None] | None = None
+        self._on_blocks_changed: Callable[[int, int], None] | None = None
         #: zone -> inodes that have (or had, since the zone's last reset) extents in it;
         #: a superset, so the cleaner scans only these files for a victim's extents.
         self.zone_owners: dict[int, set[int]] = {}
@@ -70,10 +70,10 @@ class State:
         self._share_int = self._shared_ints.setdefault
         self._shared_room = True
         #: Called with (zone_idx) when a zone's live block count drops to zero.
-        self.on_zone_emptied: Callable[[int], None] | None = None
+        self._on_zone_emptied: Callable[[int], None] | None = None
         #: Called with (ino) before an op changes which bytes a file's blocks hold
         #: (EXTENT, TRUNCATE, INODE_FREE): read-ahead drops what it read before.
-        self.on_data_changed: Callable[[int], None] | None = None
+        self._on_data_changed: Callable[[int], None] | None = None
         #: The checkpoint snapshot being encoded, if any: apply() hands it every
         #: inode it is about to change (copy-on-write, see Snapshot).
         self.snapshot: Snapshot | None = None
@@ -112,6 +112,26 @@ class State:
         }
 
     # -- applying ops --------------------------------------------------------
+    def subscribe(self, *, blocks_changed: Callable[[int, int], None] | None = None,
+                  zone_emptied: Callable[[int], None] | None = None,
+                  data_changed: Callable[[int], None] | None = None) -> None:
+        """Register the listener of each named event (once per State: a second
+        registration of the same event is a wiring bug and raises).
+
+        blocks_changed(ino, delta_blocks): a file's stored blocks changed (quotas).
+        zone_emptied(zone): a zone's live block count dropped to zero (allocator).
+        data_changed(ino): an op is about to change which bytes a file's blocks
+        hold (EXTENT, TRUNCATE, INODE_FREE): read-ahead drops what it read before.
+        """
+        for name, fn in (("blocks_changed", blocks_changed), ("zone_emptied", zone_emptied),
+                         ("data_changed", data_changed)):
+            if fn is None:
+                continue
+            attr = "_on_" + name
+            if getattr(self, attr) is not None:
+                raise RuntimeError(f"State: {name} already has a listener")
+            setattr(self, attr, fn)
+
     def apply(self, op: Op) -> None:
         """Apply one op. Raises StateError if it does not fit the current state."""
         try:
@@ -120,8 +140,8 @@ class State:
             raise StateError(f"unknown op {op[0]!r}") from None
         if self.snapshot is not None:
             self.snapshot.before_apply(op)
-        if op[0] in _DATA_OPS and self.on_data_changed is not None:
-            self.on_data_changed(op[1])
+        if op[0] in _DATA_OPS and self._on_data_changed is not None:
+            self._on_data_changed(op[1])
         fn(op)
 
     def apply_all(self, ops: list[Op]) -> None:
@@ -365,8 +385,8 @@ class State:
         inode.ctime = mtime if op[4] == mtime else op[4]
 
     def _notify_blocks(self, ino: int, delta: int) -> None:
-        if delta and self.on_blocks_changed is not None:
-            self.on_blocks_changed(ino, delta)
+        if delta and self._on_blocks_changed is not None:
+            self._on_blocks_changed(ino, delta)
 
     def _release(self, freed: list[Freed]) -> None:
         shared = self.shared.ranges
@@ -379,15 +399,15 @@ class State:
                 raise StateError(f"live block count of zone {zone} went negative")
             self.zone_live_blocks[zone] = left
             self.live_blocks_total -= nblocks
-            if left == 0 and self.on_zone_emptied is not None:
-                self.on_zone_emptied(zone)
+            if left == 0 and self._on_zone_emptied is not None:
+                self._on_zone_emptied(zone)
 
     def snapshot_ops(self, max_csum_blocks: int = 65536) -> Iterator[Op]:
         """Yield ops that rebuild this state from nothing (model/snapshot.py)."""
         return snapshot_ops(self, max_csum_blocks)
 
 
-#: Ops that change which bytes a file's blocks hold (State.on_data_changed).
+#: Ops that change which bytes a file's blocks hold (State.subscribe's data_changed).
 _DATA_OPS = frozenset({OpType.EXTENT, OpType.TRUNCATE, OpType.INODE_FREE, OpType.INLINE,
                        OpType.PUNCH})
 
