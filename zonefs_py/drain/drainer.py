@@ -91,12 +91,17 @@ class Drainer:
         self._cancel = trio.CancelScope()
         # Registered now, not when run() starts: a stop() before the task first runs
         # must still stop it (a cancelled scope cancels what it is entered around).
-        manager._drainer = self
+        manager.attach_drainer(self)
         self._next_free = 0.0
         self._qos_next = 0.0
 
     def stop(self) -> None:
+        """End `run` (the mount is closing)."""
         self._cancel.cancel()
+
+    def retry_now(self) -> None:
+        """Cut a store error's backoff short (`zonefs-py drain resume`)."""
+        self.backoff_until = 0.0
 
     async def run(self) -> None:
         """Upload (and move) queued files, `drain_parallel` at once, until `stop()`."""
@@ -124,8 +129,7 @@ class Drainer:
         except errors.ZoneFSError as exc:
             # The journal refused a state change (failsafe, device error): this file
             # waits for the next mount, the other files in flight go on.
-            self.m.errors += 1
-            self.m.last_error = f"{self.host.path_of(ino)}: {exc}"
+            self.m.note_error(f"{self.host.path_of(ino)}: {exc}")
             log.error("drain: %s: %s", self.host.path_of(ino), exc)
         finally:
             self.m.uploading.discard(ino)
@@ -196,8 +200,7 @@ class Drainer:
             self._store_failed(ino, exc)
         except errors.ZoneFSError as exc:
             # A local read failed (checksum, device): retrying will not help soon.
-            m.errors += 1
-            m.last_error = f"{self.host.path_of(ino)}: {exc}"
+            m.note_error(f"{self.host.path_of(ino)}: {exc}")
             log.error("drain: cannot read %s for upload: %s", self.host.path_of(ino), exc)
             self._requeue_if_needed(ino, BACKOFF_MAX_S, keep_upload=False)
         else:
@@ -227,8 +230,7 @@ class Drainer:
         except errors.ZoneFSError as exc:
             # The journal refused the record (device error, failsafe): nothing moved
             # that a record does not name; retried after a long pause.
-            m.errors += 1
-            m.last_error = f"{self.host.path_of(ino)}: {exc}"
+            m.note_error(f"{self.host.path_of(ino)}: {exc}")
             log.error("drain: cannot journal the move of %s: %s", self.host.path_of(ino), exc)
             self._requeue_if_needed(ino, BACKOFF_MAX_S, keep_upload=True)
             return
@@ -246,7 +248,7 @@ class Drainer:
     def _succeeded(self) -> None:
         self.backoff_s = 0.0
         self.backoff_until = 0.0
-        self.m.auth_error = None
+        self.m.clear_auth_error()
 
     def _requeue_if_needed(self, ino: int, delay_s: float, keep_upload: bool) -> None:
         """Queue the file again after a failure. A multipart upload is kept (to resume)
@@ -268,16 +270,14 @@ class Drainer:
 
     def _store_failed(self, ino: int, exc: StoreError) -> None:
         m = self.m
-        m.errors += 1
-        m.last_error = str(exc)
+        m.note_error(str(exc))
         now = trio.current_time()
         if exc.kind == "auth":
-            if m.auth_error is None:
+            if m.note_auth_error(str(exc)):
                 log.error("drain: the object store refused our credentials: %s. Uploads "
                           "wait (retried every %d s or on 'zonefs-py drain resume'); fix "
                           "the credentials (drain_credentials=, AWS_* variables, "
                           "~/.aws)", exc, AUTH_RETRY_S)
-            m.auth_error = str(exc)
             self.backoff_s = AUTH_RETRY_S
             self.backoff_until = now + self.backoff_s
         elif self.backoff_until <= now:

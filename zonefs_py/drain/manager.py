@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from typing import Protocol
 
 import trio
 
@@ -51,6 +51,14 @@ from zonefs_py.model.drain import DrainRecord, DrainState
 from zonefs_py.model.state import Inode
 
 log = logging.getLogger(__name__)
+
+
+class DrainerControl(Protocol):
+    """What the manager asks of the mount's drainer (drainer.Drainer)."""
+
+    def stop(self) -> None: ...
+    def retry_now(self) -> None: ...
+
 
 class DrainManager(DrainStatus):
     """The drain of one mount: the engine's hooks (open, write, truncate, release, unlink),
@@ -93,11 +101,18 @@ class DrainManager(DrainStatus):
         self.recovered = False
         #: trio time of the last user write (the drainer yields to writers, drainer.py).
         self.last_write = float("-inf")
-        self._drainer: Any = None
+        self._drainer: DrainerControl | None = None
 
     # -- the background task ----------------------------------------------------------
+    def attach_drainer(self, drainer: DrainerControl) -> None:
+        """Register the mount's one drainer (its constructor calls this, so a `stop`
+        before its task first runs still stops it). A second one raises."""
+        if self._drainer is not None:
+            raise RuntimeError("DrainManager: a drainer is attached already")
+        self._drainer = drainer
+
     def stop(self) -> None:
-        """Stop the drainer (drainer.py registers itself in `_drainer` when it runs)."""
+        """Stop the drainer, if one is attached."""
         if self._drainer is not None:
             self._drainer.stop()
 
@@ -106,9 +121,9 @@ class DrainManager(DrainStatus):
         auth error (cuts the backoff short)."""
         self.paused = paused
         if not paused:
-            self.auth_error = None
+            self.clear_auth_error()
             if self._drainer is not None:
-                self._drainer.backoff_until = 0.0
+                self._drainer.retry_now()
         self.wake.set()
 
     # -- recovery -------------------------------------------------------------------

@@ -37,6 +37,22 @@ class DrainStatus:
         self.parts_reused = 0
         self.files_moved = 0
 
+    def note_error(self, message: str) -> None:
+        """Count a failed drain step and keep its message for `stat`."""
+        self.errors += 1
+        self.last_error = message
+
+    def note_auth_error(self, message: str) -> bool:
+        """Record that the store refused our credentials; True if it was not already
+        (the caller logs the first one only)."""
+        first = self.auth_error is None
+        self.auth_error = message
+        return first
+
+    def clear_auth_error(self) -> None:
+        """The store took a request (or `drain resume`): credentials are fine again."""
+        self.auth_error = None
+
     def status(self) -> dict[str, object]:
         """The drain's figures and state, as `stat` and the metrics show them."""
         try:

@@ -77,8 +77,7 @@ async def finish_recovery(rec: Recovered, journal: Journal, alloc: Allocator,
         # Before anything else is written: an older build must refuse the image
         # from the first record it could not read (docs/SPEC.md "Versions").
         written = journal.sb.upgraded()
-        await trio.to_thread.run_sync(journal.sbstore.write, written)
-        journal.sb = written
+        await journal.write_superblock(written)
         log.info("converted on-disk format %d to %d", rec.sb.disk_version, DISK_VERSION)
     scan = rec.scan
     stale = scan.obsolete_zones + scan.garbage_zones
@@ -106,8 +105,7 @@ async def finish_recovery(rec: Recovered, journal: Journal, alloc: Allocator,
         # finish that step, or the zones before it stay in use for good and
         # the log runs out of meta zones (LogFull).
         written = rec.sb.with_checkpoint(cp.zone, cp.offset, cp.seq)
-        await trio.to_thread.run_sync(journal.sbstore.write, written)
-        journal.sb = written
+        await journal.write_superblock(written)
         mlog = journal.log
         obsolete = mlog.zones_before(mlog.zone_first_seq[cp.zone])
         if obsolete:

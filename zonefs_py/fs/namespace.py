@@ -304,7 +304,7 @@ class NamespaceOps:
             ops.append(p.op(nlink=p.nlink + delta, mtime=now, ctime=now))
         self._txn(ops)
         if old_parent_ino != new_parent_ino and self.quota.quotas:
-            self.quota.stale = True
+            self.quota.invalidate()
         if dst is not None and not flags & RenameFlags.EXCHANGE:
             self._free_if_unused(dst)
         self.drain.on_rename(src)
@@ -372,7 +372,7 @@ class NamespaceOps:
         self._txn([(OpType.XATTR_SET, ino, name, bytes(value)),
                    inode.op(ctime=now_ns())])
         if name == QUOTA_XATTR:
-            self.quota.stale = True
+            self.quota.invalidate()
 
     async def listxattr(self, ino: int) -> list[bytes]:
         inode = self.inode(ino)
@@ -386,4 +386,4 @@ class NamespaceOps:
             raise errors.NoAttribute(f"no attribute {name!r}")
         self._txn([(OpType.XATTR_DEL, ino, name), inode.op(ctime=now_ns())])
         if name == QUOTA_XATTR:
-            self.quota.stale = True
+            self.quota.invalidate()

@@ -50,6 +50,11 @@ class QuotaTracker:
         state.subscribe(blocks_changed=self.blocks_changed)
 
     # -- maintenance ------------------------------------------------------------------
+    def invalidate(self) -> None:
+        """A quota xattr or a rename changed which files count where: recompute the
+        usage at the next check (`reload`)."""
+        self.stale = True
+
     def reload(self) -> None:
         """Find every quota directory and compute its usage (mount, xattr or rename)."""
         self.quotas = {}

@@ -39,6 +39,7 @@ import trio
 from zonefs_py.format.constants import RecordType
 from zonefs_py.format.ops import encode_op
 from zonefs_py.format.records import padded_size
+from zonefs_py.format.superblock import Superblock
 from zonefs_py.journal.commit import GroupCommit, _pack, _pack_iter
 from zonefs_py.journal.log import LogFull, LogPosition
 from zonefs_py.model.state import Snapshot, State
@@ -210,6 +211,12 @@ class Journal(GroupCommit):
         """Record payload size to pack to: RECORD_PAYLOAD_TARGET, or less where a
         meta zone is smaller (a record must fit in one, compressed or not)."""
         return min(RECORD_PAYLOAD_TARGET, self.log.max_payload_bytes)
+
+    async def write_superblock(self, sb: Superblock) -> None:
+        """Write `sb` to the superblock zone (durable on return) and use it from now on
+        (mount-time steps: a format conversion, a checkpoint's unfinished last step)."""
+        await self._run(self.sbstore.write, sb)
+        self.sb = sb
 
     async def abort_torn_checkpoint(self, begin_seq: int) -> None:
         """Mark the checkpoint whose BEGIN has `begin_seq`, torn by a crash, as

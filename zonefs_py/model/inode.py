@@ -30,6 +30,16 @@ class _Rare:
 
 
 class Inode:
+    """One file, directory, symlink or special file as the model holds it.
+
+    The persistent fields (mode, ids, nlink, size, times, flags, rare) mirror
+    the INODE op (docs/SPEC.md); `entries` (directories: name -> ino) and
+    `extents` (regular files) hold what DIRENT and EXTENT ops built; `lookups`
+    and `opens` count kernel references and open handles in memory only (an
+    inode with no link, lookup or open is freed); `ckpt_gen` is the checkpoint
+    snapshot bookkeeping (model/snapshot.py).
+    """
+
     __slots__ = (
         "atime", "ckpt_gen", "ctime", "entries", "extents", "flags", "gid", "ino", "inline",
         "lookups", "mode", "mtime", "nlink", "opens", "parent", "rare", "size", "uid",
