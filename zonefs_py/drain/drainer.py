@@ -27,7 +27,7 @@ first; each upload:
 Reads of file data go through the read-QoS gate as appends do (training
 reads first), wait for user writes to pause (WRITER_IDLE_S, at most
 WRITER_WAIT_S per part: the burst first), and the upload passes a token
-bucket (`drain_rate=`).
+bucket (`drain_rate=`): `DrainPacer` (pacing.py).
 A file modified, renamed or deleted while uploading (its generation moves)
 loses that upload: it is aborted and the file re-queues when it is complete
 again; a transient store error or a stop keeps the upload, to resume it.
@@ -35,14 +35,13 @@ Store errors: transient ones back off (1 s doubling to 60 s, for the whole
 store: a dead store sees one attempt per step, however many files are in
 flight); auth errors log one line, show in stat, and retry every 5 minutes
 (or on `drain resume`). The token buckets (`drain_rate=`, the read-QoS
-gate) are the drainer's, shared by every file in flight.
+gate) are the drainer's one pacer, shared by every file in flight.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import time
 
 import trio
@@ -51,6 +50,7 @@ import xxhash
 from zonefs_py import errors
 from zonefs_py.drain.manager import DrainManager
 from zonefs_py.drain.mover import MoveDeferred, move_object
+from zonefs_py.drain.pacing import DrainPacer
 from zonefs_py.drain.policy import object_metadata, object_url, snapshot_inode
 from zonefs_py.drain.store import META_SIZE, META_XXH3, StoreError, multipart_etag, parse_url
 from zonefs_py.model import drain as model
@@ -62,10 +62,6 @@ log = logging.getLogger(__name__)
 BACKOFF_MIN_S = 1.0
 BACKOFF_MAX_S = 60.0
 AUTH_RETRY_S = 300.0
-#: The drainer reads the next part only once user writes paused this long...
-WRITER_IDLE_S = 0.2
-#: ...or it waited this long (a writer that never pauses does not stop the drain).
-WRITER_WAIT_S = 5.0
 
 
 class UploadAbandoned(Exception):
@@ -92,8 +88,7 @@ class Drainer:
         # Registered now, not when run() starts: a stop() before the task first runs
         # must still stop it (a cancelled scope cancels what it is entered around).
         manager.attach_drainer(self)
-        self._next_free = 0.0
-        self._qos_next = 0.0
+        self.pace = DrainPacer(manager)
 
     def stop(self) -> None:
         """End `run` (the mount is closing)."""
@@ -313,7 +308,7 @@ class Drainer:
                 self._set_uploading(ino, gen, url, snap.size, xxh, b"")
                 data = kept[0] if kept else await self._read(snap, 0, snap.size, gen)
                 self._check_gen(ino, gen)
-                await self._rate(len(data))
+                await self.pace.before_upload(len(data))
                 digest = hashlib.md5(data).digest()  # small: at most one part
                 etag = await trio.to_thread.run_sync(m.store.put, bucket, key, data, meta,
                                                      digest)
@@ -423,41 +418,10 @@ class Drainer:
         except StoreError as exc:
             log.info("drain: abort of an upload of s3://%s/%s failed: %s", bucket, key, exc)
 
-    async def _yield_to_writers(self) -> None:
-        """Wait (at most WRITER_WAIT_S) until no user write came for WRITER_IDLE_S: a
-        checkpoint burst is absorbed at device speed first, drained in the gaps."""
-        deadline = trio.current_time() + WRITER_WAIT_S
-        while True:
-            now = trio.current_time()
-            quiet_at = self.m.last_write + WRITER_IDLE_S
-            if quiet_at <= now or now >= deadline:
-                return
-            await trio.sleep(min(quiet_at, deadline) - now)
-
-    async def _admit_read(self, nbytes: int) -> None:
-        """The read-QoS rule (fs/qos.py) with a bucket of the drainer's own: while
-        training reads are served, drain reads pass at `drain_rate_reads=` (MB/s,
-        all files together), or at the read-latency controller's current write
-        allowance when it limits writers and that is lower. Sharing the appends'
-        bucket halved a checkpoint writer's speed (measured); without a rate of
-        its own while reads ran, a drain that keeps up doubled the reader's p99
-        (DESIGN 6.5: the controller's allowance stays unlimited without appends)."""
-        qos = self.host.qos
-        now = trio.current_time()
-        rate = min(qos.allowance, self.m.rate_reads_bytes_s or math.inf)
-        if not qos.enabled or rate == math.inf or not qos.reads_active(now):
-            self._qos_next = now
-            return
-        self._qos_next = max(self._qos_next, now - 0.05) + nbytes / rate
-        wait = self._qos_next - now
-        if wait > 0:
-            await trio.sleep(wait)
-
     async def _read(self, snap: Inode, offset: int, length: int, gen: int) -> bytes:
         """Read the snapshot's bytes behind the read-QoS gate (training reads first),
         after user writes pause."""
-        await self._yield_to_writers()
-        await self._admit_read(length)
+        await self.pace.before_read(length)
         self._check_gen(snap.ino, gen)
         return await self.host.read_stored(snap, offset, length)
 
@@ -475,17 +439,6 @@ class Drainer:
             if keep:
                 parts.append(data)
         return h.intdigest(), parts if keep else None
-
-    async def _rate(self, nbytes: int) -> None:
-        """Token bucket of `drain_rate` bytes/s (at most one part of burst)."""
-        rate = self.m.rate_bytes_s
-        if rate <= 0:
-            return
-        now = trio.current_time()
-        self._next_free = max(self._next_free, now) + nbytes / rate
-        wait = self._next_free - now - nbytes / rate
-        if wait > 0:
-            await trio.sleep(wait)
 
     async def _parts(self, snap: Inode, gen: int, bucket: str, key: str, upload_id: str,
                      stored: dict[int, tuple[str, int]], xxh: int,
@@ -546,7 +499,7 @@ class Drainer:
                     break
                 hasher.update(data)
                 if i + 1 not in stored:
-                    await self._rate(len(data))
+                    await self.pace.before_upload(len(data))
                 nursery.start_soon(send, i, data)
         m.parts_sent += sent[0]
         m.parts_reused += nparts - sent[0] if not failure else 0
