@@ -239,6 +239,8 @@ class Runner:
             raise ValueError(f"unknown operation {op!r}")
 
     def _model_write(self, st: FileState, off: int, data: bytes) -> None:
+        if not data:
+            return  # nothing written (a copy of 0 bytes) extends nothing
         end = off + len(data)
         if end > len(st.model):
             st.model.extend(bytes(end - len(st.model)))
