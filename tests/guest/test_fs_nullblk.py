@@ -82,17 +82,17 @@ async def test_mkfs_write_remount_fsck_on_nullblk(
     dev = zdev_factory(nr_zones=32, zone_size_mb=8, zone_capacity_mb=6, nr_conv=2,
                        max_open=14, max_active=14)
     make_filesystem(dev, meta_zones=4)
-    fs = await ZoneFS.load(dev, FsOptions(commit_interval_s=3600))
-    ckdir = (await fs.mkdir(1, b"checkpoints", 0o755, CTX)).ino
-    big = _blob(1, 20 * MiB)  # spans several 6 MiB-capacity zones of its own
-    await _write(fs, b"step-1.pt.tmp", big, ckdir)
-    await fs.rename(ckdir, b"step-1.pt.tmp", ckdir, b"step-1.pt", RenameFlags.NONE)
-    for i in range(20):
-        await _write(fs, b"shard-%05d.tar" % i, _blob(i, 64 * 1024))
-    await fs.sync()
-    assert await _read(fs, b"step-1.pt", ckdir) == big
-    await assert_reads_use_ring(fs, b"step-1.pt", ckdir)
-    await fs.close()
+    # ZoneFS.mount: the io_uring reader needs the mount's tasks (ZoneFS.load has none).
+    async with ZoneFS.mount(dev, FsOptions(commit_interval_s=3600)) as fs:
+        ckdir = (await fs.mkdir(1, b"checkpoints", 0o755, CTX)).ino
+        big = _blob(1, 20 * MiB)  # spans several 6 MiB-capacity zones of its own
+        await _write(fs, b"step-1.pt.tmp", big, ckdir)
+        await fs.rename(ckdir, b"step-1.pt.tmp", ckdir, b"step-1.pt", RenameFlags.NONE)
+        for i in range(20):
+            await _write(fs, b"shard-%05d.tar" % i, _blob(i, 64 * 1024))
+        await fs.sync()
+        assert await _read(fs, b"step-1.pt", ckdir) == big
+        await assert_reads_use_ring(fs, b"step-1.pt", ckdir)
     report = check_filesystem(dev)
     assert report.clean, [f.message for f in report.findings]
     fs = await ZoneFS.load(dev, FsOptions())

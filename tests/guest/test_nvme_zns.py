@@ -59,26 +59,26 @@ def test_zone_append_is_chosen_on_nvme_only(nvme_factory: NvmeFactory) -> None:
 async def test_mkfs_write_remount_fsck_on_nvme(nvme_factory: NvmeFactory) -> None:
     dev = nvme_factory.main()
     make_filesystem(dev, meta_zones=4)
-    fs = await ZoneFS.load(dev, FsOptions(commit_interval_s=3600))
-    ckdir = (await fs.mkdir(1, b"checkpoints", 0o755, CTX)).ino
-    big = _blob(1, 30 * MiB)  # spans three 12 MiB-capacity zones
-    await _write(fs, b"step-1.pt.tmp", big, ckdir)
-    await fs.rename(ckdir, b"step-1.pt.tmp", ckdir, b"step-1.pt", RenameFlags.NONE)
-    for i in range(16):
-        await _write(fs, b"shard-%05d.tar" % i, _blob(i, 64 * KiB))
-    await fs.sync()
-    if nvme_factory.zone_append == "on":
-        # The data path sent its 1 MiB chunks as 128 KiB Zone Appends (append_scattered).
-        assert _appender(dev).appends >= 30 * MiB // (128 * KiB)
-    # The zones the big file filled are sealed (their checksums written after their
-    # data, format/zonesum.py), FULL on the drive, and read through the summaries.
-    assert len(fs.state.zone_seals) >= 2, fs.state.zone_seals
-    conds = {z.index: z.cond for z in dev.report_zones()}
-    assert all(conds[z] == ZoneCond.FULL for z in fs.state.zone_seals), conds
-    assert await _read(fs, b"step-1.pt", ckdir) == big
-    assert fs.data.sums.misses > 0
-    await assert_reads_use_ring(fs, b"step-1.pt", ckdir)
-    await fs.close()
+    # ZoneFS.mount: the io_uring reader needs the mount's tasks (ZoneFS.load has none).
+    async with ZoneFS.mount(dev, FsOptions(commit_interval_s=3600)) as fs:
+        ckdir = (await fs.mkdir(1, b"checkpoints", 0o755, CTX)).ino
+        big = _blob(1, 30 * MiB)  # spans three 12 MiB-capacity zones
+        await _write(fs, b"step-1.pt.tmp", big, ckdir)
+        await fs.rename(ckdir, b"step-1.pt.tmp", ckdir, b"step-1.pt", RenameFlags.NONE)
+        for i in range(16):
+            await _write(fs, b"shard-%05d.tar" % i, _blob(i, 64 * KiB))
+        await fs.sync()
+        if nvme_factory.zone_append == "on":
+            # The data path sent its 1 MiB chunks as 128 KiB Zone Appends (append_scattered).
+            assert _appender(dev).appends >= 30 * MiB // (128 * KiB)
+        # The zones the big file filled are sealed (their checksums written after their
+        # data, format/zonesum.py), FULL on the drive, and read through the summaries.
+        assert len(fs.state.zone_seals) >= 2, fs.state.zone_seals
+        conds = {z.index: z.cond for z in dev.report_zones()}
+        assert all(conds[z] == ZoneCond.FULL for z in fs.state.zone_seals), conds
+        assert await _read(fs, b"step-1.pt", ckdir) == big
+        assert fs.data.sums.misses > 0
+        await assert_reads_use_ring(fs, b"step-1.pt", ckdir)
     report = check_filesystem(dev)
     assert report.clean, [f.message for f in report.findings]
     fs = await ZoneFS.load(dev, FsOptions())

@@ -59,11 +59,12 @@ def test_is_a_zoned_device(dev: ZonedDevice) -> None:
 
 def test_optional_extensions_are_declared_capabilities(dev: ZonedDevice) -> None:
     """Callers find the optional extensions through `capabilities` (device/base.py),
-    never by probing: the emulator has all three; a device with only the protocol
-    has none."""
+    never by probing: the emulator has all three, a block device all but
+    declare_data_zones, and a device with only the protocol has none."""
     caps = capabilities(dev)
     assert caps.append_scattered is not None
-    assert caps.declare_data_zones is not None
+    # The data-discarding mode (mkfs tells it where data starts) is the emulator's.
+    assert (caps.declare_data_zones is not None) == (dev.info.kind == "emulated")
     assert caps.direct_read_target is not None
     assert caps.append_scattered(2, blocks(1))[0][1] == BS
 
