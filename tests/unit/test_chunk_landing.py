@@ -3,7 +3,7 @@
 A streaming write sends full chunks to the device from system tasks; their
 EXTENT ops are applied whenever the append completes, which may be in the
 middle of another request of the same file (a read, a read-modify-write, a
-truncate). These tests hold every chunk at `DataPath.chunk_landing_hook`
+truncate). These tests hold every chunk at `DataPath.chunks_held_at`
 and let it land at a chosen moment:
 
 * ``first``: all held chunks land before the next request starts;
@@ -89,46 +89,45 @@ async def run_op(fs: ZoneFS, gate: ChunkGate, mode: str, op: Callable[[], Awaita
 async def replay(fs: ZoneFS, ops: list[tuple[str, int, int, str]], seed: int) -> list[str]:
     """Run `ops` (kind, a, b, mode) on one file against a model; return the op log."""
     gate = ChunkGate()
-    fs.data.chunk_landing_hook = gate.hook
-    fh, attr = await fs.create(ROOT_INO, b"f", 0o644, os.O_RDWR, CTX)
-    fs.forget([(attr.ino, 1)])
-    model = bytearray()
-    rnd = random.Random(seed)
-    oplog: list[str] = []
-    for kind, a, b, mode in ops:
-        oplog.append(f"{kind} {a:#x} {b:#x} {mode}")
-        if kind in ("write", "stream"):
-            data = rnd.randbytes(b)
-            # `stream`: as the kernel's writeback sends it, in 128 KiB requests
-            # (full chunks leave the buffer and land later, from system tasks).
-            step = FUSE_WRITE if kind == "stream" else b
-            for pos in range(0, b, step):
-                piece = data[pos:pos + step]
+    with fs.data.chunks_held_at(gate.hook):
+        fh, attr = await fs.create(ROOT_INO, b"f", 0o644, os.O_RDWR, CTX)
+        fs.forget([(attr.ino, 1)])
+        model = bytearray()
+        rnd = random.Random(seed)
+        oplog: list[str] = []
+        for kind, a, b, mode in ops:
+            oplog.append(f"{kind} {a:#x} {b:#x} {mode}")
+            if kind in ("write", "stream"):
+                data = rnd.randbytes(b)
+                # `stream`: as the kernel's writeback sends it, in 128 KiB requests
+                # (full chunks leave the buffer and land later, from system tasks).
+                step = FUSE_WRITE if kind == "stream" else b
+                for pos in range(0, b, step):
+                    piece = data[pos:pos + step]
+                    await run_op(fs, gate, mode,
+                                 lambda off=a + pos, piece=piece: fs.write(fh, off, piece))
+                model.extend(bytes(max(0, a + b - len(model))))
+                model[a:a + b] = data
+            elif kind == "truncate":
                 await run_op(fs, gate, mode,
-                             lambda off=a + pos, piece=piece: fs.write(fh, off, piece))
-            model.extend(bytes(max(0, a + b - len(model))))
-            model[a:a + b] = data
-        elif kind == "truncate":
-            await run_op(fs, gate, mode, lambda b=b: fs.setattr(attr.ino, SetAttrRequest(size=b),
-                                                                 CTX))
-            del model[b:]
-            model.extend(bytes(b - len(model)))
-        elif kind == "fsync":
-            await run_op(fs, gate, mode, lambda: fs.fsync(fh, False))
-        else:
-            got = await run_op(fs, gate, mode, lambda a=a, b=b: fs.read(fh, a, b))
-            want = bytes(model[a:a + b])
-            if bytes(got) != want:  # type: ignore[call-overload]
-                first = next((i for i, (x, y) in enumerate(zip(bytes(got), want, strict=False))
-                              if x != y), min(len(got), len(want)))  # type: ignore[arg-type]
-                log = "\n".join(oplog)
-                raise AssertionError(f"seed {seed}: read {a:#x}+{b:#x} differs from the model "
-                                     f"at +{first:#x} (got {len(got)} bytes)\n"  # type: ignore
-                                     f"ops:\n{log}")
-    # Unhook first, then land what is held: a chunk whose append finishes while
-    # land_all waits would otherwise reach the gate after it opened and wait on
-    # the next event forever (release then waited for it: a CI run hung here).
-    fs.data.chunk_landing_hook = None
+                             lambda b=b: fs.setattr(attr.ino, SetAttrRequest(size=b), CTX))
+                del model[b:]
+                model.extend(bytes(b - len(model)))
+            elif kind == "fsync":
+                await run_op(fs, gate, mode, lambda: fs.fsync(fh, False))
+            else:
+                got = await run_op(fs, gate, mode, lambda a=a, b=b: fs.read(fh, a, b))
+                want = bytes(model[a:a + b])
+                if bytes(got) != want:  # type: ignore[call-overload]
+                    first = next((i for i, (x, y) in enumerate(zip(bytes(got), want, strict=False))
+                                  if x != y), min(len(got), len(want)))  # type: ignore[arg-type]
+                    log = "\n".join(oplog)
+                    raise AssertionError(f"seed {seed}: read {a:#x}+{b:#x} differs from the model "
+                                         f"at +{first:#x} (got {len(got)} bytes)\n"  # type: ignore
+                                         f"ops:\n{log}")
+    # Unhook first (leaving the block), then land what is held: a chunk whose append
+    # finishes while land_all waits would otherwise reach the gate after it opened and
+    # wait on the next event forever (release then waited for it: a CI run hung here).
     await gate.land_all()
     await fs.release(fh)
     return oplog

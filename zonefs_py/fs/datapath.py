@@ -28,6 +28,7 @@ empty skips the buffer: its bytes object becomes the chunk (no copy).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable
 
 import trio
@@ -139,13 +140,10 @@ class DataPath:
     def append_order(self) -> AppendOrder | None:
         return self.pipe.append_order
 
-    @property
-    def chunk_landing_hook(self) -> Callable[[], Awaitable[None]] | None:
-        return self.pipe.chunk_landing_hook
-
-    @chunk_landing_hook.setter
-    def chunk_landing_hook(self, value: Callable[[], Awaitable[None]] | None) -> None:
-        self.pipe.chunk_landing_hook = value
+    def chunks_held_at(
+            self, hook: Callable[[], Awaitable[None]]) -> contextlib.AbstractContextManager[None]:
+        """TEST HOOK: `WritePipeline.chunks_held_at`."""
+        return self.pipe.chunks_held_at(hook)
 
     # -- what the engine's DrainHost API uses of the parts ------------------------------
     async def read_stored(self, inode: Inode, offset: int, length: int) -> bytes:

@@ -27,8 +27,9 @@ Appends at the write pointer go to the device in reservation order
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import NamedTuple
 
 import trio
@@ -93,10 +94,22 @@ class WritePipeline:
             None if dev.info.zone_append else AppendOrder())
         #: The device's scattered append (zone append), or None: found once here.
         self._scattered = capabilities(dev).append_scattered
-        #: TEST HOOK: awaited by every chunk after its data is placed and before its
-        #: ops are applied, so tests can make chunks land before, during or after
-        #: another request (tests/unit/test_chunk_landing.py). None in production.
-        self.chunk_landing_hook: Callable[[], Awaitable[None]] | None = None
+        #: Test hook, set only by `chunks_held_at` (None in production).
+        self._landing_hook: Callable[[], Awaitable[None]] | None = None
+
+    @contextlib.contextmanager
+    def chunks_held_at(self, hook: Callable[[], Awaitable[None]]) -> Iterator[None]:
+        """TEST HOOK: within the block, every chunk awaits `hook()` after its data
+        is placed and before its ops are applied, so a test can make chunks land
+        before, during or after another request (tests/unit/test_chunk_landing.py).
+        """
+        if self._landing_hook is not None:
+            raise RuntimeError("chunks are already held at a hook")
+        self._landing_hook = hook
+        try:
+            yield
+        finally:
+            self._landing_hook = None
 
     def _count(self, key: int, n: int) -> None:
         self.counters[key] = self.counters.get(key, 0) + n
@@ -148,8 +161,8 @@ class WritePipeline:
         except errors.ZoneFSError as exc:
             error = exc
             placed = []
-        if self.chunk_landing_hook is not None:
-            await self.chunk_landing_hook()
+        if self._landing_hook is not None:
+            await self._landing_hook()
         if chunk.prev is not None:
             await chunk.prev.applied.wait()
         try:
