@@ -128,6 +128,8 @@ async def test_the_cleaner_copies_out_of_a_sealed_zone(tmp_path: Path) -> None:
         for path, data in files.items():
             await write_file(fs, path, data)
         await fs.data.sealer.wait_idle()
+        for path, data in files.items():  # fills the summary cache
+            assert await read_file(fs, path) == data
         for i in range(0, 12, 2):
             await fs.unlink(ROOT_INO, f"f{i}".encode())
             del files[f"/f{i}"]
@@ -135,10 +137,17 @@ async def test_the_cleaner_copies_out_of_a_sealed_zone(tmp_path: Path) -> None:
         victim = fs.cleaner.pick_victim()
         assert victim is not None
         assert victim.zone_idx in fs.state.zone_seals
+        cached = fs.data.sums._by_zone  # noqa: SLF001 - what the cache holds, per zone
+        assert victim.zone_idx in cached
         copied = await fs.cleaner.clean_zone(victim.zone_idx, throttle=False)
         assert copied == victim.live_bytes
+        before = fs.data.sums.used_bytes
         await fs.reclaim.commit_and_reset()
         assert victim.zone_idx not in fs.state.zone_seals  # reset: the seal is gone
+        # ...and so are its cached checksums (they could never be looked up again).
+        assert victim.zone_idx not in cached
+        assert all(key[0] != victim.zone_idx for key in fs.data.sums._lru)  # noqa: SLF001
+        assert fs.data.sums.used_bytes < before
         for path, data in files.items():
             assert await read_file(fs, path) == data
     async with mounted(image) as fs:

@@ -57,6 +57,8 @@ class SpaceReclaim:
     async def reset_dead_zones(self) -> None:
         """Reset the data zones whose death is durable (INV-8) and queue their ZONE_STATE."""
         for zone in self.alloc.take_resettable(self.journal.durable_txn):
+            # Reset or not, its old checksums can never be looked up again (SumCache).
+            self.sums.forget_zone(zone)
             try:
                 await trio.to_thread.run_sync(self.dev.reset_zone, zone, limiter=self.limiter)
             except OSError as exc:
