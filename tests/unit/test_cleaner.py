@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 import trio
-from engine_helpers import KiB, mounted, pattern, read_file, resolve, write_file
+from engine_helpers import CTX, KiB, mounted, pattern, read_file, resolve, write_file
 
+from zonefs_py import errors
 from zonefs_py.cleaner.cleaner import COPY_UNIT, Cleaner
 from zonefs_py.cleaner.host import CleanerHost, LivePiece, ZoneUsage
 from zonefs_py.format.constants import Stream
@@ -386,3 +387,40 @@ async def test_engine_relocate_keeps_a_block_rewritten_after_the_read(tmp_path: 
         expect[piece.fblock * BS:(piece.fblock + 1) * BS] = fresh_block
         assert await read_file(fs, path) == bytes(expect)
         await fs.sync()
+
+
+async def test_a_writer_finds_the_room_another_writers_pass_made(tmp_path: Path) -> None:
+    """Two writers find no empty zone at once and ask the cleaner. The first one's
+    pass commits, resets the zone a delete left dead and opens a head there;
+    the second one's pass then frees nothing. It must still find room (the
+    first one's head, which it may share while empty zones are scarce), not
+    ENOSPC: the flaky mount test `test_writes_into_a_reservation_never_get_enospc`."""
+    async with mounted(tmp_path / "fs.img", create=True) as fs:
+        cap = max(z.capacity for z in fs.alloc.zones.values())
+        await write_file(fs, "/dead", pattern(1, cap))
+        fh, attr = await fs.create(ROOT_INO, b"k", 0o644, os.O_WRONLY, CTX)
+        fs.forget([(attr.ino, 1)])
+        off = 0
+        while True:  # fill to the admission limit
+            try:
+                await fs.write(fh, off, pattern(2, 256 * KiB))
+            except errors.NoSpace:
+                break
+            off += 256 * KiB
+        await fs.fsync(fh, False)
+        await fs.release(fh)
+        await fs.unlink(ROOT_INO, b"dead")  # dead, reset only after a commit (INV-8)
+        # A file of another stream takes the last zone users may open.
+        await write_file(fs, "/fill.log", pattern(3, cap))
+        assert len(fs.alloc.empty_zones()) == fs.alloc.reserve_zones
+        assert fs.alloc.pending_resets
+
+        async def writer(name: bytes) -> None:
+            await write_file(fs, "/" + name.decode(), pattern(4, 16 * KiB))
+
+        async with trio.open_nursery() as nursery:
+            for name in (b"a.log", b"b.log"):
+                nursery.start_soon(writer, name)
+        assert fs.cleaner.stats.foreground_passes == 2
+        for name in ("/a.log", "/b.log"):
+            assert await read_file(fs, name) == pattern(4, 16 * KiB)

@@ -472,8 +472,7 @@ class ZoneFS(NamespaceOps, HandleOps, AttrOps, FileSystemAPI):
     async def statfs(self) -> StatFs:
         bs = self.bs
         total = self.alloc.user_capacity_bytes() // bs
-        free = max(0, self.alloc.user_capacity_bytes() - self.alloc.live_total_bytes()
-                   - self.data.pending_bytes() - self.falloc.held_total_bytes()) // bs
+        free = max(0, self.alloc.user_capacity_bytes() - self.falloc.used_bytes()) // bs
         free = min(free, total)
         # Inodes: as many more as the meta area's checkpoint budget allows (the
         # estimate of NamespaceOps._check_meta_room), so that df -i shows the limit.

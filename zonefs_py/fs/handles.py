@@ -154,16 +154,17 @@ class HandleOps:
             raise errors.InvalidArgument("negative offset")
         if offset + len(data) > FILE_SIZE_MAX:
             raise errors.FileTooBig(f"write past the largest file size at {offset}")
-        grow = offset + len(data) - self.data.visible_size(inode)
+        end = offset + len(data)
+        visible = self.data.visible_size(inode)
+        # New bytes: those past the visible end. A hole before them takes no space,
+        # and blocks reserved by fallocate were charged already (INV-24).
+        grow = min(end - visible, len(data))
         if grow > 0:
-            # Blocks reserved by fallocate were charged already (INV-24).
-            grow -= self.falloc.held_bytes_in(inode, offset, len(data))
+            start = max(offset, visible)
+            grow -= self.falloc.held_bytes_in(inode, start, end - start)
         if grow > 0:
             self._check_quota(inode, grow)
-            live = (self.alloc.live_total_bytes() + self.data.pending_bytes()
-                    + self.falloc.held_total_bytes())
-            # A hole takes no space: only the written bytes can become live data.
-            over = live + min(grow, len(data)) - self.alloc.user_capacity_bytes()
+            over = self.falloc.used_bytes() + grow - self.alloc.user_capacity_bytes()
             if over > 0 and not await self.drain.relieve_space(over):
                 raise errors.NoSpace("the live data would not fit on the device")
         self.drain.on_write(inode)

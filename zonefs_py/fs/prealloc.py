@@ -99,14 +99,41 @@ class Fallocator:
         hi = -(-(offset + length) // self.bs)
         return self.state.prealloc.held_in(inode.ino, inode.extents, lo, hi) * self.bs
 
+    def used_bytes(self) -> int:
+        """Space taken from users (statfs, every admission check): live data, bytes
+        accepted and not yet placed, and held blocks, each byte once.
+
+        A write into held blocks is pending until its chunk lands and maps them
+        (then their charge moves from held to live): until then its bytes are
+        both pending and held, and are counted once. Without this, a file being
+        written into its reservation made the device look fuller by what it
+        had buffered, and near full its own writes got ENOSPC (INV-24).
+        """
+        used = (self.fs.alloc.live_total_bytes() + self.data.pending_bytes()
+                + self.held_total_bytes())
+        pre = self.state.prealloc
+        if not pre.ranges:
+            return used
+        writes = self.data.writes
+        if len(pre.ranges) <= len(writes.buffers) + len(writes.inflight):
+            inos = [ino for ino in pre.ranges if writes.has_state(ino)]
+        else:
+            inos = [ino for ino in {*writes.buffers, *writes.inflight} if ino in pre.ranges]
+        for ino in inos:
+            inode = self.state.inodes.get(ino)
+            if inode is None or inode.extents is None:
+                continue
+            both = sum(pre.held_in(ino, inode.extents, lo, hi)
+                       for lo, hi in writes.pending_blocks(ino, self.bs)) * self.bs
+            used -= min(both, writes.pending_bytes_of(ino))
+        return used
+
     async def _admit(self, inode: Inode, need_bytes: int) -> None:
         """Raise QuotaExceeded or NoSpace unless `need_bytes` more can be held."""
         if need_bytes <= 0:
             return
         self.fs._check_quota(inode, need_bytes)
-        used = (self.fs.alloc.live_total_bytes() + self.data.pending_bytes()
-                + self.held_total_bytes())
-        over = used + need_bytes - self.fs.alloc.user_capacity_bytes()
+        over = self.used_bytes() + need_bytes - self.fs.alloc.user_capacity_bytes()
         if over > 0 and not await self.fs.drain.relieve_space(over):
             raise errors.NoSpace("the reservation would not fit on the device")
 

@@ -297,15 +297,17 @@ class WritePipeline:
         then finish the zones the allocator gave up for their tokens.
 
         Returns the pieces as (offset in the chunk, reservation), and the ranges
-        left for later. With no space for the first piece: ask for cleaning, then
-        NoSpace. With no space for a later one: stop there; the pieces reserved
-        are appended first (waiting for the cleaner while holding them could wait
-        on their own zones). Raises OSError if a zone cannot be finished (the
+        left for later. With no space for the first piece: ask for cleaning and
+        try again (once more after a pass that freed nothing), then NoSpace.
+        With no space for a later one: stop there; the pieces reserved are
+        appended first (waiting for the cleaner while holding them could wait on
+        their own zones). Raises OSError if a zone cannot be finished (the
         pieces are given up).
         """
         jobs: list[tuple[int, _Reserved]] = []
         rest = list(todo)
         to_finish: list[int] = []
+        cleaned_nothing = False
         try:
             while rest:
                 lo, hi = rest[0]
@@ -317,7 +319,12 @@ class WritePipeline:
                     if jobs:
                         break
                     if (isinstance(exc, NeedCleaning) and self.on_need_space is not None
-                            and await self.on_need_space()):
+                            and not cleaned_nothing):
+                        # A pass that frees nothing still earns one more try:
+                        # while this waited for the cleaner's lock, another
+                        # writer's pass may have made the room (a dead zone
+                        # reset, then a head opened that this data may share).
+                        cleaned_nothing = not await self.on_need_space()
                         continue
                     self.sealer.close_zones_later(to_finish)
                     to_finish = []

@@ -153,6 +153,23 @@ class FileWrites:
         """File bytes accepted but not yet placed on the device (O(1))."""
         return self._buffered + self._inflight_bytes
 
+    def pending_bytes_of(self, ino: int) -> int:
+        """The bytes of `ino` in `pending_bytes()`."""
+        buf = self.buffers.get(ino)
+        return (len(buf.data) if buf is not None else 0) + sum(
+            len(c.data) for c in self.inflight.get(ino, ()))
+
+    def pending_blocks(self, ino: int, block_size: int) -> list[tuple[int, int]]:
+        """File blocks [lo, hi) of `ino` with bytes accepted and not yet placed: its
+        chunks in flight and its buffer (they may overlap, as they do in
+        `pending_bytes`)."""
+        spans = [(c.fblock, c.fblock + -(-len(c.data) // block_size))
+                 for c in self.inflight.get(ino, ())]
+        buf = self.buffers.get(ino)
+        if buf is not None and buf.data:
+            spans.append((buf.start // block_size, -(-buf.end // block_size)))
+        return spans
+
     def buffered_delta(self, nbytes: int) -> None:
         """A buffer grew (or shrank, negative) by `nbytes`."""
         self._buffered += nbytes
