@@ -1,0 +1,132 @@
+"""fsck's checks that read the device: zone summaries (INV-23), data checksums (INV-12)."""
+
+from __future__ import annotations
+
+from zonefs_py.device.base import Zone, ZonedDevice
+from zonefs_py.format import zonesum
+from zonefs_py.format.checksum import first_bad_block
+from zonefs_py.fsck.report import Progress, Report
+from zonefs_py.journal.recovery import Recovered
+from zonefs_py.model.extents import Extent
+from zonefs_py.model.state import State
+
+
+def read_zone_summary(dev: ZonedDevice, state: State, zone: int
+                      ) -> list[bytes | None] | None:
+    """The checksums of each summary block of a sealed zone (None for a damaged
+    block), or None if the summary cannot be read at all."""
+    resets, data_blocks = state.zone_seals[zone]
+    bs = state.block_size
+    nsum = zonesum.sum_blocks(data_blocks, bs)
+    try:
+        raw = dev.read(zone * state.zone_size + data_blocks * bs, nsum * bs)
+    except OSError:
+        return None
+    mv = memoryview(raw)
+    return [zonesum.decode_block(mv[k * bs:(k + 1) * bs], zone, resets, k, data_blocks)
+            for k in range(nsum)]
+
+
+def check_inv23_zone_summaries(dev: ZonedDevice, state: State, zones: dict[int, Zone],
+                               report: Report, read: bool = True) -> None:
+    """INV-23: a sealed zone is sealed for its current reset count, its summary lies
+    below its write pointer after its data, and (with `read`) every summary block
+    is intact (INV-12 reads them itself when it checks data)."""
+    bs = state.block_size
+    for zone, (resets, data_blocks) in sorted(state.zone_seals.items()):
+        info = state.zone_info.get(zone)
+        if info is None or info[2] != resets:
+            report.add("INV-23", f"zone {zone} is sealed for reset {resets}, "
+                       f"but is at reset {info[2] if info else 'unknown'}")
+            continue
+        z = zones.get(zone)
+        end = zonesum.summary_end(data_blocks, bs)
+        if not state.zone_live_blocks.get(zone):
+            # Nothing reads it. (It may be stale: the zone reset, maybe written
+            # again, and the records of that lost in a crash; the mount resets it.)
+            continue
+        if z is None or z.written_bytes < end:
+            report.add("INV-23", f"the summary of zone {zone} ends at {end} bytes into the "
+                       f"zone, past its write pointer "
+                       f"({z.written_bytes if z is not None else 'no zone'})")
+            continue
+        if read:
+            _check_summary_blocks(dev, state, zone, report)
+
+
+def _check_summary_blocks(dev: ZonedDevice, state: State, zone: int, report: Report
+                          ) -> list[bytes | None] | None:
+    blocks = read_zone_summary(dev, state, zone)
+    if blocks is None:
+        report.add("INV-23", f"the summary of zone {zone} cannot be read")
+        return None
+    for k, csums in enumerate(blocks):
+        if csums is None:
+            report.add("INV-23", f"summary block {k} of zone {zone} is damaged")
+    return blocks
+
+
+def check_inv12_data_checksums(dev: ZonedDevice, rec: Recovered, report: Report,
+                               progress: Progress | None) -> None:
+    """INV-12: every stored data block matches its checksum (from the extent, or
+    from the zone's summary for a sealed zone: INV-23 findings for damaged ones)."""
+    state = rec.state
+    bs = state.block_size
+    zsize = state.zone_size
+    by_zone: dict[int, list[tuple[int, Extent]]] = {}
+    for inode in state.inodes.values():
+        if inode.extents is not None:
+            for e in inode.extents:
+                by_zone.setdefault(e.dev // zsize, []).append((inode.ino, e))
+    total = sum(e.nblocks for exts in by_zone.values() for _, e in exts)
+    done = 0
+    step = 1 << 24
+    for zone in sorted(by_zone):
+        summary: list[bytes | None] | None = None
+        if zone in state.zone_seals:
+            summary = _check_summary_blocks(dev, state, zone, report)
+        for ino, e in sorted(by_zone[zone], key=lambda x: x[1].dev):
+            for off in range(0, e.nblocks * bs, step):
+                n = min(step, e.nblocks * bs - off)
+                first = off // bs
+                nb = n // bs
+                if e.csums is not None:
+                    csums: bytes | None = e.csums[first * 4:(first + nb) * 4]
+                else:
+                    rel = (e.dev - zone * zsize) // bs + first
+                    csums = _summary_checksums(summary, bs, rel, nb)
+                if csums is None:
+                    report.add("INV-12", f"inode {ino}: no intact summary checksums for "
+                               f"file offsets {(e.fblock + first) * bs} to "
+                               f"{(e.fblock + first + nb) * bs}")
+                    done += nb
+                    continue
+                try:
+                    data = dev.read(e.dev + off, n)
+                except OSError as exc:
+                    report.add("INV-12", f"inode {ino}: read error at file offset "
+                               f"{e.fblock * bs + off}: {exc}")
+                    continue
+                bad = first_bad_block(data, bs, csums)
+                if bad is not None:
+                    report.add("INV-12", f"inode {ino}: checksum mismatch at file offset "
+                               f"{(e.fblock + first + bad) * bs}")
+                done += nb
+                report.data_blocks_checked += nb
+                if progress:
+                    progress("data", done, total)
+
+
+def _summary_checksums(summary: list[bytes | None] | None, block_size: int, rel: int,
+                       nblocks: int) -> bytes | None:
+    """Checksums of zone blocks [rel, rel+nblocks) from a summary, None if any of
+    the summary blocks holding them is damaged or missing."""
+    if summary is None:
+        return None
+    out = bytearray()
+    for k, a, b in zonesum.covering(rel, nblocks, block_size):
+        block = summary[k] if k < len(summary) else None
+        if block is None or len(block) < b * 4:
+            return None
+        out += block[a * 4:b * 4]
+    return bytes(out)
