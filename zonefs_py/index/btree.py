@@ -288,27 +288,28 @@ class BTree:
 
         For each address the page is read (verified) and found again by its
         first key and level from the root; it is live only if the tree still
-        points at that address there. Returns how many pages were live. After
-        the next commit (and its root recorded) none of `addresses` is
-        referenced, and a zone holding only these pages can be reset.
+        points at that address there (copying it copies its ancestors too).
+        Returns how many of `addresses` the next commit leaves unreferenced
+        (live ones copied forward, or already replaced since the last commit).
+        After that commit (and its root recorded) a zone holding only these
+        pages can be reset.
         """
-        moved = 0
-        for address in addresses:
+        wanted = list(dict.fromkeys(addresses))
+        obsolete = set(self._obsolete)
+        for address in wanted:
             if self._root is None:
                 break
+            if address in obsolete:  # already copied with a page relocated before
+                continue
             page = decode(self.store.read(address), address, self.page_size_bytes)
             if not page.keys:
                 if self._root == address:  # an empty leaf lives only as the root
                     self._write_path(b"")
-                    moved += 1
-                continue
-            probe = page.keys[0]
-            if self._ref_at_level(probe, page.level) == address:
-                self._write_path(probe, stop_level=page.level)
-                moved += 1
-        if moved:
-            self._mutations += 1
-        return moved
+            elif self._ref_at_level(page.keys[0], page.level) == address:
+                self._write_path(page.keys[0], stop_level=page.level)
+            obsolete.update(self._obsolete[len(obsolete):])  # entries are distinct
+        self._mutations += 1
+        return sum(1 for address in wanted if address in obsolete)
 
     def _ref_at_level(self, key: bytes, level: int) -> Ref | None:
         assert self._root is not None

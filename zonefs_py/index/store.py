@@ -168,6 +168,11 @@ class ZonePageStore:
                 return self.zone_idxs[pos]
         raise NoSpace(f"index zones {self.zone_idxs} are full")
 
+    @property
+    def current_zone_idx(self) -> int:
+        """The zone appends go to now; a cleaner must not pick it (its copies would land there)."""
+        return self.zone_idxs[self._cursor]
+
     def zone_of(self, address: int) -> int:
         """Return the zone index holding `address`."""
         return address // self.dev.zone_size_bytes
