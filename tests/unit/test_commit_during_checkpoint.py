@@ -13,7 +13,16 @@ import time
 from pathlib import Path
 
 import trio
-from engine_helpers import CTX, TEST_OPTIONS, fsck, mounted, pattern, read_file, write_file
+from engine_helpers import (
+    CTX,
+    TEST_OPTIONS,
+    Geometry,
+    fsck,
+    mounted,
+    pattern,
+    read_file,
+    write_file,
+)
 
 from zonefs_py.device.emulated import EmulatedZonedDevice
 from zonefs_py.format.constants import DISK_VERSION, RecordType
@@ -83,7 +92,11 @@ async def test_commits_inside_a_checkpoint_survive_a_lost_superblock_write(
     older checkpoint, loads the newer one it meets, then applies the commits
     found inside it (and the mount completes the superblock step)."""
     image = tmp_path / "fs.img"
-    async with mounted(image, create=True) as fs:
+    # Meta zones are never reset here (the "crash" takes the resets) and each
+    # record of this checkpoint is written alone: with the commits landing
+    # between them, the default geometry's 4 meta zones could fill (LogFull,
+    # seen on a loaded machine); 8 leave room.
+    async with mounted(image, geo=Geometry(meta_zones=8), create=True) as fs:
         for i in range(50):
             await write_file(fs, f"/a{i}", pattern(i, 100), fsync=False)
         await fs.sync()
@@ -97,9 +110,26 @@ async def test_commits_inside_a_checkpoint_survive_a_lost_superblock_write(
             # The crash takes the superblock write and everything after it.
             mp.setattr(fs.journal.sbstore, "write", lambda sb: None)  # type: ignore[attr-defined]
             mp.setattr(fs.journal.log, "reset_zones", lambda zones: None)  # type: ignore[attr-defined]
+            mlog = fs.journal.log
+            real_append = mlog.append
+            data_written = trio.Event()
+
+            def append(records: list[tuple[RecordType, bytes]], **kw: bool) -> object:
+                # A slow device (10 ms a data record, in the journal's worker
+                # thread), so that the commits below land inside the checkpoint
+                # however fast or loaded the machine is.
+                data = records[0][0] == RecordType.CHECKPOINT_DATA
+                if data:
+                    time.sleep(0.01)
+                result = real_append(records, **kw)
+                if data and not data_written.is_set():
+                    trio.from_thread.run_sync(data_written.set)
+                return result
+
+            mp.setattr(mlog, "append", append)  # type: ignore[attr-defined]
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(fs.journal.checkpoint)
-                await trio.lowlevel.checkpoint()
+                await data_written.wait()
                 for i in range(5):
                     await write_file(fs, f"/b{i}", pattern(100 + i, 3000), fsync=True)
                     await fs.unlink(ROOT_INO, b"a%d" % i)
