@@ -33,6 +33,30 @@ from zonefs_py.journal.log import ScanResult
 from zonefs_py.journal.recovery import Recovered, read_superblock
 
 
+def slow_checkpoint_data(mp: object, fs: ZoneFS, delay_s: float,
+                         appended: list[RecordType] | None = None) -> trio.Event:
+    """Make every CHECKPOINT_DATA append of `fs`'s log take `delay_s` (in the
+    journal's worker thread), record the types appended in `appended`, and
+    return an event set once the first data record is written."""
+    mlog = fs.journal.log
+    real_append = mlog.append
+    data_written = trio.Event()
+
+    def append(records: list[tuple[RecordType, bytes]], **kw: bool) -> object:
+        data = records[0][0] == RecordType.CHECKPOINT_DATA
+        if data:
+            time.sleep(delay_s)
+        if appended is not None:
+            appended.extend(t for t, _ in records)
+        result = real_append(records, **kw)
+        if data and not data_written.is_set():
+            trio.from_thread.run_sync(data_written.set)
+        return result
+
+    mp.setattr(mlog, "append", append)  # type: ignore[attr-defined]
+    return data_written
+
+
 async def test_fsync_returns_while_a_checkpoint_is_being_written(
         tmp_path: Path, monkeypatch: object) -> None:
     image = tmp_path / "fs.img"
@@ -47,24 +71,9 @@ async def test_fsync_returns_while_a_checkpoint_is_being_written(
         mp = monkeypatch
         mp.setattr(journal_mod, "RECORD_PAYLOAD_TARGET", 1024)  # type: ignore[attr-defined]
         mp.setattr(journal_mod, "CHECKPOINT_WRITE_BYTES", 1)  # type: ignore[attr-defined]
-        mlog = fs.journal.log
-        real_append = mlog.append
-
-        data_written = trio.Event()
-
-        def append(records: list[tuple[RecordType, bytes]], **kw: bool) -> object:
-            # In the journal's worker thread. A slow device: each data record takes
-            # 50 ms, so the fsyncs below land between them.
-            data = records[0][0] == RecordType.CHECKPOINT_DATA
-            if data:
-                time.sleep(0.05)
-            appended.extend(t for t, _ in records)
-            result = real_append(records, **kw)
-            if data and not data_written.is_set():
-                trio.from_thread.run_sync(data_written.set)
-            return result
-
-        mp.setattr(mlog, "append", append)  # type: ignore[attr-defined]
+        # A slow device: each data record takes 50 ms, so the fsyncs below land
+        # between them.
+        data_written = slow_checkpoint_data(mp, fs, 0.05, appended)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(fs.journal.checkpoint)
             await data_written.wait()
@@ -110,23 +119,9 @@ async def test_commits_inside_a_checkpoint_survive_a_lost_superblock_write(
             # The crash takes the superblock write and everything after it.
             mp.setattr(fs.journal.sbstore, "write", lambda sb: None)  # type: ignore[attr-defined]
             mp.setattr(fs.journal.log, "reset_zones", lambda zones: None)  # type: ignore[attr-defined]
-            mlog = fs.journal.log
-            real_append = mlog.append
-            data_written = trio.Event()
-
-            def append(records: list[tuple[RecordType, bytes]], **kw: bool) -> object:
-                # A slow device (10 ms a data record, in the journal's worker
-                # thread), so that the commits below land inside the checkpoint
-                # however fast or loaded the machine is.
-                data = records[0][0] == RecordType.CHECKPOINT_DATA
-                if data:
-                    time.sleep(0.01)
-                result = real_append(records, **kw)
-                if data and not data_written.is_set():
-                    trio.from_thread.run_sync(data_written.set)
-                return result
-
-            mp.setattr(mlog, "append", append)  # type: ignore[attr-defined]
+            # 10 ms a data record, so that the commits below land inside the
+            # checkpoint however fast or loaded the machine is.
+            data_written = slow_checkpoint_data(mp, fs, 0.01)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(fs.journal.checkpoint)
                 await data_written.wait()
