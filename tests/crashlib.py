@@ -12,24 +12,32 @@ Findings are rendered as 'INV-n: message', the invariant fsck names
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from zonefs_py.device.emulated import EmulatedZonedDevice
+from zonefs_py.format.constants import DISK_VERSION
 from zonefs_py.fs.mkfs import make_filesystem
 from zonefs_py.fsck import Report, check_filesystem
 
 MiB = 1 << 20
 
 
+#: On-disk format of the images the tests make: ZONEFS_TEST_FORMAT=5 runs a suite
+#: on format 5 (the namespace index, issue 32) instead of the default.
+TEST_DISK_VERSION = int(os.environ.get("ZONEFS_TEST_FORMAT", DISK_VERSION))
+
+
 def new_image(path: Path, *, size_bytes: int = 64 * MiB, zone_size_bytes: int = 2 * MiB,
               block_size: int = 4096, max_active: int = 0,
-              meta_zones: int | None = None) -> None:
+              meta_zones: int | None = None, disk_version: int | None = None) -> None:
     """Create an emulated image at `path` holding a fresh filesystem (closed again)."""
     dev = EmulatedZonedDevice.create(path, size_bytes=size_bytes,
                                      zone_size_bytes=zone_size_bytes, block_size=block_size,
                                      max_active=max_active)
     try:
-        make_filesystem(dev, meta_zones=meta_zones)
+        make_filesystem(dev, meta_zones=meta_zones,
+                        disk_version=disk_version or TEST_DISK_VERSION)
     finally:
         dev.close()
 

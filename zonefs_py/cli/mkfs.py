@@ -25,6 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="zones for the metadata log (default: 3%% of zones, at least 4)")
     p.add_argument("--reserve", type=float, default=5.0, metavar="PERCENT",
                    help="over-provisioning kept free for the cleaner (default 5%%)")
+    p.add_argument("--format", type=int, choices=(4, 5), default=4, dest="disk_version",
+                   help="on-disk format: 4 (default), or 5: the namespace in an on-device "
+                        "index, checkpoints that write only what changed (new, opt-in)")
     p.add_argument("--root-owner", metavar="UID:GID", type=parse_owner, default=None,
                    help="owner of the root directory (default: the user running mkfs, "
                         "as mke2fs does)")
@@ -59,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         sb = make_filesystem(dev, args.label.encode(), meta_zones=args.meta_zones,
                              reserve_percent=args.reserve, force=args.force,
                              progress=progress_printer("resetting zones", "zones"),
-                             root_uid=uid, root_gid=gid)
+                             root_uid=uid, root_gid=gid, disk_version=args.disk_version)
     except errors.InvalidArgument as exc:
         print(f"zonefs-py mkfs: {exc}", file=sys.stderr)
         return 16
@@ -71,5 +74,6 @@ def run(args: argparse.Namespace) -> int:
     data_mib = sb.data_zone_count * sb.zone_size >> 20
     print(f"zonefs-py filesystem {sb.uuid_str} on {args.device}: {sb.nr_zones} zones of "
           f"{sb.zone_size >> 20} MiB, {sb.meta_zone_count} metadata zones, "
-          f"{sb.data_zone_count} data zones ({data_mib} MiB)")
+          f"{sb.data_zone_count} data zones ({data_mib} MiB), on-disk format "
+          f"{sb.disk_version}")
     return 0

@@ -6,7 +6,12 @@ import struct
 import uuid
 from dataclasses import dataclass, replace
 
-from zonefs_py.format.constants import DISK_VERSION, OLDEST_DISK_VERSION
+from zonefs_py.format.constants import (
+    DISK_VERSION,
+    INDEX_DISK_VERSION,
+    NEWEST_DISK_VERSION,
+    OLDEST_DISK_VERSION,
+)
 
 _SB = struct.Struct("<I16sIQIIIIIIQ64sIQQQQ")
 LABEL_MAX = 64
@@ -60,6 +65,11 @@ class Superblock:
         valid version 3 log: the conversion is this rewrite)."""
         return replace(self, disk_version=DISK_VERSION)
 
+    @property
+    def has_index(self) -> bool:
+        """Whether the namespace lives in the on-device index (version 5)."""
+        return self.disk_version >= INDEX_DISK_VERSION
+
     def encode(self) -> bytes:
         label = self.label[:LABEL_MAX]
         return _SB.pack(
@@ -76,7 +86,7 @@ class Superblock:
             raise SuperblockError(f"superblock payload of {len(payload)} bytes is too short")
         (version, fs_uuid, bs, zsize, nzones, sba, sbb, mfirst, mcount, dfirst, reserve,
          label, dcount, cpoff, cpseq, created, cpzone) = _SB.unpack_from(payload)
-        if not OLDEST_DISK_VERSION <= version <= DISK_VERSION:
+        if not OLDEST_DISK_VERSION <= version <= NEWEST_DISK_VERSION:
             raise SuperblockError(_version_refusal(version))
         return cls(fs_uuid, bs, zsize, nzones, sba, sbb, mfirst, mcount, dfirst, dcount,
                    reserve, label.rstrip(b"\0"), cpzone, cpoff, cpseq, created, version)
@@ -87,8 +97,8 @@ def _version_refusal(version: int) -> str:
     if version == 1:
         # docs/SPEC.md "Versions": 2 added INLINE ops; no in-place conversion.
         return ("on-disk format version 1 predates inline small-file data (this build "
-                f"reads versions {OLDEST_DISK_VERSION}-{DISK_VERSION}, no conversion): "
+                f"reads versions {OLDEST_DISK_VERSION}-{NEWEST_DISK_VERSION}, no conversion): "
                 "mount it with a build "
                 "of format 1, copy the files out, and mkfs again")
     return (f"on-disk format version {version} is not supported (this build reads "
-            f"versions {OLDEST_DISK_VERSION}-{DISK_VERSION})")
+            f"versions {OLDEST_DISK_VERSION}-{NEWEST_DISK_VERSION})")

@@ -110,6 +110,17 @@ async def finish_recovery(rec: Recovered, journal: Journal, alloc: Allocator,
         obsolete = mlog.zones_before(mlog.zone_first_seq[cp.zone])
         if obsolete:
             await trio.to_thread.run_sync(mlog.reset_zones, obsolete)
+    if rec.index is not None:
+        # Format 5: index zones the newest checkpoint leaves without a live page
+        # (listed by it or by an older CHECKPOINT_INDEX met in the replay); the
+        # superblock points at that checkpoint by now.
+        store = rec.index.store
+        unused = sorted((rec.index_zones_seen - set(store.live)) | set(store.empty_zones()))
+        if unused:
+            await trio.to_thread.run_sync(journal.log.reset_zones, unused)
+            for zone in unused:
+                if zone in store.live:
+                    store.forget_zone(zone)
     orphans = [i for i in rec.state.inodes.values() if i.nlink == 0 and i.ino != ROOT_INO]
     for inode in orphans:
         log.info("freeing orphan inode %d (unlinked while open before a crash)", inode.ino)

@@ -102,7 +102,8 @@ class ZoneFS(NamespaceOps, HandleOps, AttrOps, FileSystemAPI):
         self.journal = Journal(dev, rec.log, rec.sbstore, rec.sb, self.state, self.meta_limiter,
                                journal_limit=options.checkpoint_journal_bytes,
                                checkpoint_bytes=rec.checkpoint_bytes,
-                               checkpoint_disk_bytes=rec.checkpoint_disk_bytes)
+                               checkpoint_disk_bytes=rec.checkpoint_disk_bytes,
+                               index=rec.index)
         # The allocator tells the journal of every append it accounts (INV-7).
         self.alloc = Allocator(dev.info, rec.sb, self.state, dev.report_zones(), self.journal)
         self.state.subscribe(zone_emptied=self.alloc.zone_emptied)

@@ -17,12 +17,14 @@ from collections.abc import Callable
 
 from zonefs_py import errors
 from zonefs_py.device.base import ZoneCond, ZonedDevice, capabilities
-from zonefs_py.format.constants import OpType
+from zonefs_py.format.constants import DISK_VERSION, INDEX_DISK_VERSION, OpType
 from zonefs_py.format.superblock import LABEL_MAX, Superblock
 from zonefs_py.fs.api import ROOT_INO
-from zonefs_py.journal.journal import checkpoint_records
+from zonefs_py.journal.journal import checkpoint_records, index_checkpoint_records
 from zonefs_py.journal.log import MetaLog
+from zonefs_py.journal.nsindex import NamespaceIndex
 from zonefs_py.journal.sbstore import SuperblockStore
+from zonefs_py.model.dirty import inode_record
 from zonefs_py.model.state import State
 
 MIN_DATA_ZONES = 4
@@ -37,8 +39,13 @@ def default_meta_zones(nr_seq_zones: int) -> int:
 def make_filesystem(dev: ZonedDevice, label: bytes = b"", *, meta_zones: int | None = None,
                     reserve_percent: float = DEFAULT_RESERVE_PERCENT, force: bool = False,
                     progress: Callable[[int, int], None] | None = None,
-                    root_uid: int = 0, root_gid: int = 0) -> Superblock:
+                    root_uid: int = 0, root_gid: int = 0,
+                    disk_version: int = DISK_VERSION) -> Superblock:
     """Write a new empty filesystem; return its superblock.
+
+    `disk_version` is DISK_VERSION (4), or INDEX_DISK_VERSION (5): the
+    namespace in an on-device index, checkpoints that cost what changed
+    (issue 32; opt-in while it matures).
 
     The root directory (mode 755) belongs to `root_uid`:`root_gid` (the CLI
     passes the invoking user's, as mke2fs does).
@@ -46,6 +53,10 @@ def make_filesystem(dev: ZonedDevice, label: bytes = b"", *, meta_zones: int | N
     Raises errors.Exists if the device holds data and `force` is False, and
     errors.InvalidArgument if the device is too small or unsuitable.
     """
+    if disk_version not in (DISK_VERSION, INDEX_DISK_VERSION):
+        raise errors.InvalidArgument(
+            f"mkfs writes on-disk format {DISK_VERSION} or {INDEX_DISK_VERSION}, "
+            f"not {disk_version}")
     if len(label) > LABEL_MAX:
         raise errors.InvalidArgument(f"label longer than {LABEL_MAX} bytes")
     if not 0 <= reserve_percent < 50:
@@ -88,13 +99,21 @@ def make_filesystem(dev: ZonedDevice, label: bytes = b"", *, meta_zones: int | N
         nr_zones=info.nr_zones, sb_zone_a=base, sb_zone_b=base + 1, meta_first_zone=base + 2,
         meta_zone_count=m, data_first_zone=base + 2 + m, data_zone_count=len(data_zones),
         reserve_bytes=reserve, label=label, checkpoint_zone=0, checkpoint_offset=0,
-        checkpoint_seq=0, created_ns=time.time_ns())
+        checkpoint_seq=0, created_ns=time.time_ns(), disk_version=disk_version)
     state = State(info.block_size, info.zone_size_bytes)
     now = time.time_ns()
     state.apply((OpType.INODE, ROOT_INO, stat.S_IFDIR | 0o755, root_uid, root_gid, 2, 0, 0,
                  now, now, now, 0))
     mlog = MetaLog(dev, sb.meta_first_zone, m, sb.fs_uuid, sb.fs_id)
-    positions = mlog.append(checkpoint_records(state, 0), new_zone=True)
+    if sb.has_index:
+        # The root's record in a new tree (pages flushed by the commit) before
+        # the checkpoint that names its root.
+        index = NamespaceIndex(dev, mlog, None)
+        index.apply({ROOT_INO: inode_record(state, state.inodes[ROOT_INO])}, {})
+        records = index_checkpoint_records(state, 0, index.commit())
+    else:
+        records = checkpoint_records(state, 0)
+    positions = mlog.append(records, new_zone=True)
     dev.flush()
     first = positions[0]
     sb = sb.with_checkpoint(first.zone, first.offset, first.seq)

@@ -36,6 +36,7 @@ from zonefs_py.format.ops import Op, encode_op
 from zonefs_py.format.superblock import Superblock
 from zonefs_py.journal.log import LogFull, LogPosition, MetaLog
 from zonefs_py.journal.metaroom import _NEW_INODE_CONTENT, DIRENT_ALLOWANCE_BYTES, MetaRoom
+from zonefs_py.journal.nsindex import NamespaceIndex
 from zonefs_py.journal.sbstore import SuperblockStore
 from zonefs_py.model.state import State
 
@@ -48,10 +49,13 @@ class GroupCommit(MetaRoom):
     def __init__(self, dev: ZonedDevice, log_: MetaLog, sbstore: SuperblockStore,
                  sb: Superblock, state: State, limiter: trio.CapacityLimiter, *,
                  journal_limit: int = 64 << 20, checkpoint_bytes: int = 0,
-                 checkpoint_disk_bytes: int = 0) -> None:
+                 checkpoint_disk_bytes: int = 0, index: NamespaceIndex | None = None) -> None:
         self.dev = dev
         self.log = log_
-        super().__init__(state, checkpoint_bytes, checkpoint_disk_bytes)
+        #: Format 5: the namespace index checkpoints write into (journal/nsindex.py).
+        self.index = index
+        super().__init__(state, checkpoint_bytes, checkpoint_disk_bytes,
+                         None if index is None else index.live_bytes())
         self.sbstore = sbstore
         self.sb = sb
         self.state = state

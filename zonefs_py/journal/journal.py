@@ -36,12 +36,17 @@ from typing import NoReturn
 
 import trio
 
+from zonefs_py.errors import CorruptionError
 from zonefs_py.format.constants import RecordType
+from zonefs_py.format.nsindex import IndexRoot
 from zonefs_py.format.ops import encode_op
 from zonefs_py.format.records import padded_size
 from zonefs_py.format.superblock import Superblock
 from zonefs_py.journal.commit import GroupCommit, _pack, _pack_iter
 from zonefs_py.journal.log import LogFull, LogPosition
+from zonefs_py.journal.nsindex import NamespaceIndex
+from zonefs_py.model.dirty import IndexSnapshot
+from zonefs_py.model.snapshot import head_ops
 from zonefs_py.model.state import Snapshot, State
 
 log = logging.getLogger(__name__)
@@ -92,7 +97,10 @@ class Journal(GroupCommit):
             self._check_broken()
             self.checkpoint_running = True
             try:
-                await self._write_checkpoint()
+                if self.index is not None:
+                    await self._write_index_checkpoint(self.index)
+                else:
+                    await self._write_checkpoint()
             finally:
                 self.checkpoint_running = False
                 self._checkpoint_done.set()
@@ -196,6 +204,108 @@ class Journal(GroupCommit):
         log.info("checkpoint written: %d bytes (%d on the device) in %d records, "
                  "%d meta zones reset", total, disk, count + 2, len(obsolete))
 
+    async def _write_index_checkpoint(self, index: NamespaceIndex) -> None:
+        """Format 5 (DESIGN.md 3.14): write the index entries changed since the last
+        checkpoint and the tree's new root; the caller holds `_checkpoint_lock`.
+
+        Steps 1 and 3-4 as `_write_checkpoint`; step 2 encodes only the entries a
+        `DirtySet` collected (copy-on-write, `IndexSnapshot`), a worker thread puts
+        them into the tree and commits it (pages flushed), and the checkpoint's
+        records are its head ops (zones, counters, ...), CHECKPOINT_INDEX (root,
+        index zones) and END. Index zones it left without a live page are reset
+        once the superblock points at it.
+        """
+        assert self.state.dirty is not None
+        async with self._write_lock:
+            self._check_broken()
+            batch, upto = self._take_batch()
+            flush_first = self.data_dirty
+            self.data_dirty = False
+            snap = IndexSnapshot(self.state, self.state.dirty)
+            snap_inodes = len(self.state.inodes)
+            snap_content = self._new_content_bytes
+            self._new_ino_floor = self.state.next_ino
+            journal = [(RecordType.JOURNAL, p) for p in _pack(batch, self._payload_target())]
+            begin = [(RecordType.CHECKPOINT_BEGIN, struct.pack("<QQ", upto, time.time_ns()))]
+            disk = self.log.block_size + padded_size(len(begin[0][1]), self.log.block_size)
+            try:
+                positions = await self._run(self._write_begin, journal, begin, flush_first)
+            except (OSError, LogFull) as exc:
+                snap.close()
+                self._failed("checkpoint write", exc)
+            except BaseException:
+                snap.close()
+                raise
+            assert isinstance(positions, list)
+            self._set_durable(upto)
+            journal_before = self.journal_bytes_since_checkpoint + sum(
+                len(p) for _, p in journal)
+            self.journal_bytes_since_checkpoint = journal_before
+        first = positions[-1]
+        try:
+            with trio.CancelScope(shield=True):
+                while not snap.step(CHECKPOINT_SLICE_INODES):
+                    await self._between_slices()
+        finally:
+            snap.close()
+        entries = len(snap.inodes) + len(snap.dirents)
+        pages_before = index.store.pages_written
+        reset: list[int] = []
+        total = 0
+        with trio.CancelScope(shield=True):
+            try:
+                root = await self._run(self._commit_index, index, snap)
+                assert isinstance(root, IndexRoot)
+                payloads = _pack(snap.head, self._payload_target())
+                total = sum(len(p) for p in payloads)
+                records = [(RecordType.CHECKPOINT_DATA, p) for p in payloads]
+                records.append((RecordType.CHECKPOINT_INDEX, root.encode()))
+                records.append((RecordType.CHECKPOINT_END,
+                                CHECKPOINT_END.pack(len(payloads), total)))
+                async with self._write_lock:
+                    self._check_broken()
+                    before = self.log.bytes_consumed
+                    await self._run(self._write_records, records, False)
+                    disk += self.log.bytes_consumed - before
+                sb = self.sb.with_checkpoint(first.zone, first.offset, first.seq)
+                await self._run(self.sbstore.write, sb)
+                self.sb = sb
+                obsolete = self.log.zones_before(self.log.zone_first_seq[first.zone])
+                if obsolete:
+                    await self._run(self.log.reset_zones, obsolete)
+                reset = index.take_empty_zones()
+                if reset:
+                    await self._run(self.reset_index_zones, reset)
+            except (OSError, LogFull, CorruptionError) as exc:
+                self._failed("checkpoint write", exc)
+        page_bytes = (index.store.pages_written - pages_before) * index.store.page_size_bytes
+        self.last_checkpoint_bytes = total
+        self.last_checkpoint_disk_bytes = disk + page_bytes
+        self.checkpoint_sample = (disk + index.live_bytes(), snap_inodes)
+        self._new_content_base = snap_content
+        self.journal_bytes_since_checkpoint = max(
+            0, self.journal_bytes_since_checkpoint - journal_before)
+        self.checkpoints_written += 1
+        log.info("checkpoint written: %d changed entries, %d index pages (%d relocated, "
+                 "%d obsolete), %d bytes of records; %d index zones reset", entries,
+                 index.last_written, index.last_relocated, index.last_obsolete, disk,
+                 len(reset))
+
+    @staticmethod
+    def _commit_index(index: NamespaceIndex, snap: IndexSnapshot) -> IndexRoot:
+        """Worker thread: the snapshot's entries into the tree, cleaning, commit."""
+        index.apply(snap.inodes, snap.dirents)
+        index.clean(index.store.mlog.zone_capacity_bytes)
+        return index.commit()
+
+    def reset_index_zones(self, zones: list[int]) -> None:
+        """Worker thread: reset index zones the current checkpoint no longer uses
+        (the superblock points at it) and give them back to the log's pool."""
+        assert self.index is not None
+        self.log.reset_zones(zones)
+        for zone in zones:
+            self.index.store.forget_zone(zone)
+
     async def _append_data(self, payloads: list[bytes]) -> int:
         """Append CHECKPOINT_DATA records (not flushed), holding the log; return
         the meta-area bytes they took (`MetaLog.bytes_consumed`: nothing else
@@ -252,6 +362,15 @@ class Journal(GroupCommit):
 def checkpoint_records(state: State, upto_txn: int) -> list[tuple[RecordType, bytes]]:
     """Encode a snapshot of `state` as CHECKPOINT_BEGIN, _DATA..., _END records."""
     return _checkpoint_records([encode_op(op) for op in state.snapshot_ops()], upto_txn)
+
+
+def index_checkpoint_records(state: State, upto_txn: int,
+                             root: IndexRoot) -> list[tuple[RecordType, bytes]]:
+    """Format 5: CHECKPOINT_BEGIN, _DATA (ops outside inodes), _INDEX, _END records
+    of a State whose inodes and names are in the committed index `root`."""
+    records = _checkpoint_records([encode_op(op) for op in head_ops(state)], upto_txn)
+    records.insert(-1, (RecordType.CHECKPOINT_INDEX, root.encode()))
+    return records
 
 
 def _checkpoint_records(encoded_ops: list[bytes],

@@ -251,6 +251,20 @@ class MetaLog:
             p.offset = off
             off += len(rec)
 
+    def take_zone(self) -> int:
+        """Take an empty meta zone out of the log's pool for another writer (the
+        namespace index's pages, format 5); it comes back by `reset_zones`.
+        Raises LogFull when none is empty."""
+        with self._lock:
+            while True:
+                free = self.free_zones()
+                if not free:
+                    raise LogFull("no empty meta zone left for the namespace index")
+                zone = self._zone(free[0])
+                self._empty.discard(zone.index)
+                if zone.cond == ZoneCond.EMPTY:
+                    return zone.index
+
     def reset_zones(self, zones: list[int]) -> None:
         """Reset obsolete meta zones (after the checkpoint that made them so is durable)."""
         with self._lock:

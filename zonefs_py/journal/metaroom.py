@@ -51,8 +51,8 @@ class MetaRoom:
 
     log: MetaLog
 
-    def __init__(self, state: State, checkpoint_bytes: int, checkpoint_disk_bytes: int
-                 ) -> None:
+    def __init__(self, state: State, checkpoint_bytes: int, checkpoint_disk_bytes: int,
+                 index_live_bytes: int | None = None) -> None:
         #: JOURNAL payload bytes (as encoded, before compression) written since
         #: the newest checkpoint's BEGIN, by this mount.
         self.journal_bytes_since_checkpoint = 0
@@ -67,7 +67,13 @@ class MetaRoom:
         self.last_checkpoint_disk_bytes = checkpoint_disk_bytes
         #: (device bytes, inodes) of the newest checkpoint written (or loaded at
         #: mount): what `estimated_checkpoint_bytes` scales from.
-        self.checkpoint_sample: tuple[int, int] = (checkpoint_disk_bytes, len(state.inodes))
+        self.checkpoint_sample: tuple[int, int] = (
+            checkpoint_disk_bytes + (index_live_bytes or 0), len(state.inodes))
+        #: Format 5 (the namespace in the index): a checkpoint writes what changed,
+        #: so its trigger is the journal's size alone, and the meta area holds the
+        #: index's live pages (counted in `checkpoint_sample`) instead of two
+        #: rotating checkpoints.
+        self.index_mode = index_live_bytes is not None
         #: Bytes of `_NEW_INODE_CONTENT` ops added for inodes numbered from
         #: `_new_ino_floor` on (the next inode number at the newest snapshot), and
         #: their count when the newest checkpoint's snapshot was taken.
@@ -86,7 +92,8 @@ class MetaRoom:
         running short (`_meta_short`) still ask for one earlier. Memory only:
         called on the trio thread.
         """
-        limit = max(journal_limit, self.last_checkpoint_disk_bytes)
+        limit = journal_limit if self.index_mode else max(journal_limit,
+                                                          self.last_checkpoint_disk_bytes)
         if self.journal_bytes_since_checkpoint >= limit:
             return True
         return self._meta_short() and self.journal_bytes_since_checkpoint > 0

@@ -14,16 +14,20 @@ import gc
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from zonefs_py import errors
 from zonefs_py.device.base import ZonedDevice
 from zonefs_py.format.constants import RecordType
+from zonefs_py.format.nsindex import IndexRecordError, IndexRoot
 from zonefs_py.format.ops import Op, OpDecodeError, decode_ops, record_body
 from zonefs_py.format.superblock import Superblock
 from zonefs_py.journal.journal import CHECKPOINT_ABORT, CHECKPOINT_END
+from zonefs_py.index.errors import IndexCorrupt
 from zonefs_py.journal.log import LogCorrupt, LogPosition, MetaLog, ScanResult
+from zonefs_py.journal.nsindex import NamespaceIndex
 from zonefs_py.journal.sbstore import SuperblockStore
+from zonefs_py.model.dirty import DirtySet
 from zonefs_py.model.state import State, StateError
 
 log = logging.getLogger(__name__)
@@ -60,6 +64,13 @@ class Recovered:
     #: hold durable journal records, and stay until the next checkpoint).
     torn_checkpoint_holds_commits: bool = False
     salvaged: str | None = None
+    #: Format 5: the namespace index of the newest complete checkpoint loaded
+    #: (the engine's checkpoints go on from it), else None.
+    index: NamespaceIndex | None = None
+    #: Format 5: every meta zone some CHECKPOINT_INDEX met in the replay lists
+    #: (kept out of `scan.garbage_zones`; those the newest does not use are
+    #: reset once the superblock points at it).
+    index_zones_seen: set[int] = field(default_factory=set)
 
 
 def superblock_zones(dev: ZonedDevice) -> tuple[int, int]:
@@ -146,6 +157,8 @@ def _recover(dev: ZonedDevice, *, salvage: bool = False,
     #: (payload bytes, meta-area bytes) of the checkpoint being loaded, and where
     #: its last record ended.
     cp_bytes = cp_disk = cp_end = 0
+    #: Format 5: the index of the checkpoint being loaded.
+    loading_index: NamespaceIndex | None = None
     first = True
     total_bytes = 0
     if progress is not None:
@@ -166,6 +179,7 @@ def _recover(dev: ZonedDevice, *, salvage: bool = False,
                 if loading is not None:
                     raise LogCorrupt(f"checkpoint at {off} begins inside another")
                 loading = state if first else State(sb.block_size, sb.zone_size)
+                loading_index = None
                 inside = []
                 loaded_records = 0
                 begin = LogPosition(off // dev.info.zone_size_bytes, off, rec.seq)
@@ -183,12 +197,30 @@ def _recover(dev: ZonedDevice, *, salvage: bool = False,
                 cp_disk += _zone_change_bytes(mlog, cp_end, off) + rec.size_bytes
                 cp_end = off + rec.size_bytes
                 loaded_records += 1
+            elif rec.type == RecordType.CHECKPOINT_INDEX:
+                if loading is None or not sb.has_index or loading_index is not None:
+                    raise LogCorrupt(f"unexpected CHECKPOINT_INDEX record at {off}")
+                try:
+                    root = IndexRoot.decode(rec.payload)
+                except IndexRecordError as exc:
+                    raise LogCorrupt(f"checkpoint index at {off}: {exc}") from None
+                res.index_zones_seen.update(root.zones)
+                loading_index = NamespaceIndex(dev, mlog, root)
+                res.ops += loading_index.load_into(loading)
+                cp_disk += _zone_change_bytes(mlog, cp_end, off) + rec.size_bytes
+                cp_end = off + rec.size_bytes
             elif rec.type == RecordType.CHECKPOINT_END:
                 if loading is None:
                     raise LogCorrupt(f"checkpoint end at {off} without a beginning")
                 nrec, _nbytes = CHECKPOINT_END.unpack_from(rec.payload)
                 if nrec != loaded_records:
                     raise LogCorrupt(f"checkpoint at {off} has {loaded_records} of {nrec} records")
+                if sb.has_index:
+                    if loading_index is None:
+                        raise LogCorrupt(f"format 5 checkpoint ending at {off} has no index")
+                    # From here on, replayed ops are changes the index lacks.
+                    loading.dirty = DirtySet()
+                    res.index = loading_index
                 # The checkpoint is the State as of its BEGIN; the commits written
                 # inside it came after. (When it is not the first, `state` got them
                 # too, from the journal before BEGIN on: the two are the same.)
@@ -241,7 +273,7 @@ def _recover(dev: ZonedDevice, *, salvage: bool = False,
             log.info("ignoring a checkpoint torn by a crash at the end of the log")
             res.torn_checkpoint = begin
             res.torn_checkpoint_holds_commits = bool(inside)
-    except (LogCorrupt, OpDecodeError, StateError) as exc:
+    except (LogCorrupt, OpDecodeError, StateError, IndexCorrupt) as exc:
         if not salvage or first or loading is state:
             raise _corruption(dev, exc) from None
         log.warning("salvage: stopping the log replay at damage: %s", exc)
@@ -249,6 +281,10 @@ def _recover(dev: ZonedDevice, *, salvage: bool = False,
         if loading is not None and loading is not state:
             loading = None
     res.state = state
+    if res.index_zones_seen:
+        # Index zones hold pages, not log records: not garbage (after_recovery
+        # resets those the newest checkpoint's index leaves empty).
+        scan.garbage_zones = [z for z in scan.garbage_zones if z not in res.index_zones_seen]
     res.seconds = time.monotonic() - t0
     if progress is not None:
         progress(total_bytes, total_bytes)
@@ -268,6 +304,9 @@ def _zone_change_bytes(mlog: MetaLog, prev_end: int, off: int) -> int:
 
 
 def _corruption(dev: ZonedDevice, exc: Exception) -> errors.CorruptionError:
+    if isinstance(exc, IndexCorrupt):
+        return errors.CorruptionError(
+            f"{dev.info.path}: namespace index damaged: {exc.reason}; run 'zonefs-py fsck'")
     if isinstance(exc, LogCorrupt):
         return errors.CorruptionError(
             f"{dev.info.path}: metadata log damaged: {exc}; run 'zonefs-py fsck'")

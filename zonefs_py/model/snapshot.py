@@ -22,6 +22,15 @@ from zonefs_py.model.prealloc import Reservations
 from zonefs_py.model.shared import SharedBlocks
 
 
+class SnapshotHook(Protocol):
+    """What State.apply tells the checkpoint snapshot being taken (copy-on-write):
+    `Snapshot` here, `IndexSnapshot` (model/dirty.py) for format 5."""
+
+    def before_apply(self, op: Op) -> None: ...
+
+    def before_change(self, inode: Inode) -> None: ...
+
+
 class SnapshotSource(Protocol):
     """What a snapshot reads of a model.state.State (which imports this module)."""
 
@@ -36,7 +45,7 @@ class SnapshotSource(Protocol):
     drain: dict[int, DrainRecord]
     prealloc: Reservations
     #: The snapshot being encoded, if any; apply() hands it each inode it changes.
-    snapshot: Snapshot | None
+    snapshot: SnapshotHook | None
     snapshot_gen: int
 
 
@@ -76,11 +85,12 @@ def head_ops(state: SnapshotSource) -> Iterator[Op]:
         yield (OpType.SHARE, dev, nblocks, extra)
 
 
-def inode_body_ops(state: SnapshotSource, inode: Inode,
-                   max_csum_blocks: int = 65536) -> Iterator[Op]:
+def inode_body_ops(state: SnapshotSource, inode: Inode, max_csum_blocks: int = 65536,
+                   *, names: bool = True) -> Iterator[Op]:
     """Yield the snapshot's ops of one inode after its INODE op: names (of a
-    directory), symlink target, xattrs, drain state, inline data, extents."""
-    if inode.entries:
+    directory; not with `names=False`), symlink target, xattrs, drain state,
+    inline data, extents."""
+    if names and inode.entries:
         for name, child in inode.entries.items():
             yield (OpType.DIRENT_ADD, inode.ino, child, name)
     if inode.target is not None:

@@ -29,7 +29,8 @@ from zonefs_py.model.extents import EMPTY_EXTENTS, ExtentMap, Freed
 from zonefs_py.model.inode import CAPABILITY_XATTR, Inode, inline_op
 from zonefs_py.model.prealloc import Reservations
 from zonefs_py.model.shared import SharedBlocks
-from zonefs_py.model.snapshot import Snapshot, snapshot_ops
+from zonefs_py.model.dirty import DirtySet
+from zonefs_py.model.snapshot import Snapshot, SnapshotHook, snapshot_ops
 
 # Importers of the model's names from here keep working (the classes live in
 # model/inode.py, model/snapshot.py and model/errors.py).
@@ -76,8 +77,11 @@ class State:
         self._on_data_changed: Callable[[int], None] | None = None
         #: The checkpoint snapshot being encoded, if any: apply() hands it every
         #: inode it is about to change (copy-on-write, see Snapshot).
-        self.snapshot: Snapshot | None = None
+        self.snapshot: SnapshotHook | None = None
         self.snapshot_gen = 0
+        #: Format 5: the index entries changed since the last checkpoint took them
+        #: (model/dirty.py); None for format 4, whose checkpoints hold everything.
+        self.dirty: DirtySet | None = None
         #: ino -> drain state of files that are not LOCAL (DRAIN ops, zonefs_py/drain).
         self.drain: dict[int, DrainRecord] = {}
         #: Reserved file blocks (fallocate, PREALLOC / PUNCH ops, INV-24).
@@ -143,6 +147,8 @@ class State:
         if op[0] in _DATA_OPS and self._on_data_changed is not None:
             self._on_data_changed(op[1])
         fn(op)
+        if self.dirty is not None:
+            self.dirty.note(op)
 
     def apply_all(self, ops: list[Op]) -> None:
         for op in ops:
@@ -175,7 +181,7 @@ class State:
             inode = self.inodes[ino] = Inode(ino, mode, uid, gid, nlink, rdev, size, atime,
                                              mtime, ctime, flags)
             if self.snapshot is not None:
-                inode.ckpt_gen = self.snapshot.gen  # born after the snapshot: not in it
+                inode.ckpt_gen = self.snapshot_gen  # born after the snapshot: not in it
             if ino >= self.next_ino:
                 self.next_ino = ino + 1
             return

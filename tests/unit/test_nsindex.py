@@ -1,0 +1,175 @@
+"""Format 5: the namespace in the on-device index (issue 32), through the engine.
+
+A checkpoint writes only the index entries changed since the previous one,
+mount loads the tree, sparse index zones are cleaned and reset, and a damaged
+index page refuses the mount (fsck named), never yields a wrong name.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from engine_helpers import (
+    CTX,
+    TEST_OPTIONS,
+    Geometry,
+    MiB,
+    assert_fsck_clean,
+    mounted,
+    pattern,
+    read_tree,
+    write_file,
+)
+
+from zonefs_py import errors
+from zonefs_py.device.emulated import EmulatedZonedDevice
+from zonefs_py.format.constants import INDEX_DISK_VERSION
+from zonefs_py.fs.api import ROOT_INO, RenameFlags, XattrFlags
+from zonefs_py.fs.filesystem import ZoneFS
+from zonefs_py.fs.mkfs import make_filesystem
+from zonefs_py.journal.recovery import read_superblock
+
+#: Small meta zones, many of them: index zones fill and get cleaned quickly.
+GEO5 = Geometry(size_bytes=64 * MiB, zone_size_bytes=256 << 10, meta_zones=24)
+
+
+def new_image5(path: Path, geo: Geometry = GEO5) -> None:
+    dev = EmulatedZonedDevice.create(path, size_bytes=geo.size_bytes,
+                                     zone_size_bytes=geo.zone_size_bytes,
+                                     block_size=geo.block_size)
+    try:
+        make_filesystem(dev, meta_zones=geo.meta_zones, disk_version=INDEX_DISK_VERSION)
+    finally:
+        dev.close()
+
+
+async def populate(fs: ZoneFS, rng: random.Random, dirs: int = 4, files: int = 30) -> None:
+    for d in range(dirs):
+        dino = (await fs.mkdir(ROOT_INO, b"d%d" % d, 0o755, CTX)).ino
+        fs.forget([(dino, 1)])
+        for f in range(files):
+            size = rng.choice([0, 100, 600, 5000, 70000])
+            await write_file(fs, f"/d{d}/f{f}", pattern(d * 1000 + f, size), fsync=False)
+        await fs.setxattr(dino, b"user.tag", b"dir%d" % d, XattrFlags.NONE, CTX)
+    link = await fs.symlink(ROOT_INO, b"link", b"d0/f0", CTX)
+    fs.forget([(link.ino, 1)])
+    await fs.sync()
+
+
+async def test_format5_mount_loads_what_checkpoints_wrote(tmp_path: Path) -> None:
+    image = tmp_path / "a.img"
+    new_image5(image)
+    rng = random.Random(5)
+    async with mounted(image) as fs:
+        assert fs.journal.index is not None
+        await populate(fs, rng)
+        await fs.journal.checkpoint()
+        d1 = (await fs.lookup(ROOT_INO, b"d1")).ino
+        d2 = (await fs.lookup(ROOT_INO, b"d2")).ino
+        await fs.rename(d1, b"f3", d2, b"moved", RenameFlags.NONE)
+        await fs.unlink(d1, b"f4")
+        await write_file(fs, "/d3/f5", pattern(77, 12345))
+        fs.forget([(d1, 1), (d2, 1)])
+        before = await read_tree(fs)
+        await fs.journal.checkpoint()
+    dev = EmulatedZonedDevice.open(image)
+    try:
+        assert read_superblock(dev)[0].disk_version == INDEX_DISK_VERSION
+        async with ZoneFS.mount(dev, TEST_OPTIONS) as fs:
+            assert fs.recovered.index is not None
+            assert fs.recovered.records <= 8, "mount replayed more than the checkpoint"
+            assert await read_tree(fs) == before
+    finally:
+        dev.close()
+    assert_fsck_clean(image)
+
+
+async def test_checkpoint_writes_what_changed_not_the_namespace(tmp_path: Path) -> None:
+    image = tmp_path / "a.img"
+    new_image5(image, Geometry(size_bytes=256 * MiB, zone_size_bytes=1 * MiB, meta_zones=32))
+    async with mounted(image) as fs:
+        dino = (await fs.mkdir(ROOT_INO, b"big", 0o755, CTX)).ino
+        for i in range(3000):
+            await write_file(fs, f"/big/f{i:05d}", b"x" * 200, fsync=False)
+        await fs.journal.checkpoint()
+        index = fs.journal.index
+        assert index is not None
+        full_pages = index.store.live_pages()
+        full_bytes = fs.journal.last_checkpoint_disk_bytes
+        for i in range(10):
+            await write_file(fs, f"/big/new{i}", b"y" * 200, fsync=False)
+        await fs.journal.checkpoint()
+        small_bytes = fs.journal.last_checkpoint_disk_bytes
+        fs.forget([(dino, 1)])
+    # Ten creates touch a few leaves and their paths to the root, plus the
+    # directory's record; the namespace is ~70 pages.
+    assert full_pages > 40
+    assert index.last_written <= 12, index.last_written
+    assert small_bytes * 5 < full_bytes, (small_bytes, full_bytes)
+
+
+async def test_sparse_index_zones_are_cleaned_and_reset(tmp_path: Path) -> None:
+    image = tmp_path / "a.img"
+    new_image5(image)
+    rng = random.Random(9)
+    async with mounted(image) as fs:
+        await populate(fs, rng, dirs=2, files=40)
+        index = fs.journal.index
+        assert index is not None
+        most = 0
+        reset_before = index.store.mlog.free_zone_count()
+        for round_ in range(40):
+            # Change a few files everywhere: every leaf gets rewritten now and then.
+            for _ in range(8):
+                d, f = rng.randrange(2), rng.randrange(40)
+                await write_file(fs, f"/d{d}/f{f}", pattern(round_, rng.randrange(1, 3000)),
+                                 fsync=False)
+            await fs.journal.checkpoint()
+            most = max(most, len(index.store.live))
+        per_zone = (GEO5.zone_size_bytes // index.store.page_size_bytes)
+        allowed = int(index.store.live_pages() * 1.5) // per_zone + 4
+        assert len(index.store.live) <= allowed, (index.store.live, allowed)
+        assert index.store.mlog.free_zone_count() >= reset_before - allowed
+        before = await read_tree(fs)
+    async with mounted(image) as fs:
+        assert await read_tree(fs) == before
+
+
+async def test_a_damaged_index_page_refuses_the_mount(tmp_path: Path) -> None:
+    image = tmp_path / "a.img"
+    new_image5(image)
+    async with mounted(image) as fs:
+        await populate(fs, random.Random(1), dirs=2, files=10)
+        await fs.journal.checkpoint()
+        index = fs.journal.index
+        assert index is not None
+        assert index.root_record is not None
+        start = index.root_record.root_address  # a live page: the root
+    dev = EmulatedZonedDevice.open(image)
+    try:
+        page = bytearray(dev.read(start, 4096))
+    finally:
+        dev.close()
+    page[100] ^= 0x40
+    offset = _image_offset(image, start)
+    with open(image, "r+b") as f:
+        f.seek(offset)
+        f.write(page)
+    dev = EmulatedZonedDevice.open(image)
+    try:
+        with pytest.raises(errors.CorruptionError, match="fsck"):
+            async with ZoneFS.mount(dev, TEST_OPTIONS):
+                pass
+    finally:
+        dev.close()
+
+
+def _image_offset(image: Path, device_offset: int) -> int:
+    """Byte offset in an emulator image of a device offset (docs/SPEC.md, Emulator image)."""
+    dev = EmulatedZonedDevice.open(image, read_only=True)
+    try:
+        return int(dev._data_offset) + device_offset
+    finally:
+        dev.close()
