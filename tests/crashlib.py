@@ -16,8 +16,8 @@ import os
 from pathlib import Path
 
 from zonefs_py.device.emulated import EmulatedZonedDevice
-from zonefs_py.format.constants import DISK_VERSION
-from zonefs_py.fs.mkfs import make_filesystem
+from zonefs_py.format.constants import DISK_VERSION, INDEX_DISK_VERSION
+from zonefs_py.fs.mkfs import MIN_INDEX_META_ZONES, make_filesystem
 from zonefs_py.fsck import Report, check_filesystem
 
 MiB = 1 << 20
@@ -35,9 +35,12 @@ def new_image(path: Path, *, size_bytes: int = 64 * MiB, zone_size_bytes: int = 
     dev = EmulatedZonedDevice.create(path, size_bytes=size_bytes,
                                      zone_size_bytes=zone_size_bytes, block_size=block_size,
                                      max_active=max_active)
+    version = disk_version or TEST_DISK_VERSION
+    if version == INDEX_DISK_VERSION and meta_zones is not None:
+        # Geometries sized for format 4's log; format 5 keeps its index beside it.
+        meta_zones = max(meta_zones + 3, MIN_INDEX_META_ZONES)
     try:
-        make_filesystem(dev, meta_zones=meta_zones,
-                        disk_version=disk_version or TEST_DISK_VERSION)
+        make_filesystem(dev, meta_zones=meta_zones, disk_version=version)
     finally:
         dev.close()
 

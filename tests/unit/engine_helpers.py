@@ -45,6 +45,9 @@ class Geometry:
     block_size: int = 4096
     meta_zones: int | None = None
     max_active: int = 0
+    #: None: crashlib's TEST_DISK_VERSION (ZONEFS_TEST_FORMAT); 4 pins a test
+    #: about format 4's own mechanics (its whole-namespace checkpoints, conversions).
+    disk_version: int | None = None
 
 
 SMALL = Geometry()
@@ -56,7 +59,7 @@ def new_image(path: Path, geo: Geometry = SMALL) -> None:
     """Create an emulated image at `path` holding a fresh filesystem (closed again)."""
     crashlib.new_image(path, size_bytes=geo.size_bytes, zone_size_bytes=geo.zone_size_bytes,
                        block_size=geo.block_size, max_active=geo.max_active,
-                       meta_zones=geo.meta_zones)
+                       meta_zones=geo.meta_zones, disk_version=geo.disk_version)
 
 
 def open_image(path: Path, **kwargs: object) -> EmulatedZonedDevice:

@@ -12,7 +12,9 @@ import dataclasses
 import time
 from pathlib import Path
 
+import pytest
 import trio
+from crashlib import TEST_DISK_VERSION
 from engine_helpers import (
     CTX,
     TEST_OPTIONS,
@@ -31,6 +33,11 @@ from zonefs_py.fs.filesystem import ZoneFS
 from zonefs_py.journal import journal as journal_mod
 from zonefs_py.journal.log import ScanResult
 from zonefs_py.journal.recovery import Recovered, read_superblock
+
+#: Tests of format 4's checkpoint data records and of the conversion to format 4.
+FORMAT4_ONLY = pytest.mark.skipif(
+    TEST_DISK_VERSION != 4, reason="format 4's whole-namespace checkpoints "
+    "(format 5: tests/unit/test_nsindex.py)")
 
 
 def slow_checkpoint_data(mp: object, fs: ZoneFS, delay_s: float,
@@ -57,6 +64,7 @@ def slow_checkpoint_data(mp: object, fs: ZoneFS, delay_s: float,
     return data_written
 
 
+@FORMAT4_ONLY
 async def test_fsync_returns_while_a_checkpoint_is_being_written(
         tmp_path: Path, monkeypatch: object) -> None:
     image = tmp_path / "fs.img"
@@ -95,6 +103,7 @@ async def test_fsync_returns_while_a_checkpoint_is_being_written(
         assert len(fs.state.inodes) == 303
 
 
+@FORMAT4_ONLY
 async def test_commits_inside_a_checkpoint_survive_a_lost_superblock_write(
         tmp_path: Path, monkeypatch: object) -> None:
     """A crash after END but before the superblock write: recovery starts at the
@@ -166,6 +175,7 @@ def _journal_inside_newest_checkpoint(rec: Recovered) -> bool:
     return RecordType.JOURNAL in types[data[0]:data[-1]]
 
 
+@FORMAT4_ONLY
 async def test_version_2_image_is_converted_by_its_first_read_write_mount(
         tmp_path: Path) -> None:
     image = tmp_path / "fs.img"

@@ -11,7 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zonefs_py.format.checksum import block_checksums, first_bad_block
-from zonefs_py.format.constants import DISK_VERSION, RECORD_HEADER_SIZE, OpType, RecordType
+from zonefs_py.format.constants import (
+    NEWEST_DISK_VERSION,
+    RECORD_HEADER_SIZE,
+    OpType,
+    RecordType,
+)
 from zonefs_py.format.ops import OpDecodeError, decode_ops, encode_op, encode_ops
 from zonefs_py.format.records import (
     MAX_PAYLOAD,
@@ -222,8 +227,8 @@ def test_superblock_label_is_cut_at_64_bytes() -> None:
 
 def test_superblock_other_version_refused() -> None:
     raw = bytearray(_sb().encode())
-    struct.pack_into("<I", raw, 0, DISK_VERSION + 1)
-    with pytest.raises(SuperblockError, match=f"version {DISK_VERSION + 1}"):
+    struct.pack_into("<I", raw, 0, NEWEST_DISK_VERSION + 1)
+    with pytest.raises(SuperblockError, match=f"version {NEWEST_DISK_VERSION + 1}"):
         Superblock.decode(bytes(raw))
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from crashlib import TEST_DISK_VERSION
 from engine_helpers import (
     CTX,
     TEST_OPTIONS,
@@ -40,6 +41,9 @@ from zonefs_py.journal.journal import Journal
 from zonefs_py.journal.log import MetaLog
 
 #: 64 KiB zones, 8 meta zones: a few dozen commits roll a meta zone.
+#: Format 4's meta area (rotating whole-namespace checkpoints); format 5's: test_nsindex.py.
+pytestmark = pytest.mark.skipif(TEST_DISK_VERSION != 4, reason="format 4's meta-area rules")
+
 ROLLING = Geometry(size_bytes=8 * MiB, zone_size_bytes=64 * KiB, meta_zones=8)
 #: 4 meta zones of 128 KiB: a checkpoint of at most ~105 KiB on the device.
 SMALL_META = Geometry(size_bytes=16 * MiB, zone_size_bytes=128 * KiB, meta_zones=4)

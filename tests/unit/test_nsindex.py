@@ -153,10 +153,7 @@ async def test_a_damaged_index_page_refuses_the_mount(tmp_path: Path) -> None:
     finally:
         dev.close()
     page[100] ^= 0x40
-    offset = _image_offset(image, start)
-    with open(image, "r+b") as f:
-        f.seek(offset)
-        f.write(page)
+    _write_image(image, _image_offset(image, start), bytes(page))
     dev = EmulatedZonedDevice.open(image)
     try:
         with pytest.raises(errors.CorruptionError, match="fsck"):
@@ -173,3 +170,57 @@ def _image_offset(image: Path, device_offset: int) -> int:
         return int(dev._data_offset) + device_offset
     finally:
         dev.close()
+
+
+def _write_image(image: Path, offset: int, data: bytes) -> None:
+    with open(image, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+async def test_an_index_zone_the_log_reused_is_never_reset_by_a_mount(tmp_path: Path) -> None:
+    """A checkpoint lists an index zone left with no live page; it is reset after
+    the superblock write and the log then takes it for journal records. A mount
+    after a crash must not take it for an index zone (it reset journal records)."""
+    image = tmp_path / "a.img"
+    new_image5(image)
+    rng = random.Random(9)
+    dev = EmulatedZonedDevice.open(image, volatile_cache=True)
+    try:
+        async with ZoneFS.mount(dev, TEST_OPTIONS, close=False) as fs:
+            await populate(fs, rng, dirs=2, files=40)
+            index, mlog = fs.journal.index, fs.journal.log
+            assert index is not None
+            emptied: list[int] = []
+            for round_ in range(200):
+                for _ in range(8):
+                    d, f = rng.randrange(2), rng.randrange(40)
+                    await write_file(fs, f"/d{d}/f{f}",
+                                     pattern(round_, rng.randrange(1, 3000)), fsync=False)
+                await fs.journal.checkpoint()
+                assert index.root_record is not None
+                emptied = [z for z, n in index.root_record.zones.items()
+                           if n == 0 and z not in index.store.live]
+                if emptied:
+                    break
+            assert emptied, "no index zone was emptied and reset"
+            checkpoints = fs.journal.checkpoints_written
+            i = 0
+            while (not any(z in mlog.zone_first_seq for z in emptied)
+                   or mlog.cur_zone in emptied) and i < 5000:
+                await write_file(fs, f"/j{i}", pattern(i, 1500))
+                i += 1
+            assert fs.journal.checkpoints_written == checkpoints, "a checkpoint ran"
+            before = await read_tree(fs)
+            dev.simulate_power_cut("drop")
+    finally:
+        dev.close()
+    for _ in range(2):  # the first mount's own writes must not break the second
+        dev = EmulatedZonedDevice.open(image, volatile_cache=True)
+        try:
+            async with ZoneFS.mount(dev, TEST_OPTIONS, close=False) as fs:
+                assert await read_tree(fs) == before
+                dev.simulate_power_cut("drop")
+        finally:
+            dev.close()
+    assert_fsck_clean(image)

@@ -10,7 +10,9 @@ import dataclasses
 import os
 from pathlib import Path
 
+import pytest
 import trio
+from crashlib import TEST_DISK_VERSION
 from engine_helpers import (
     CTX,
     TEST_OPTIONS,
@@ -26,6 +28,11 @@ from zonefs_py.device.emulated import EmulatedZonedDevice
 from zonefs_py.fs.api import ROOT_INO, SetAttrRequest
 from zonefs_py.fs.filesystem import ZoneFS
 from zonefs_py.journal.recovery import read_superblock
+
+#: The conversion of older formats to format 4.
+FORMAT4_ONLY = pytest.mark.skipif(
+    TEST_DISK_VERSION != 4, reason="format 4's whole-namespace checkpoints "
+    "(format 5: tests/unit/test_nsindex.py)")
 
 
 def meta_write_pointers(image: Path) -> list[int]:
@@ -120,6 +127,7 @@ async def test_unmount_after_a_crash_writes_a_checkpoint(tmp_path: Path) -> None
     assert fs.journal.checkpoints_written == 0
 
 
+@FORMAT4_ONLY
 async def test_unmount_after_a_format_conversion_writes_a_checkpoint(tmp_path: Path) -> None:
     image = tmp_path / "fs.img"
     async with mounted(image, create=True) as fs:

@@ -115,7 +115,9 @@ async def finish_recovery(rec: Recovered, journal: Journal, alloc: Allocator,
         # (listed by it or by an older CHECKPOINT_INDEX met in the replay); the
         # superblock points at that checkpoint by now.
         store = rec.index.store
-        unused = sorted((rec.index_zones_seen - set(store.live)) | set(store.empty_zones()))
+        chain = set(journal.log.zone_first_seq)  # never a log zone (defensive)
+        unused = sorted(((rec.index_zones_seen - set(store.live)) | set(store.empty_zones()))
+                        - chain)
         if unused:
             await trio.to_thread.run_sync(journal.log.reset_zones, unused)
             for zone in unused:

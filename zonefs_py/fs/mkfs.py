@@ -18,6 +18,7 @@ from collections.abc import Callable
 from zonefs_py import errors
 from zonefs_py.device.base import ZoneCond, ZonedDevice, capabilities
 from zonefs_py.format.constants import DISK_VERSION, INDEX_DISK_VERSION, OpType
+from zonefs_py.format.nsindex import IndexRoot
 from zonefs_py.format.superblock import LABEL_MAX, Superblock
 from zonefs_py.fs.api import ROOT_INO
 from zonefs_py.journal.journal import checkpoint_records, index_checkpoint_records
@@ -28,6 +29,9 @@ from zonefs_py.model.dirty import inode_record
 from zonefs_py.model.state import State
 
 MIN_DATA_ZONES = 4
+#: Format 5: the log (its zone, a fresh one per checkpoint, one kept for a mount
+#: after a crash) and the index (its zone, one it may move to, cleaning room).
+MIN_INDEX_META_ZONES = 6
 DEFAULT_RESERVE_PERCENT = 5.0
 
 
@@ -68,8 +72,14 @@ def make_filesystem(dev: ZonedDevice, label: bytes = b"", *, meta_zones: int | N
         raise errors.InvalidArgument(
             "sequential zones are not contiguous (conventional zones must come first)")
     m = meta_zones if meta_zones is not None else default_meta_zones(len(seq))
+    if disk_version == INDEX_DISK_VERSION and meta_zones is None:
+        m = max(m, MIN_INDEX_META_ZONES)
     if m < 3:
         raise errors.InvalidArgument("at least 3 meta zones are needed")
+    if disk_version == INDEX_DISK_VERSION and m < MIN_INDEX_META_ZONES:
+        raise errors.InvalidArgument(
+            f"format {INDEX_DISK_VERSION} needs at least {MIN_INDEX_META_ZONES} meta zones "
+            "(the log and the namespace index share them)")
     if len(seq) < 2 + m + MIN_DATA_ZONES:
         raise errors.InvalidArgument(
             f"device has {len(seq)} sequential zones; zonefs-py needs at least "
@@ -106,14 +116,16 @@ def make_filesystem(dev: ZonedDevice, label: bytes = b"", *, meta_zones: int | N
                  now, now, now, 0))
     mlog = MetaLog(dev, sb.meta_first_zone, m, sb.fs_uuid, sb.fs_id)
     if sb.has_index:
-        # The root's record in a new tree (pages flushed by the commit) before
-        # the checkpoint that names its root.
+        # BEGIN first (the log keeps the first meta zone, as in format 4), then the
+        # root's record in a new tree (pages flushed by the commit), then the
+        # records that name its root.
+        records = index_checkpoint_records(state, 0, IndexRoot(0, 0, 0, {}))
+        positions = mlog.append(records[:1], new_zone=True)
         index = NamespaceIndex(dev, mlog, None)
         index.apply({ROOT_INO: inode_record(state, state.inodes[ROOT_INO])}, {})
-        records = index_checkpoint_records(state, 0, index.commit())
+        mlog.append(index_checkpoint_records(state, 0, index.commit())[1:])
     else:
-        records = checkpoint_records(state, 0)
-    positions = mlog.append(records, new_zone=True)
+        positions = mlog.append(checkpoint_records(state, 0), new_zone=True)
     dev.flush()
     first = positions[0]
     sb = sb.with_checkpoint(first.zone, first.offset, first.seq)

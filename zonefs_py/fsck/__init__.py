@@ -16,7 +16,11 @@ from __future__ import annotations
 
 from zonefs_py import errors
 from zonefs_py.device.base import ZonedDevice
-from zonefs_py.fsck.data import check_inv12_data_checksums, check_inv23_zone_summaries
+from zonefs_py.fsck.data import (
+    check_inv12_data_checksums,
+    check_inv23_zone_summaries,
+    check_inv25_namespace_index,
+)
 from zonefs_py.fsck.metadata import (
     check_inv2_layout,
     check_inv4_extents_within_wp,
@@ -71,6 +75,8 @@ def check_filesystem(dev: ZonedDevice, *, check_data: bool = True,
     check_inv22_inline_data(state, report)
     check_inv24_reservations(sb, state, zones, report)
     check_inv23_zone_summaries(dev, state, zones, report, read=not check_data)
+    check_inv25_namespace_index(range(sb.meta_first_zone, sb.meta_first_zone
+                                      + sb.meta_zone_count), rec, report)
     if check_data:
         check_inv12_data_checksums(dev, rec, report, progress)
     return report

@@ -1,8 +1,12 @@
-"""fsck's checks that read the device: zone summaries (INV-23), data checksums (INV-12)."""
+"""fsck's checks that read the device: zone summaries (INV-23), data checksums (INV-12),
+the namespace index of format 5 (INV-25)."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 from zonefs_py.device.base import Zone, ZonedDevice
+from zonefs_py.errors import CorruptionError
 from zonefs_py.format import zonesum
 from zonefs_py.format.checksum import first_bad_block
 from zonefs_py.fsck.report import Progress, Report
@@ -130,3 +134,28 @@ def _summary_checksums(summary: list[bytes | None] | None, block_size: int, rel:
             return None
         out += block[a * 4:b * 4]
     return bytes(out)
+
+
+def check_inv25_namespace_index(sb_meta: range, rec: Recovered, report: Report) -> None:
+    """INV-25 (format 5): every page the index's root reaches decodes, lies in a
+    meta zone the newest CHECKPOINT_INDEX lists, and each listed zone's live page
+    count equals the pages the tree references there. (The mount's load already
+    read every leaf and checked levels and separators.)"""
+    index = rec.index
+    if index is None:
+        return
+    counts: Counter[int] = Counter()
+    zone_size = index.store.zone_size
+    try:
+        for address in index.tree.page_addresses():
+            counts[address // zone_size] += 1
+    except CorruptionError as exc:
+        report.add("INV-25", f"namespace index: {exc}")
+        return
+    for zone in sorted(counts):
+        if zone not in sb_meta or zone not in index.store.live:
+            report.add("INV-25", f"index pages in zone {zone}, which is no index zone")
+    for zone, recorded in sorted(index.store.live.items()):
+        if counts.get(zone, 0) != recorded:
+            report.add("INV-25", f"index zone {zone}: the checkpoint records {recorded} live "
+                       f"pages, the tree references {counts.get(zone, 0)}")

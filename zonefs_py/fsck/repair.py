@@ -79,6 +79,8 @@ def repair_filesystem(dev: ZonedDevice) -> list[str]:
         keep.add(fs.journal.sb.checkpoint_zone)
         if mlog.cur_zone is not None:
             keep.add(mlog.cur_zone)
+        if fs.journal.index is not None:  # format 5: the index's pages
+            keep.update(fs.journal.index.store.live)
         others = [z for z in mlog.zones if z not in keep]
         await trio.to_thread.run_sync(mlog.reset_zones, others)
         await fs.close()

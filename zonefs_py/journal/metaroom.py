@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from zonefs_py.format.constants import OpType
 from zonefs_py.journal.log import MetaLog
+from zonefs_py.journal.nsindex import SPACE_FACTOR as INDEX_SPACE_FACTOR
 from zonefs_py.model.state import State
 
 #: Checkpoint bytes per inode assumed before any checkpoint was measured (an empty
@@ -46,10 +47,16 @@ _NEW_INODE_CONTENT = {OpType.INLINE: 1, OpType.SYMLINK: 1, OpType.XATTR_SET: 1,
 DIRENT_ALLOWANCE_BYTES = 64
 
 
+#: Format 5: index page bytes one changed entry may cost a checkpoint, at most
+#: (an entry of ~100-250 bytes in a page half full; `_meta_short`).
+DIRTY_ENTRY_BYTES = 512
+
+
 class MetaRoom:
     """The meta area's figures and the estimates made from them (module docstring)."""
 
     log: MetaLog
+    state: State
 
     def __init__(self, state: State, checkpoint_bytes: int, checkpoint_disk_bytes: int,
                  index_live_bytes: int | None = None) -> None:
@@ -100,6 +107,14 @@ class MetaRoom:
 
     def _meta_short(self) -> bool:
         cap = self.log.zone_capacity_bytes
+        if self.index_mode:
+            # Format 5: the next checkpoint writes the index pages its changed
+            # entries dirty (each at most DIRTY_ENTRY_BYTES of pages half full)
+            # beside the log's fresh zone: asked for before the zones run out.
+            dirty = self.state.dirty
+            pending = 0 if dirty is None else len(dirty) * DIRTY_ENTRY_BYTES
+            needed = (2 * (self.last_checkpoint_disk_bytes + pending)) // max(cap, 1) + 3
+            return self.log.free_zone_count() < needed
         # Twice the newest checkpoint as stored: the next one, grown by what the
         # journal meanwhile added (since `checkpoint_needed` lets the journal
         # reach the checkpoint's own size, it may be up to twice as large); +3:
@@ -123,6 +138,12 @@ class MetaRoom:
         (`estimated_checkpoint_bytes`) is not exact.
         """
         cap = self.log.zone_capacity_bytes
+        if self.index_mode:
+            # Format 5: the index's live pages, with the room cleaning may leave
+            # (SPACE_FACTOR x what they fill + 2 zones, journal/nsindex.py), beside
+            # the log's current zone, a checkpoint's fresh one and a spare.
+            zones = len(self.log.zones) - 5
+            return max(cap // 4, int(zones * cap / INDEX_SPACE_FACTOR)) * 4 // 5
         return max(1, (len(self.log.zones) - 2) // 2) * cap * 4 // 5
 
     def estimated_checkpoint_bytes(self, inodes: int) -> int:

@@ -81,7 +81,9 @@ class MetaPageStore:
         self.mlog = mlog
         self.page_size_bytes = page_size_bytes
         self.zone_size = dev.info.zone_size_bytes
-        self.live: dict[int, int] = dict(root.zones) if root else {}
+        # A zone listed with no live page may have been reset and reused since
+        # (by the log, even): it is no index zone (DESIGN.md 3.14).
+        self.live: dict[int, int] = {z: n for z, n in root.zones.items() if n} if root else {}
         self.current: int | None = None
         self._wp: dict[int, int] = {}
         if self.live:
@@ -91,9 +93,11 @@ class MetaPageStore:
             missing = set(self.live) - set(self._wp)
             if missing:
                 raise IndexCorrupt(0, f"index zones {sorted(missing)} are not on the device")
-        if root is not None and root.current_zone != NO_ZONE:
+        if root is not None and root.current_zone in self.live:
             self.current = root.current_zone
         self.pages_written = 0
+        #: Index zones reset (given back to the log's pool) since this store was made.
+        self.zones_reset = 0
 
     def _zone_end(self, zone: int) -> int:
         return zone * self.zone_size + self.mlog.capacity_bytes(zone)
@@ -152,6 +156,7 @@ class MetaPageStore:
         """`zone` was reset: it is no index zone any more."""
         del self.live[zone]
         del self._wp[zone]
+        self.zones_reset += 1
 
     def live_pages(self) -> int:
         return sum(self.live.values())
@@ -177,6 +182,8 @@ class NamespaceIndex:
         self.last_written = 0
         self.last_obsolete = 0
         self.last_relocated = 0
+        #: Pages copied forward by cleaning since this index was opened.
+        self.pages_relocated = 0
 
     # -- mount ---------------------------------------------------------------------------
     def load_into(self, state: State) -> int:
@@ -264,6 +271,7 @@ class NamespaceIndex:
                     # live page there keeps the zone's count up, so it is never reset.
                     continue
         self.last_relocated = relocated
+        self.pages_relocated += relocated
         return relocated
 
     def commit(self) -> IndexRoot:

@@ -22,8 +22,8 @@ from zonefs_py.format.constants import RecordType
 from zonefs_py.format.nsindex import IndexRecordError, IndexRoot
 from zonefs_py.format.ops import Op, OpDecodeError, decode_ops, record_body
 from zonefs_py.format.superblock import Superblock
-from zonefs_py.journal.journal import CHECKPOINT_ABORT, CHECKPOINT_END
 from zonefs_py.index.errors import IndexCorrupt
+from zonefs_py.journal.journal import CHECKPOINT_ABORT, CHECKPOINT_END
 from zonefs_py.journal.log import LogCorrupt, LogPosition, MetaLog, ScanResult
 from zonefs_py.journal.nsindex import NamespaceIndex
 from zonefs_py.journal.sbstore import SuperblockStore
@@ -67,9 +67,9 @@ class Recovered:
     #: Format 5: the namespace index of the newest complete checkpoint loaded
     #: (the engine's checkpoints go on from it), else None.
     index: NamespaceIndex | None = None
-    #: Format 5: every meta zone some CHECKPOINT_INDEX met in the replay lists
-    #: (kept out of `scan.garbage_zones`; those the newest does not use are
-    #: reset once the superblock points at it).
+    #: Format 5: every meta zone holding live pages of some complete checkpoint's
+    #: tree met in the replay (kept out of `scan.garbage_zones`; those the newest
+    #: does not use are reset once the superblock points at it).
     index_zones_seen: set[int] = field(default_factory=set)
 
 
@@ -157,8 +157,8 @@ def _recover(dev: ZonedDevice, *, salvage: bool = False,
     #: (payload bytes, meta-area bytes) of the checkpoint being loaded, and where
     #: its last record ended.
     cp_bytes = cp_disk = cp_end = 0
-    #: Format 5: the index of the checkpoint being loaded.
-    loading_index: NamespaceIndex | None = None
+    #: Format 5: the CHECKPOINT_INDEX of the checkpoint being loaded.
+    loading_root: IndexRoot | None = None
     first = True
     total_bytes = 0
     if progress is not None:
@@ -179,7 +179,7 @@ def _recover(dev: ZonedDevice, *, salvage: bool = False,
                 if loading is not None:
                     raise LogCorrupt(f"checkpoint at {off} begins inside another")
                 loading = state if first else State(sb.block_size, sb.zone_size)
-                loading_index = None
+                loading_root = None
                 inside = []
                 loaded_records = 0
                 begin = LogPosition(off // dev.info.zone_size_bytes, off, rec.seq)
@@ -198,15 +198,15 @@ def _recover(dev: ZonedDevice, *, salvage: bool = False,
                 cp_end = off + rec.size_bytes
                 loaded_records += 1
             elif rec.type == RecordType.CHECKPOINT_INDEX:
-                if loading is None or not sb.has_index or loading_index is not None:
+                if loading is None or not sb.has_index or loading_root is not None:
                     raise LogCorrupt(f"unexpected CHECKPOINT_INDEX record at {off}")
                 try:
                     root = IndexRoot.decode(rec.payload)
                 except IndexRecordError as exc:
                     raise LogCorrupt(f"checkpoint index at {off}: {exc}") from None
-                res.index_zones_seen.update(root.zones)
-                loading_index = NamespaceIndex(dev, mlog, root)
-                res.ops += loading_index.load_into(loading)
+                # Loaded at END only: a torn checkpoint's tree is never read (its
+                # zones may be reset by then; DESIGN.md 3.14).
+                loading_root = root
                 cp_disk += _zone_change_bytes(mlog, cp_end, off) + rec.size_bytes
                 cp_end = off + rec.size_bytes
             elif rec.type == RecordType.CHECKPOINT_END:
@@ -216,11 +216,15 @@ def _recover(dev: ZonedDevice, *, salvage: bool = False,
                 if nrec != loaded_records:
                     raise LogCorrupt(f"checkpoint at {off} has {loaded_records} of {nrec} records")
                 if sb.has_index:
-                    if loading_index is None:
+                    if loading_root is None:
                         raise LogCorrupt(f"format 5 checkpoint ending at {off} has no index")
+                    # Zones whose pages this tree references: kept (not garbage)
+                    # until the superblock points past a checkpoint using them.
+                    res.index_zones_seen.update(z for z, n in loading_root.zones.items() if n)
+                    res.index = NamespaceIndex(dev, mlog, loading_root)
+                    res.ops += res.index.load_into(loading)
                     # From here on, replayed ops are changes the index lacks.
                     loading.dirty = DirtySet()
-                    res.index = loading_index
                 # The checkpoint is the State as of its BEGIN; the commits written
                 # inside it came after. (When it is not the first, `state` got them
                 # too, from the journal before BEGIN on: the two are the same.)

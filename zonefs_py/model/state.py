@@ -23,13 +23,13 @@ from collections.abc import Callable, Iterator
 from zonefs_py.format.constants import OpType
 from zonefs_py.format.ops import Op
 from zonefs_py.format.zonesum import summary_end
+from zonefs_py.model.dirty import DirtySet
 from zonefs_py.model.drain import DrainRecord
 from zonefs_py.model.errors import StateError
 from zonefs_py.model.extents import EMPTY_EXTENTS, ExtentMap, Freed
 from zonefs_py.model.inode import CAPABILITY_XATTR, Inode, inline_op
 from zonefs_py.model.prealloc import Reservations
 from zonefs_py.model.shared import SharedBlocks
-from zonefs_py.model.dirty import DirtySet
 from zonefs_py.model.snapshot import Snapshot, SnapshotHook, snapshot_ops
 
 # Importers of the model's names from here keep working (the classes live in
