@@ -261,13 +261,17 @@ class BTree:
         leaf = frames[-1].page
         assert isinstance(leaf, LeafPage)
         i = bisect_left(leaf.keys, key)
+        tail = False
         if i < len(leaf.keys) and leaf.keys[i] == key:
             leaf.values[i] = value
         else:
             leaf.keys.insert(i, key)
             leaf.values.insert(i, value)
+            tail = i == len(leaf.keys) - 1
         self._mutations += 1
-        self._rebalance(frames)
+        # Puts never merge: an underfull page only comes from a tail split, and
+        # merging it back would borrow half of its full left sibling each time.
+        self._rebalance(frames, tail=tail, merge=False)
 
     def delete(self, key: bytes) -> bool:
         """Remove `key`; return whether it was present (an absent key dirties nothing)."""
@@ -328,38 +332,52 @@ class BTree:
             return True
         return body_bytes(page) < self.limits.body_bytes // 4
 
-    def _rebalance(self, frames: list[_Frame]) -> None:
-        """Split or merge the changed pages of `frames`, bottom up, then fix the root."""
+    def _rebalance(self, frames: list[_Frame], *, tail: bool = False,
+                   merge: bool = True) -> None:
+        """Split or merge the changed pages of `frames`, bottom up, then fix the root.
+
+        `tail`: the change appended an entry at the end of the leaf. A page that
+        then overflows at its end is split leaving the left page full (all but
+        its last entry; of an internal page, all but two children), so keys
+        inserted in ascending order (new inodes, a directory filled in name
+        order) pack pages instead of leaving them half full."""
         for depth in range(len(frames) - 1, 0, -1):
             parent = frames[depth - 1].page
             assert isinstance(parent, InternalPage)
             frame = frames[depth]
             if body_bytes(frame.page) > self.limits.body_bytes:
-                self._split_child(parent, frame.idx_in_parent)
-            elif self._underfull(frame.page):
-                self._merge_child(parent, frame.idx_in_parent)
+                self._split_child(parent, frame.idx_in_parent, tail)
+                # The separator went in at the split child's place: the parent's
+                # end only if that child was its last.
+                tail = tail and frame.idx_in_parent == len(parent.children) - 2
+            else:
+                tail = False
+                if merge and self._underfull(frame.page):
+                    self._merge_child(parent, frame.idx_in_parent)
         assert self._root is not None
         root = self._load(self._root)
         if body_bytes(root) > self.limits.body_bytes:
             new_root = InternalPage(root.level + 1, [], [self._root])
-            self._split_child(new_root, 0)
+            self._split_child(new_root, 0, tail)
             self._root = self.cache.add_dirty(new_root)
         while isinstance(root, InternalPage) and len(root.children) == 1:
             self._forget(self._root)
             self._root = root.children[0]
             root = self._load(self._root)
 
-    def _split_child(self, parent: InternalPage, idx: int) -> None:
-        """Cut the dirty child `idx` of `parent` in two; the right half is a new dirty page."""
+    def _split_child(self, parent: InternalPage, idx: int, tail: bool = False) -> None:
+        """Cut the dirty child `idx` of `parent` in two; the right half is a new dirty page
+        (at the end of the left one's entries when `tail`, see `_rebalance`)."""
         page = self.cache.dirty(parent.children[idx])
         right: Page
         if isinstance(page, LeafPage):
-            m = _leaf_split_point(page)
+            m = len(page.keys) - 1 if tail else _leaf_split_point(page)
             right = LeafPage(page.keys[m:], page.values[m:])
             del page.keys[m:], page.values[m:]
             separator = right.keys[0]
         else:
-            m = _internal_split_point(page)
+            m = (len(page.children) - 2 if tail and len(page.children) >= 4
+                 else _internal_split_point(page))
             separator = page.keys[m - 1]
             right = InternalPage(page.level, page.keys[m:], page.children[m:])
             del page.keys[m - 1:], page.children[m:]

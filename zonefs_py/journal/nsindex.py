@@ -21,6 +21,7 @@ with one device read of a page each, also when cleaning reads a zone.
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import Iterator
 
@@ -41,13 +42,13 @@ from zonefs_py.format.nsindex import (
     split_inode_key,
     split_parts,
 )
-from zonefs_py.format.ops import Op, OpDecodeError, decode_ops
+from zonefs_py.format.ops import OpDecodeError, decode_ops
 from zonefs_py.index.btree import BTree
 from zonefs_py.index.cache import PageCache
 from zonefs_py.index.errors import IndexCorrupt
 from zonefs_py.index.page import DEFAULT_PAGE_SIZE_BYTES, Page, PageLimits
 from zonefs_py.journal.log import MetaLog
-from zonefs_py.model.state import State, StateError
+from zonefs_py.model.state import State
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,13 @@ CACHE_PAGES = 2048
 #: Index zones at most, as a multiple of the zones its live pages fill (+2):
 #: past it, a checkpoint copies the live pages of the sparsest zones forward.
 SPACE_FACTOR = 1.5
+#: Inode records decoded in one call at mount.
+LOAD_BATCH_RECORDS = 1024
+#: Index pages written to the device in one append at most (a commit's pages are
+#: batched until its flush).
+WRITE_BATCH_BYTES = 1 << 20
+#: Bytes read at a time while mount loads the tree (pages lie mostly in order).
+LOAD_READ_AHEAD_BYTES = 1 << 20
 #: Zones one checkpoint cleans at most.
 CLEAN_ZONES_PER_CHECKPOINT = 2
 _END_OF_DIRENTS = bytes([DIRENT_PREFIX[0] + 1])
@@ -95,6 +103,13 @@ class MetaPageStore:
                 raise IndexCorrupt(0, f"index zones {sorted(missing)} are not on the device")
         if root is not None and root.current_zone in self.live:
             self.current = root.current_zone
+        #: Bytes one device read takes while scanning (`set_read_ahead`), and the
+        #: (address, bytes) read ahead last.
+        self.read_ahead_bytes = 0
+        self._ahead: tuple[int, bytes] = (0, b"")
+        #: Pages appended but not yet written, from address `_pending_at` on.
+        self._pending: list[bytes] = []
+        self._pending_at = 0
         self.pages_written = 0
         #: Index zones reset (given back to the log's pool) since this store was made.
         self.zones_reset = 0
@@ -109,13 +124,35 @@ class MetaPageStore:
         zone = self.current
         if zone is None or self._wp[zone] + ps > self._zone_end(zone):
             zone = self._next_zone()
-        address = self.dev.append(zone, page_bytes)
+        # Written in batches (`_write_pending`): the address is the write pointer
+        # once the pages before it are out, which the batch's append checks.
+        address = self._wp[zone]
+        if not self._pending:
+            self._pending_at = address
+        self._pending.append(page_bytes)
         self._wp[zone] = address + ps
         self.live[zone] += 1
         self.pages_written += 1
+        if len(self._pending) * ps >= WRITE_BATCH_BYTES:
+            self._write_pending()
         return address
 
+    def _write_pending(self) -> None:
+        """Append the batched pages (one device write); they must land where
+        `append` said (the zone has no other writer)."""
+        if not self._pending:
+            return
+        data = b"".join(self._pending)
+        expected = self._pending_at
+        zone = expected // self.zone_size
+        self._pending = []
+        landed = self.dev.append(zone, data)
+        if landed != expected:
+            raise OSError(errno.EIO, f"index pages for zone {zone} landed at {landed}, "
+                          f"not at {expected}")
+
     def _next_zone(self) -> int:
+        self._write_pending()
         old = self.current
         if old is not None and self._wp[old] < self._zone_end(old):
             self.dev.finish_zone(old)  # its active token back; nothing more goes there
@@ -128,12 +165,31 @@ class MetaPageStore:
 
     def read(self, address: int) -> bytes:
         zone = address // self.zone_size
-        if zone not in self._wp or address % self.page_size_bytes \
-                or address + self.page_size_bytes > self._wp[zone]:
+        ps = self.page_size_bytes
+        if zone not in self._wp or address % ps or address + ps > self._wp[zone]:
             raise IndexCorrupt(address, "address outside the written part of the index zones")
-        return self.dev.read(address, self.page_size_bytes)
+        if self._pending and address >= self._pending_at \
+                and address // self.zone_size == self._pending_at // self.zone_size:
+            return self._pending[(address - self._pending_at) // ps]
+        start, ahead = self._ahead
+        if start <= address and address + ps <= start + len(ahead):
+            return ahead[address - start:address - start + ps]
+        if not self.read_ahead_bytes:
+            return self.dev.read(address, ps)
+        # A scan (mount): pages were appended in commit order, children first,
+        # so a leaf's neighbours mostly follow it in the zone.
+        length = min(self.read_ahead_bytes, self._wp[zone] - address)
+        self._ahead = (address, self.dev.read(address, length))
+        return self._ahead[1][:ps]
+
+    def set_read_ahead(self, nbytes: int) -> None:
+        """Read `nbytes` at a time from now on (0: one page a time) and drop what
+        was read ahead."""
+        self.read_ahead_bytes = nbytes
+        self._ahead = (0, b"")
 
     def flush(self) -> None:
+        self._write_pending()
         self.dev.flush()
 
     def release(self, addresses: list[int]) -> None:
@@ -193,20 +249,33 @@ class NamespaceIndex:
         Raises IndexCorrupt for a damaged page or record (recovery turns it into
         CorruptionError naming fsck), StateError for records that do not fit.
         """
+        self.store.set_read_ahead(LOAD_READ_AHEAD_BYTES)
+        try:
+            return self._load_into(state)
+        finally:
+            self.store.set_read_ahead(0)
+
+    def _load_into(self, state: State) -> int:
         count = 0
-        ino = -1
-        parts: list[bytes] = []
+        inos: list[int] = []
+        blobs: list[bytes] = []
+        part_of = -1
         for key, value in self.tree.scan(INODE_PREFIX, DIRENT_PREFIX):
-            k_ino, part = _inode_key(key)
-            if k_ino != ino:
-                if parts:
-                    count += self._apply_record(state, ino, parts)
-                ino, parts = k_ino, []
-            if part != len(parts):
-                raise IndexCorrupt(0, f"inode {k_ino}: record part {part} after {len(parts)}")
-            parts.append(value)
-        if parts:
-            count += self._apply_record(state, ino, parts)
+            ino, part = _inode_key(key)
+            if inos and ino == inos[-1]:
+                if part != part_of + 1:
+                    raise IndexCorrupt(0, f"inode {ino}: record part {part} after {part_of}")
+            else:
+                if part != 0:
+                    raise IndexCorrupt(0, f"inode {ino}: record starts with part {part}")
+                if len(inos) >= LOAD_BATCH_RECORDS:
+                    count += self._apply_records(state, inos, blobs)
+                    inos, blobs = [], []
+                inos.append(ino)
+            part_of = part
+            blobs.append(value)
+        if inos:
+            count += self._apply_records(state, inos, blobs)
         for key, value in self.tree.scan(DIRENT_PREFIX, _END_OF_DIRENTS):
             try:
                 parent, name = split_dirent_key(key)
@@ -218,14 +287,28 @@ class NamespaceIndex:
         return count
 
     @staticmethod
-    def _apply_record(state: State, ino: int, parts: list[bytes]) -> int:
+    def _apply_records(state: State, inos: list[int], blobs: list[bytes]) -> int:
+        """Decode consecutive inode records at once (one call for many: mount time)
+        and apply them. Each must be one INODE op of its key's inode, then only
+        ops of that inode an inode record may hold (SPEC "Namespace index")."""
         try:
-            ops = decode_ops(b"".join(parts))
+            ops = decode_ops(b"".join(blobs))
         except OpDecodeError as exc:
-            raise IndexCorrupt(0, f"inode {ino}: record does not decode: {exc}") from None
-        if not ops or ops[0][0] != OpType.INODE or any(op[1] != ino for op in ops):
-            raise IndexCorrupt(0, f"inode {ino}: record is not that inode's")
-        _check_record_ops(ino, ops)
+            raise IndexCorrupt(0, f"inode records from {inos[0]} on do not decode: "
+                               f"{exc}") from None
+        expect = iter(inos)
+        cur = None
+        for op in ops:
+            if op[0] == OpType.INODE:
+                cur = next(expect, None)
+                if op[1] != cur:
+                    raise IndexCorrupt(0, f"inode record of {cur} holds inode {op[1]}")
+            elif op[1] != cur or op[0] not in _RECORD_OPS:
+                raise IndexCorrupt(0, f"inode record of {cur} holds a "
+                                   f"{OpType(op[0]).name} op of {op[1]}")
+        missing = next(expect, None)
+        if missing is not None:
+            raise IndexCorrupt(0, f"inode record of {missing} holds no INODE op")
         state.apply_all(ops)
         return len(ops)
 
@@ -309,12 +392,6 @@ def _inode_key(key: bytes) -> tuple[int, int]:
         raise IndexCorrupt(0, str(exc)) from None
 
 
-#: Ops an inode record may hold (SPEC "Namespace index"): never a name or a zone.
-_RECORD_OPS = frozenset({OpType.INODE, OpType.SYMLINK, OpType.XATTR_SET, OpType.DRAIN,
-                         OpType.INLINE, OpType.EXTENT, OpType.PREALLOC})
-
-
-def _check_record_ops(ino: int, ops: list[Op]) -> None:
-    for op in ops[1:]:
-        if op[0] not in _RECORD_OPS:
-            raise StateError(f"inode {ino}: {OpType(op[0]).name} op in its index record")
+#: Ops an inode record may hold after its INODE op (SPEC "Namespace index").
+_RECORD_OPS = frozenset({OpType.SYMLINK, OpType.XATTR_SET, OpType.DRAIN, OpType.INLINE,
+                         OpType.EXTENT, OpType.PREALLOC})
