@@ -8,6 +8,7 @@ index page refuses the mount (fsck named), never yields a wrong name.
 from __future__ import annotations
 
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from engine_helpers import (
     MiB,
     assert_fsck_clean,
     mounted,
+    new_image,
     pattern,
     read_tree,
     write_file,
@@ -224,3 +226,60 @@ async def test_an_index_zone_the_log_reused_is_never_reset_by_a_mount(tmp_path: 
         finally:
             dev.close()
     assert_fsck_clean(image)
+
+
+async def test_a_format4_image_is_converted_by_a_mount_with_format_5(tmp_path: Path) -> None:
+    image = tmp_path / "a.img"
+    new_image(image, Geometry(meta_zones=8, disk_version=4))
+    async with mounted(image) as fs:
+        await populate(fs, random.Random(4), dirs=3, files=20)
+        before = await read_tree(fs)
+    async with mounted(image, options=TEST_OPTIONS.replace(convert_format=5)) as fs:
+        assert fs.journal.index is not None
+        assert fs.sb.disk_version == INDEX_DISK_VERSION
+        assert await read_tree(fs) == before
+        await write_file(fs, "/after", b"a" * 100)
+        before = await read_tree(fs)
+    async with mounted(image) as fs:
+        assert fs.recovered.index is not None
+        assert await read_tree(fs) == before
+
+
+@pytest.mark.expect_log("zonefs_py", "ERROR", "")  # every cut fails writes on purpose
+async def test_a_power_cut_at_any_write_of_a_conversion_loses_nothing(tmp_path: Path) -> None:
+    """The conversion's writes: the index pages, the checkpoint's records, the
+    superblock, the resets after it. Cut after each: the image mounts (as
+    format 4 or 5), holds the same tree, and fsck finds nothing."""
+    base = tmp_path / "base.img"
+    new_image(base, Geometry(meta_zones=8, disk_version=4))
+    async with mounted(base) as fs:
+        await populate(fs, random.Random(6), dirs=2, files=15)
+        expected = await read_tree(fs)
+    convert = TEST_OPTIONS.replace(convert_format=5)
+
+    async def convert_with_cut(image: Path, cut_after: int | None) -> int:
+        dev = EmulatedZonedDevice.open(image, volatile_cache=True, cut_after_writes=cut_after)
+        try:
+            async with ZoneFS.mount(dev, convert) as fs:
+                assert fs.sb.disk_version == INDEX_DISK_VERSION
+            return int(dev.faults.writes_seen)
+        except (OSError, errors.ZoneFSError):
+            assert cut_after is not None
+            return cut_after
+        finally:
+            dev.close()
+
+    image = tmp_path / "count.img"
+    shutil.copyfile(base, image)
+    total = await convert_with_cut(image, None)
+    assert total >= 5
+    versions = set()
+    for k in range(1, total + 1):
+        image = tmp_path / f"k{k}.img"
+        shutil.copyfile(base, image)
+        await convert_with_cut(image, k)
+        async with mounted(image) as fs:
+            versions.add(fs.sb.disk_version)
+            assert await read_tree(fs) == expected, f"cut after write {k} of {total}"
+        image.unlink()
+    assert versions == {4, INDEX_DISK_VERSION}, versions

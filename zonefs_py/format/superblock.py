@@ -65,6 +65,10 @@ class Superblock:
         valid version 3 log: the conversion is this rewrite)."""
         return replace(self, disk_version=DISK_VERSION)
 
+    def as_version(self, version: int) -> Superblock:
+        """This superblock with another on-disk format version (a conversion)."""
+        return replace(self, disk_version=version)
+
     @property
     def has_index(self) -> bool:
         """Whether the namespace lives in the on-device index (version 5)."""

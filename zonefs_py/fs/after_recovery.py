@@ -17,13 +17,15 @@ import trio
 
 from zonefs_py import errors
 from zonefs_py.alloc.allocator import Allocator
-from zonefs_py.format.constants import DISK_VERSION, OpType
+from zonefs_py.format.constants import DISK_VERSION, INDEX_DISK_VERSION, OpType
 from zonefs_py.format.ops import Op
 from zonefs_py.format.superblock import Superblock
 from zonefs_py.fs.api import ROOT_INO
 from zonefs_py.fs.reclaim import SpaceReclaim
 from zonefs_py.journal.journal import Journal
+from zonefs_py.journal.nsindex import NamespaceIndex
 from zonefs_py.journal.recovery import Recovered
+from zonefs_py.model.dirty import DirtySet
 from zonefs_py.model.state import State
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,27 @@ def refuse_non_tree(state: State, path: str) -> None:
             raise errors.CorruptionError(
                 f"{path}: directory {ino} has {names.get(ino, 0)} names or is not reachable "
                 "from the root (INV-11); run 'zonefs-py fsck'")
+
+
+async def convert_to_index(state: State, journal: Journal) -> Superblock:
+    """Convert a format 2-4 image to format 5 (mount option format=5; DESIGN.md 3.14).
+
+    Every inode and name is marked changed and the next checkpoint, written
+    now, builds the index from them; its superblock write makes the image
+    format 5. A crash before that leaves the image at its format: a torn
+    checkpoint is ignored (its index zones are garbage), a complete one is
+    loaded by the next mount, which then writes the format-5 superblock.
+    """
+    dirty = DirtySet()
+    dirty.inos.update(state.inodes)
+    for d in state.inodes.values():
+        if d.entries:
+            dirty.dirents.update((d.ino, name) for name in d.entries)
+    journal.start_index(NamespaceIndex(journal.dev, journal.log, None), dirty)
+    await journal.checkpoint()
+    log.info("converted on-disk format %d to %d: %d inodes, %d names in the index",
+             DISK_VERSION, INDEX_DISK_VERSION, len(dirty.inos), len(dirty.dirents))
+    return journal.sb
 
 
 async def finish_recovery(rec: Recovered, journal: Journal, alloc: Allocator,
@@ -105,6 +128,9 @@ async def finish_recovery(rec: Recovered, journal: Journal, alloc: Allocator,
         # finish that step, or the zones before it stay in use for good and
         # the log runs out of meta zones (LogFull).
         written = rec.sb.with_checkpoint(cp.zone, cp.offset, cp.seq)
+        if rec.index is not None and not written.has_index:
+            # That checkpoint converted the image to format 5 (convert_to_index).
+            written = written.as_version(INDEX_DISK_VERSION)
         await journal.write_superblock(written)
         mlog = journal.log
         obsolete = mlog.zones_before(mlog.zone_first_seq[cp.zone])

@@ -43,7 +43,7 @@ from zonefs_py.device.aread import AsyncReader
 from zonefs_py.device.base import ZonedDevice
 from zonefs_py.format.constants import C_META_BYTES, OpType
 from zonefs_py.format.ops import Op
-from zonefs_py.fs.after_recovery import finish_recovery, refuse_non_tree
+from zonefs_py.fs.after_recovery import convert_to_index, finish_recovery, refuse_non_tree
 from zonefs_py.fs.api import (
     ROOT_INO,
     Attr,
@@ -206,6 +206,8 @@ class ZoneFS(NamespaceOps, HandleOps, AttrOps, FileSystemAPI):
                                    self._txn, self.options.checkpoint_journal_bytes)
         if sb is not None:
             self.sb = sb
+        if self.options.convert_format and self.journal.index is None:
+            self.sb = await convert_to_index(self.state, self.journal)
 
     async def serve_background(self) -> None:
         """Run periodic commits, checkpoints and zone resets until `close()`.

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
-from zonefs_py.format.constants import INLINE_MAX_BYTES
+from zonefs_py.format.constants import INDEX_DISK_VERSION, INLINE_MAX_BYTES
 
 
 def _flag(value: str) -> bool:
@@ -88,6 +88,10 @@ class FsOptions:
     #: Seconds a queued file waits before its upload starts (a rename into place
     #: right after the fsync+close then names the object).
     drain_delay_s: float = 1.0
+    #: On-disk format to convert the image to at this read-write mount: 5 turns a
+    #: format 2-4 image into format 5 (the namespace index, DESIGN.md 3.14); 0 (the
+    #: default) keeps the image's format. There is no conversion back to 4.
+    convert_format: int = 0
 
     _MOUNT_NAMES: ClassVar[dict[str, tuple[str, Callable[[str], object]]]] = {
         "commit": ("commit_interval_s", float),
@@ -113,6 +117,7 @@ class FsOptions:
         "drain_rate_reads": ("drain_rate_reads_mb_s", float),
         "drain_part_mb": ("drain_part_mb", int),
         "drain_delay": ("drain_delay_s", float),
+        "format": ("convert_format", int),
     }
     #: Options that were removed, with what replaced them.
     _RETIRED: ClassVar[dict[str, str]] = {
@@ -163,6 +168,9 @@ class FsOptions:
                 or not 1 <= result.drain_parallel <= 64:
             raise ValueError("drain_part_mb must be 5..5120 (S3's part sizes), "
                              "drain_parts and drain_parallel 1..64")
+        if result.convert_format not in (0, INDEX_DISK_VERSION):
+            raise ValueError(f"format={result.convert_format}: an image is converted to "
+                             f"format {INDEX_DISK_VERSION} only (format=5)")
         if not result.drain_rate_reads_mb_s >= 0 or not result.drain_rate_mb_s >= 0:
             raise ValueError("drain_rate and drain_rate_reads must be 0 (no limit) or MB/s")
         return result, rest

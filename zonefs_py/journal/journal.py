@@ -37,7 +37,7 @@ from typing import NoReturn
 import trio
 
 from zonefs_py.errors import CorruptionError
-from zonefs_py.format.constants import RecordType
+from zonefs_py.format.constants import INDEX_DISK_VERSION, RecordType
 from zonefs_py.format.nsindex import IndexRoot
 from zonefs_py.format.ops import encode_op
 from zonefs_py.format.records import padded_size
@@ -45,7 +45,7 @@ from zonefs_py.format.superblock import Superblock
 from zonefs_py.journal.commit import GroupCommit, _pack, _pack_iter
 from zonefs_py.journal.log import LogFull, LogPosition
 from zonefs_py.journal.nsindex import NamespaceIndex
-from zonefs_py.model.dirty import IndexSnapshot
+from zonefs_py.model.dirty import DirtySet, IndexSnapshot
 from zonefs_py.model.snapshot import head_ops
 from zonefs_py.model.state import Snapshot, State
 
@@ -290,6 +290,17 @@ class Journal(GroupCommit):
                  "%d obsolete), %d bytes of records; %d index zones reset", entries,
                  index.last_written, index.last_relocated, index.last_obsolete, disk,
                  len(reset))
+
+    def start_index(self, index: NamespaceIndex, dirty: DirtySet) -> None:
+        """Turn this journal's checkpoints into format 5's (a conversion): from the
+        next one on they write `dirty` (every entry) into `index`, and its
+        superblock write says format 5. Call with no checkpoint running."""
+        if self.index is not None or self.checkpoint_running:
+            raise RuntimeError("start_index: the journal has an index or a checkpoint runs")
+        self.index = index
+        self.index_mode = True
+        self.state.dirty = dirty
+        self.sb = self.sb.as_version(INDEX_DISK_VERSION)
 
     @staticmethod
     def _commit_index(index: NamespaceIndex, snap: IndexSnapshot) -> IndexRoot:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from zonefs_py import errors
 from zonefs_py.device.base import ZonedDevice
-from zonefs_py.format.constants import RecordType
+from zonefs_py.format.constants import DISK_VERSION, RecordType
 from zonefs_py.format.nsindex import IndexRecordError, IndexRoot
 from zonefs_py.format.ops import Op, OpDecodeError, decode_ops, record_body
 from zonefs_py.format.superblock import Superblock
@@ -198,7 +198,10 @@ def _recover(dev: ZonedDevice, *, salvage: bool = False,
                 cp_end = off + rec.size_bytes
                 loaded_records += 1
             elif rec.type == RecordType.CHECKPOINT_INDEX:
-                if loading is None or not sb.has_index or loading_root is not None:
+                # In a format 4 log: the checkpoint of a conversion to format 5
+                # whose superblock write was lost (fs/after_recovery.py).
+                if loading is None or sb.disk_version < DISK_VERSION \
+                        or loading_root is not None:
                     raise LogCorrupt(f"unexpected CHECKPOINT_INDEX record at {off}")
                 try:
                     root = IndexRoot.decode(rec.payload)
@@ -215,9 +218,9 @@ def _recover(dev: ZonedDevice, *, salvage: bool = False,
                 nrec, _nbytes = CHECKPOINT_END.unpack_from(rec.payload)
                 if nrec != loaded_records:
                     raise LogCorrupt(f"checkpoint at {off} has {loaded_records} of {nrec} records")
-                if sb.has_index:
-                    if loading_root is None:
-                        raise LogCorrupt(f"format 5 checkpoint ending at {off} has no index")
+                if (sb.has_index or res.index is not None) and loading_root is None:
+                    raise LogCorrupt(f"format 5 checkpoint ending at {off} has no index")
+                if loading_root is not None:
                     # Zones whose pages this tree references: kept (not garbage)
                     # until the superblock points past a checkpoint using them.
                     res.index_zones_seen.update(z for z, n in loading_root.zones.items() if n)
