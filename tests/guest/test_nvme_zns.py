@@ -218,3 +218,24 @@ def test_zone_append_past_capacity_fails_as_the_device_says() -> None:
             dev.append(7, bytes(256 * KiB))
         assert info.value.errno == errno.EIO
         assert dev.report_zones(7, 1)[0].wp_bytes == 7 * dev.info.zone_size_bytes + cap - 128 * KiB
+
+
+async def test_format5_index_on_nvme(nvme_factory: NvmeFactory) -> None:
+    """Format 5 (the namespace index, issue 32) on QEMU's zoned NVMe namespace
+    (12 MiB capacity in 16 MiB zones): checkpoints, remount, fsck (INV-25)."""
+    dev = nvme_factory.main()
+    make_filesystem(dev, meta_zones=6, disk_version=5)
+    async with ZoneFS.mount(dev, FsOptions(commit_interval_s=3600)) as fs:
+        assert fs.journal.index is not None
+        for i in range(200):
+            await _write(fs, b"s-%04d" % i, _blob(i, 200 + i))
+        await fs.journal.checkpoint()
+        await _write(fs, b"late", _blob(5, 9000))
+        await fs.journal.checkpoint()
+    report = check_filesystem(dev)
+    assert report.clean, [f.message for f in report.findings]
+    fs = await ZoneFS.load(dev, FsOptions())
+    assert fs.recovered.index is not None
+    assert await _read(fs, b"s-0042") == _blob(42, 242)
+    assert await _read(fs, b"late") == _blob(5, 9000)
+    await fs.close()

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from crashlib import TEST_DISK_VERSION
 
 REPO = Path(__file__).resolve().parents[2]
 #: The CLI under test; ZONEFS_IT_CLI (a shell-quoted command) overrides it.
@@ -199,7 +200,7 @@ def make_image(directory: Path, size: str = IMAGE_SIZE, zone_size: str = ZONE_SI
     """Create and format an emulator image."""
     image = directory / "dev.img"
     zonefs("emu", "create", str(image), "--size", size, "--zone-size", zone_size)
-    zonefs("mkfs", str(image))
+    zonefs("mkfs", str(image), "--format", str(TEST_DISK_VERSION))
     return image
 
 

@@ -231,8 +231,8 @@ async def index_churn(fs: ZoneFS, t: Tracker) -> None:
     pages split and merge and its sparse zones are cleaned (live pages copied
     forward, zones reset) while the namespace changes (tiny meta zones)."""
     rng = random.Random(32)
-    names = [f"/n{i:03d}-{'x' * rng.randrange(20, 60)}" for i in range(100)]
-    for i, path in enumerate(names[:80]):
+    names = [f"/n{i:03d}-{'x' * rng.randrange(20, 60)}" for i in range(300)]
+    for i, path in enumerate(names[:260]):
         t.expect(path, b"")
         t.expect(path, pattern(i, rng.randrange(100, 400)))
         await write_file(fs, path, t.versions[path][-1] or b"", fsync=False)
@@ -700,9 +700,15 @@ async def sweep(tmp_path: Path, name: str, mode: str,
     return total, seen
 
 
+#: Scenarios swept by the default suite: index_churn is for format 5's index
+#: (ZONEFS_TEST_FORMAT=5, .ci/run's format 5 step); on format 4 it would only
+#: repeat the other checkpoint scenarios at ~45 s a mode.
+SWEPT = [n for n in SCENARIOS if n != "index_churn" or TEST_DISK_VERSION != 4]
+
+
 @pytest.mark.expect_log("zonefs_py", "ERROR", "")
 @pytest.mark.parametrize("mode", ["drop", "tear"])
-@pytest.mark.parametrize("name", list(SCENARIOS))
+@pytest.mark.parametrize("name", SWEPT)
 async def test_power_cut_after_every_write(tmp_path: Path, name: str, mode: str) -> None:
     total, seen = await sweep(tmp_path, name, mode)
     print(f"{name} {mode}: {total} cut points; recovery paths taken: {dict(seen)}")

@@ -182,6 +182,12 @@ class MetaPageStore:
         self._ahead = (address, self.dev.read(address, length))
         return self._ahead[1][:ps]
 
+    def preload(self, address: int, pages: int) -> None:
+        """Read `pages` pages from `address` at once; reads of them are then served
+        from memory until `set_read_ahead` (cleaning a zone)."""
+        self._write_pending()
+        self._ahead = (address, self.dev.read(address, pages * self.page_size_bytes))
+
     def set_read_ahead(self, nbytes: int) -> None:
         """Read `nbytes` at a time from now on (0: one page a time) and drop what
         was read ahead."""
@@ -346,13 +352,22 @@ class NamespaceIndex:
         excess = len(store.live) - allowed
         relocated = 0
         for _, zone in victims[:max(0, min(excess, CLEAN_ZONES_PER_CHECKPOINT))]:
-            for address in store.page_addresses(zone):
-                try:
-                    relocated += self.tree.relocate([address])
-                except IndexCorrupt:
-                    # A torn page of a commit cut by a crash (garbage), or damage: a
-                    # live page there keeps the zone's count up, so it is never reset.
-                    continue
+            addresses = list(store.page_addresses(zone))
+            step = LOAD_READ_AHEAD_BYTES // store.page_size_bytes
+            try:
+                for i in range(0, len(addresses), step):
+                    # The victim's pages in one device read per MiB, not one each.
+                    store.preload(addresses[i], min(step, len(addresses) - i))
+                    for address in addresses[i:i + step]:
+                        try:
+                            relocated += self.tree.relocate([address])
+                        except IndexCorrupt:
+                            # A torn page of a commit cut by a crash (garbage), or
+                            # damage: a live page there keeps the zone's count up,
+                            # so the zone is never reset.
+                            continue
+            finally:
+                store.set_read_ahead(0)
         self.last_relocated = relocated
         self.pages_relocated += relocated
         return relocated
