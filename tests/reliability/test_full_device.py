@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from crashlib import TEST_DISK_VERSION
 from mounts import Mount, make_image, zonefs
 
 pytestmark = pytest.mark.integration
@@ -132,7 +133,9 @@ def test_full_meta_area_gives_enospc_and_stays_writable(workdir: Path,
     assert refused is not None
     assert refused.errno == errno.ENOSPC
     print(f"{n} files before ENOSPC")
-    assert 1000 < n < 50_000
+    # Format 5's index holds names and inodes uncompressed (~100-130 bytes a file
+    # against ~15 in format 4's compressed checkpoints) and keeps cleaning room.
+    assert (1000 if TEST_DISK_VERSION == 4 else 300) < n < 50_000
     st = os.statvfs(m.path)
     assert st.f_ffree == 0
     assert st.f_files >= n
