@@ -32,6 +32,7 @@ from zonefs_py.fs.api import ROOT_INO, RenameFlags, XattrFlags
 from zonefs_py.fs.filesystem import ZoneFS
 from zonefs_py.fs.mkfs import make_filesystem
 from zonefs_py.journal.recovery import read_superblock
+from zonefs_py.model.dirty import IndexSnapshot, inode_record
 
 #: Small meta zones, many of them: index zones fill and get cleaned quickly.
 GEO5 = Geometry(size_bytes=64 * MiB, zone_size_bytes=256 << 10, meta_zones=24)
@@ -283,3 +284,59 @@ async def test_a_power_cut_at_any_write_of_a_conversion_loses_nothing(tmp_path: 
             assert await read_tree(fs) == expected, f"cut after write {k} of {total}"
         image.unlink()
     assert versions == {4, INDEX_DISK_VERSION}, versions
+
+
+async def test_index_snapshot_is_the_state_of_its_first_instant(tmp_path: Path) -> None:
+    """Copy-on-write: an IndexSnapshot encoded a few entries at a time while the
+    namespace keeps changing holds exactly what an eager encoding at its start
+    would; a failed one gives every entry back to the next checkpoint."""
+    image = tmp_path / "a.img"
+    new_image5(image)
+    rng = random.Random(11)
+    async with mounted(image) as fs:
+        await populate(fs, rng, dirs=3, files=12)
+        state = fs.state
+        dirty = state.dirty
+        assert dirty is not None
+        assert len(dirty) > 40
+        want_inodes = {ino: None if ino not in state.inodes
+                       else inode_record(state, state.inodes[ino]) for ino in dirty.inos}
+        want_dirents = {(p, n): (state.inodes[p].entries or {}).get(n)
+                        if p in state.inodes else None for p, n in dirty.dirents}
+        snap = IndexSnapshot(state, dirty)
+        try:
+            serial = 0
+            while not snap.step(3):
+                serial += 1
+                d = rng.randrange(3)
+                dino = (await fs.lookup(ROOT_INO, b"d%d" % d)).ino
+                name = b"f%d" % rng.randrange(12)
+                try:
+                    if serial % 3 == 0:
+                        await fs.unlink(dino, name)
+                    elif serial % 3 == 1:
+                        await write_file(fs, f"/d{d}/{name.decode()}", pattern(serial, 900),
+                                         fsync=False)
+                    else:
+                        await fs.rename(dino, name, ROOT_INO, b"r%d" % serial,
+                                        RenameFlags.NONE)
+                except errors.NotFound:
+                    pass
+                fs.forget([(dino, 1)])
+        finally:
+            snap.close()
+        assert serial > 10
+        assert snap.copied > 0
+        assert snap.inodes == want_inodes
+        assert snap.dirents == want_dirents
+        now = state.dirty
+        assert now is not None
+        assert len(now) > 0  # the changes meanwhile: the next checkpoint's
+        # This snapshot is not written: its entries go back for the checkpoint of close.
+        now.inos.update(want_inodes)
+        now.dirents.update(want_dirents)
+        again = IndexSnapshot(state, now)
+        taken = len(again)
+        assert len(now) == 0
+        again.close(failed=True)  # a checkpoint whose BEGIN failed
+        assert len(now) == taken

@@ -32,7 +32,9 @@ from __future__ import annotations
 import logging
 import struct
 import time
-from typing import NoReturn
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Generic, NoReturn, Protocol, TypeVar
 
 import trio
 
@@ -71,6 +73,32 @@ CHECKPOINT_SLICE_PAUSE_S = 0.00025
 #: Checkpoint bytes written per hold of the log: a commit waits at most for
 #: one such write (~10 ms), never for the whole checkpoint.
 CHECKPOINT_WRITE_BYTES = 8 << 20
+
+
+class _Snap(Protocol):
+    """What `_begin_checkpoint` does with either format's snapshot."""
+
+    def step(self, max_items: int, /) -> bool: ...
+
+    def close(self, failed: bool = False) -> None: ...
+
+
+_S = TypeVar("_S", bound=_Snap)
+
+
+@dataclass
+class _Begun(Generic[_S]):
+    """What steps 1 and 2 of a checkpoint leave for the rest (`_begin_checkpoint`)."""
+
+    snap: _S
+    #: Inodes and new-inode content bytes when the snapshot was taken (MetaRoom).
+    inodes: int
+    content_bytes: int
+    first: LogPosition = field(default_factory=lambda: LogPosition(0, 0, 0))
+    #: Meta-area bytes the checkpoint's records took so far, and the journal bytes
+    #: since the previous checkpoint once its batch was written before BEGIN.
+    disk: int = 0
+    journal_before: int = 0
 
 
 class Journal(GroupCommit):
@@ -113,8 +141,10 @@ class Journal(GroupCommit):
         self._check_broken()
         raise AssertionError("unreachable")
 
-    async def _write_checkpoint(self) -> None:
-        """The steps of `checkpoint()` (DESIGN.md 3.3); the caller holds `_checkpoint_lock`."""
+    async def _begin_checkpoint(self, snapshot: Callable[[], _S]) -> _Begun[_S]:
+        """Steps 1 and 2 of a checkpoint (DESIGN.md 3.3), both formats: take the queued
+        batch and `snapshot()` at one instant, write the batch and BEGIN (flushed),
+        then encode the snapshot in slices. Raises as `_failed` when BEGIN fails."""
         async with self._write_lock:
             self._check_broken()  # (as in _commit_locked)
             # Atomic (no await): the queued transactions and the snapshot, which from
@@ -123,9 +153,8 @@ class Journal(GroupCommit):
             batch, upto = self._take_batch()
             flush_first = self.data_dirty
             self.data_dirty = False
-            snap = Snapshot(self.state, encode_op)
-            snap_inodes = len(self.state.inodes)
-            snap_content = self._new_content_bytes
+            snap = snapshot()
+            begun = _Begun(snap, len(self.state.inodes), self._new_content_bytes)
             self._new_ino_floor = self.state.next_ino
             # The batch goes out as a journal record *before* BEGIN: should this
             # checkpoint be torn, recovery replays the older state through it and
@@ -133,21 +162,22 @@ class Journal(GroupCommit):
             journal = [(RecordType.JOURNAL, p) for p in _pack(batch, self._payload_target())]
             begin = [(RecordType.CHECKPOINT_BEGIN, struct.pack("<QQ", upto, time.time_ns()))]
             # BEGIN starts a fresh zone: its header and BEGIN are the checkpoint's.
-            disk = self.log.block_size + padded_size(len(begin[0][1]), self.log.block_size)
+            begun.disk = self.log.block_size + padded_size(len(begin[0][1]),
+                                                           self.log.block_size)
             try:
                 positions = await self._run(self._write_begin, journal, begin, flush_first)
             except (OSError, LogFull) as exc:
-                snap.close()
+                snap.close(failed=True)
                 self._failed("checkpoint write", exc)
             except BaseException:
-                snap.close()
+                snap.close(failed=True)
                 raise
             assert isinstance(positions, list)
+            begun.first = positions[-1]
             self._set_durable(upto)
-            journal_before = self.journal_bytes_since_checkpoint + sum(
+            begun.journal_before = self.journal_bytes_since_checkpoint + sum(
                 len(p) for _, p in journal)
-            self.journal_bytes_since_checkpoint = journal_before
-        first = positions[-1]
+            self.journal_bytes_since_checkpoint = begun.journal_before
         try:
             # Shielded: the checkpoint must not stop half-way once BEGIN is written
             # (nor could it: the device writes below are not cancellable either).
@@ -156,6 +186,14 @@ class Journal(GroupCommit):
                     await self._between_slices()
         finally:
             snap.close()
+        return begun
+
+    async def _write_checkpoint(self) -> None:
+        """The steps of `checkpoint()` (DESIGN.md 3.3); the caller holds `_checkpoint_lock`."""
+        begun = await self._begin_checkpoint(lambda: Snapshot(self.state, encode_op))
+        snap, first, disk = begun.snap, begun.first, begun.disk
+        journal_before = begun.journal_before
+        snap_inodes, snap_content = begun.inodes, begun.content_bytes
         obsolete: list[int] = []
         with trio.CancelScope(shield=True):
             try:
@@ -215,39 +253,12 @@ class Journal(GroupCommit):
         index zones) and END. Index zones it left without a live page are reset
         once the superblock points at it.
         """
-        assert self.state.dirty is not None
-        async with self._write_lock:
-            self._check_broken()
-            batch, upto = self._take_batch()
-            flush_first = self.data_dirty
-            self.data_dirty = False
-            snap = IndexSnapshot(self.state, self.state.dirty)
-            snap_inodes = len(self.state.inodes)
-            snap_content = self._new_content_bytes
-            self._new_ino_floor = self.state.next_ino
-            journal = [(RecordType.JOURNAL, p) for p in _pack(batch, self._payload_target())]
-            begin = [(RecordType.CHECKPOINT_BEGIN, struct.pack("<QQ", upto, time.time_ns()))]
-            disk = self.log.block_size + padded_size(len(begin[0][1]), self.log.block_size)
-            try:
-                positions = await self._run(self._write_begin, journal, begin, flush_first)
-            except (OSError, LogFull) as exc:
-                snap.close()
-                self._failed("checkpoint write", exc)
-            except BaseException:
-                snap.close()
-                raise
-            assert isinstance(positions, list)
-            self._set_durable(upto)
-            journal_before = self.journal_bytes_since_checkpoint + sum(
-                len(p) for _, p in journal)
-            self.journal_bytes_since_checkpoint = journal_before
-        first = positions[-1]
-        try:
-            with trio.CancelScope(shield=True):
-                while not snap.step(CHECKPOINT_SLICE_INODES):
-                    await self._between_slices()
-        finally:
-            snap.close()
+        dirty = self.state.dirty
+        assert dirty is not None
+        begun = await self._begin_checkpoint(lambda: IndexSnapshot(self.state, dirty))
+        snap, first, disk = begun.snap, begun.first, begun.disk
+        journal_before = begun.journal_before
+        snap_inodes, snap_content = begun.inodes, begun.content_bytes
         entries = len(snap.inodes) + len(snap.dirents)
         pages_before = index.store.pages_written
         reset: list[int] = []

@@ -88,6 +88,7 @@ class IndexSnapshot:
             raise StateError("a snapshot is already being taken")
         self.state = state
         self.head = [encode(op) for op in head_ops(state)]
+        self._dirty = dirty
         self._inos, self._dirents = dirty.take()
         self._todo_inos = list(self._inos)
         self._todo_dirents = list(self._dirents)
@@ -144,7 +145,12 @@ class IndexSnapshot:
         """Entries this snapshot covers (done or to do)."""
         return len(self.inodes) + len(self.dirents) + len(self._inos) + len(self._dirents)
 
-    def close(self) -> None:
-        """Stop tracking changes (always call it, also when the checkpoint fails)."""
+    def close(self, failed: bool = False) -> None:
+        """Stop tracking changes (always call it). `failed`: the checkpoint was not
+        written (its BEGIN failed): every entry it took is changed again for the
+        next one, which must not miss them (`dirty`, given at construction)."""
         if self.state.snapshot is self:
             self.state.snapshot = None
+        if failed:
+            self._dirty.inos.update(self._inos, self.inodes)
+            self._dirty.dirents.update(self._dirents, self.dirents)

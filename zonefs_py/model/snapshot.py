@@ -196,7 +196,8 @@ class Snapshot:
             raise StateError("snapshot is not complete")
         return self.head + self.inode_part + self.body_part
 
-    def close(self) -> None:
-        """Stop tracking changes (always call it, also when the checkpoint fails)."""
+    def close(self, failed: bool = False) -> None:
+        """Stop tracking changes (always call it, also when the checkpoint fails;
+        `failed` changes nothing here: a format-4 checkpoint holds everything)."""
         if self.state.snapshot is self:
             self.state.snapshot = None
