@@ -5,17 +5,22 @@ dirty page (held by the cache outside its budget, under a negative id) and
 copies its ancestors up to the root the same way. `commit()` appends the dirty
 pages children first, parents after (a parent holds its children's
 addresses, known only once they are written), flushes the store, and returns
-the new root's address. Until the caller records that address (the
-checkpoint, once wired in), the previous root and every page under it are
-untouched, so a crash anywhere in a commit leaves the previous tree whole
-(docs/INDEX-DRAFT.md §3). The pages the commit made obsolete are in
-`last_commit.obsolete`; they may be released once the new root is recorded.
+the new root's address. Until the caller records that address (a
+checkpoint's CHECKPOINT_INDEX record), the previous root and every page
+under it are untouched, so a crash anywhere in a commit leaves the previous
+tree whole (docs/DESIGN.md 3.14, "Crash argument"). The pages the commit
+made obsolete are in `last_commit.obsolete`; they may be released once the
+new root is recorded.
 
 Balance: a page that overflows splits in two by bytes (page.py's limits make
-two always enough). A page whose body falls under a quarter of the page
-(an empty leaf, an internal page with one child included) is merged with a
-sibling when the two fit in one page, else the two are repacked evenly
-(a borrow). A root with one child is replaced by that child.
+two always enough); when the put inserted at the leaf's end, the left page is
+left full instead (all but the last entry; of an internal page, all but the
+last two children: `_rebalance(tail=True)`), so keys put in ascending order
+pack pages. Puts never merge. After a delete, a page whose body falls under
+a quarter of the page (an empty leaf, an internal page with one child
+included) is merged with a sibling when the two fit in one page, else the
+two are repacked evenly (a borrow). A root with one child is replaced by
+that child.
 
 Caveats: single-threaded and synchronous (no `await` anywhere; to be run in
 `trio.to_thread` or in small steps once wired in); a `scan` raises

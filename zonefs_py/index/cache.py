@@ -7,7 +7,7 @@ since the last commit and not written yet, have no address: they are held in
 a separate table under negative ids until the commit writes them, outside the
 budget (evicting one would lose the change). So memory is bounded by the
 budget plus the pages dirtied since the last commit; the owner bounds the
-latter by committing often enough (docs/INDEX-DRAFT.md §4).
+latter by committing often enough (docs/DESIGN.md 3.14, "The tree").
 
 Counters: `hits`, `misses`, `evictions`. Values are shared, not copied: a
 caller must not change a page it got from the clean LRU (the B+tree copies a

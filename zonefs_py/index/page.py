@@ -1,6 +1,7 @@
 """Encode and decode one index page: pure functions on bytes, no I/O.
 
-Layout (little-endian; docs/INDEX-DRAFT.md has the same table)::
+Layout (little-endian; docs/SPEC.md "Namespace index (version 5)", "Page" has
+the same table)::
 
     offset  width  field
     0       4      magic b"ZXPG"

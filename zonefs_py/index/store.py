@@ -3,7 +3,8 @@
 A store appends whole pages and hands back their address, a u64 byte offset
 it chose (append-only: a page is never overwritten in place). `flush()` makes
 every page appended so far durable; the B+tree calls it at the end of a commit,
-before the caller may record the new root anywhere (docs/INDEX-DRAFT.md §3).
+before the caller may record the new root anywhere (docs/DESIGN.md 3.14,
+"Checkpoint, walked" and "Crash argument").
 
 * `MemoryPageStore`: a dict, with read/append/flush counters and an optional
   power cut after N appends, for tests.
