@@ -16,8 +16,8 @@ import os
 from pathlib import Path
 
 from zonefs_py.device.emulated import EmulatedZonedDevice
-from zonefs_py.format.constants import DISK_VERSION, INDEX_DISK_VERSION
-from zonefs_py.fs.mkfs import MIN_INDEX_META_ZONES, make_filesystem
+from zonefs_py.format.constants import DISK_VERSION, INDEX_DISK_VERSION, MIN_INDEX_META_ZONES
+from zonefs_py.fs.mkfs import make_filesystem
 from zonefs_py.fsck import Report, check_filesystem
 
 MiB = 1 << 20

@@ -340,3 +340,13 @@ async def test_index_snapshot_is_the_state_of_its_first_instant(tmp_path: Path) 
         assert len(now) == 0
         again.close(failed=True)  # a checkpoint whose BEGIN failed
         assert len(now) == taken
+
+
+async def test_a_conversion_needs_six_meta_zones(tmp_path: Path) -> None:
+    image = tmp_path / "a.img"
+    new_image(image, Geometry(meta_zones=4, disk_version=4))
+    with pytest.raises(errors.InvalidArgument, match="at least 6"):
+        async with mounted(image, options=TEST_OPTIONS.replace(convert_format=5)):
+            pass
+    async with mounted(image) as fs:  # still format 4, and intact
+        assert fs.sb.disk_version == 4

@@ -35,6 +35,10 @@ OLDEST_DISK_VERSION = 2
 INDEX_DISK_VERSION = 5
 #: The newest version this build reads.
 NEWEST_DISK_VERSION = INDEX_DISK_VERSION
+#: Format 5's fewest meta zones: the log (its zone, a fresh one per checkpoint,
+#: one kept for a mount after a crash) and the index (its zone, one it may move
+#: to, cleaning room) share them.
+MIN_INDEX_META_ZONES = 6
 
 #: Largest inline body an INLINE op may carry (format limit; the engine inlines
 #: files of at most min(this, block_size // 2) bytes, fs/inline.py).

@@ -17,7 +17,12 @@ import trio
 
 from zonefs_py import errors
 from zonefs_py.alloc.allocator import Allocator
-from zonefs_py.format.constants import DISK_VERSION, INDEX_DISK_VERSION, OpType
+from zonefs_py.format.constants import (
+    DISK_VERSION,
+    INDEX_DISK_VERSION,
+    MIN_INDEX_META_ZONES,
+    OpType,
+)
 from zonefs_py.format.ops import Op
 from zonefs_py.format.superblock import Superblock
 from zonefs_py.fs.api import ROOT_INO
@@ -73,6 +78,12 @@ async def convert_to_index(state: State, journal: Journal) -> Superblock:
     checkpoint is ignored (its index zones are garbage), a complete one is
     loaded by the next mount, which then writes the format-5 superblock.
     """
+    meta = journal.sb.meta_zone_count
+    if meta < MIN_INDEX_META_ZONES:
+        raise errors.InvalidArgument(
+            f"format=5: this image has {meta} meta zones, format {INDEX_DISK_VERSION} needs "
+            f"at least {MIN_INDEX_META_ZONES} (its log and index share them); the image "
+            f"stays format {journal.sb.disk_version}")
     dirty = DirtySet()
     dirty.inos.update(state.inodes)
     for d in state.inodes.values():

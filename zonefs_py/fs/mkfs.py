@@ -17,7 +17,12 @@ from collections.abc import Callable
 
 from zonefs_py import errors
 from zonefs_py.device.base import ZoneCond, ZonedDevice, capabilities
-from zonefs_py.format.constants import DISK_VERSION, INDEX_DISK_VERSION, OpType
+from zonefs_py.format.constants import (
+    DISK_VERSION,
+    INDEX_DISK_VERSION,
+    MIN_INDEX_META_ZONES,
+    OpType,
+)
 from zonefs_py.format.nsindex import IndexRoot
 from zonefs_py.format.superblock import LABEL_MAX, Superblock
 from zonefs_py.fs.api import ROOT_INO
@@ -29,9 +34,6 @@ from zonefs_py.model.dirty import inode_record
 from zonefs_py.model.state import State
 
 MIN_DATA_ZONES = 4
-#: Format 5: the log (its zone, a fresh one per checkpoint, one kept for a mount
-#: after a crash) and the index (its zone, one it may move to, cleaning room).
-MIN_INDEX_META_ZONES = 6
 DEFAULT_RESERVE_PERCENT = 5.0
 
 
