@@ -31,7 +31,8 @@ from zonefs_py.format.constants import INDEX_DISK_VERSION
 from zonefs_py.fs.api import ROOT_INO, RenameFlags, XattrFlags
 from zonefs_py.fs.filesystem import ZoneFS
 from zonefs_py.fs.mkfs import make_filesystem
-from zonefs_py.journal.recovery import read_superblock
+from zonefs_py.journal.nsindex import NamespaceIndex
+from zonefs_py.journal.recovery import read_superblock, recover
 from zonefs_py.model.dirty import IndexSnapshot, inode_record
 
 #: Small meta zones, many of them: index zones fill and get cleaned quickly.
@@ -350,3 +351,58 @@ async def test_a_conversion_needs_six_meta_zones(tmp_path: Path) -> None:
             pass
     async with mounted(image) as fs:  # still format 4, and intact
         assert fs.sb.disk_version == 4
+
+
+class _ReadCounter:
+    """A device whose reads are counted (the rest passes through)."""
+
+    def __init__(self, dev: EmulatedZonedDevice) -> None:
+        self.dev = dev
+        self.reads = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.dev, name)
+
+    def read(self, offset_bytes: int, length_bytes: int) -> bytes:
+        self.reads += 1
+        return self.dev.read(offset_bytes, length_bytes)
+
+
+async def test_a_cold_stat_from_the_index_reads_two_leaves(tmp_path: Path) -> None:
+    """What lazy loading will ask of the tree: a name and an inode's record, from
+    a cold cache: one page per level; with the internal pages cached (a few
+    pages even at millions of files), one leaf each."""
+    image = tmp_path / "a.img"
+    new_image5(image, Geometry(size_bytes=256 * MiB, zone_size_bytes=1 * MiB, meta_zones=32))
+    async with mounted(image) as fs:
+        for d in range(4):
+            dino = (await fs.mkdir(ROOT_INO, b"d%d" % d, 0o755, CTX)).ino
+            fs.forget([(dino, 1)])
+            for i in range(1500):
+                await write_file(fs, f"/d{d}/sample-{i:06d}.jpg", b"j" * 300, fsync=False)
+    dev = EmulatedZonedDevice.open(image, read_only=True)
+    try:
+        rec = recover(dev)
+        assert rec.index is not None
+        assert rec.index.root_record is not None
+        state = rec.state
+        counted = _ReadCounter(dev)
+        cold = NamespaceIndex(counted, rec.log, rec.index.root_record)  # type: ignore[arg-type]
+        height = 1 + cold.tree._load(rec.index.root_record.root_address).level
+        d2 = (state.inodes[ROOT_INO].entries or {})[b"d2"]
+        name = b"sample-000777.jpg"
+        ino = cold.lookup(d2, name)
+        assert ino == (state.inodes[d2].entries or {})[name]
+        ops = cold.inode_ops(ino)
+        assert ops is not None
+        assert ops[0] == state.inodes[ino].op()
+        assert counted.reads <= 2 * height, (counted.reads, height)
+        counted.reads = 0
+        other = cold.lookup(d2, b"sample-001400.jpg")
+        assert other is not None
+        assert cold.inode_ops(other) is not None
+        print(f"height {height}; warm stat: {counted.reads} device reads")
+        assert counted.reads <= 2
+        assert cold.lookup(d2, b"no-such-name") is None
+    finally:
+        dev.close()

@@ -42,7 +42,7 @@ from zonefs_py.format.nsindex import (
     split_inode_key,
     split_parts,
 )
-from zonefs_py.format.ops import OpDecodeError, decode_ops
+from zonefs_py.format.ops import Op, OpDecodeError, decode_ops
 from zonefs_py.index.btree import BTree
 from zonefs_py.index.cache import PageCache
 from zonefs_py.index.errors import IndexCorrupt
@@ -295,26 +295,8 @@ class NamespaceIndex:
     @staticmethod
     def _apply_records(state: State, inos: list[int], blobs: list[bytes]) -> int:
         """Decode consecutive inode records at once (one call for many: mount time)
-        and apply them. Each must be one INODE op of its key's inode, then only
-        ops of that inode an inode record may hold (SPEC "Namespace index")."""
-        try:
-            ops = decode_ops(b"".join(blobs))
-        except OpDecodeError as exc:
-            raise IndexCorrupt(0, f"inode records from {inos[0]} on do not decode: "
-                               f"{exc}") from None
-        expect = iter(inos)
-        cur = None
-        for op in ops:
-            if op[0] == OpType.INODE:
-                cur = next(expect, None)
-                if op[1] != cur:
-                    raise IndexCorrupt(0, f"inode record of {cur} holds inode {op[1]}")
-            elif op[1] != cur or op[0] not in _RECORD_OPS:
-                raise IndexCorrupt(0, f"inode record of {cur} holds a "
-                                   f"{OpType(op[0]).name} op of {op[1]}")
-        missing = next(expect, None)
-        if missing is not None:
-            raise IndexCorrupt(0, f"inode record of {missing} holds no INODE op")
+        and apply them."""
+        ops = _checked_records(inos, blobs)
         state.apply_all(ops)
         return len(ops)
 
@@ -399,6 +381,27 @@ class NamespaceIndex:
     def live_bytes(self) -> int:
         return self.store.live_pages() * self.store.page_size_bytes
 
+    # -- point reads (what lazy loading will ask; not used by the engine yet) -------------
+    def lookup(self, parent: int, name: bytes) -> int | None:
+        """The inode `name` in directory `parent` names in the committed tree, or None.
+
+        One leaf read when the internal pages are cached (DESIGN.md 3.14)."""
+        value = self.tree.get(dirent_key(parent, name))
+        if value is None:
+            return None
+        try:
+            return decode_child(value)
+        except IndexRecordError as exc:
+            raise IndexCorrupt(0, str(exc)) from None
+
+    def inode_ops(self, ino: int) -> list[Op] | None:
+        """The ops of inode `ino`'s record in the committed tree (INODE first), or None."""
+        start, end = inode_key_range(ino)
+        blobs = [value for _, value in self.tree.scan(start, end)]
+        if not blobs:
+            return None
+        return _checked_records([ino], blobs)
+
 
 def _inode_key(key: bytes) -> tuple[int, int]:
     try:
@@ -410,3 +413,28 @@ def _inode_key(key: bytes) -> tuple[int, int]:
 #: Ops an inode record may hold after its INODE op (SPEC "Namespace index").
 _RECORD_OPS = frozenset({OpType.SYMLINK, OpType.XATTR_SET, OpType.DRAIN, OpType.INLINE,
                          OpType.EXTENT, OpType.PREALLOC})
+
+
+def _checked_records(inos: list[int], blobs: list[bytes]) -> list[Op]:
+    """Decode the records of `inos` (consecutive, their parts in `blobs`) and check
+    them: each is one INODE op of its key's inode, then only ops of that inode an
+    inode record may hold (SPEC "Namespace index"). Raises IndexCorrupt."""
+    try:
+        ops = decode_ops(b"".join(blobs))
+    except OpDecodeError as exc:
+        raise IndexCorrupt(0, f"inode records from {inos[0]} on do not decode: "
+                           f"{exc}") from None
+    expect = iter(inos)
+    cur = None
+    for op in ops:
+        if op[0] == OpType.INODE:
+            cur = next(expect, None)
+            if op[1] != cur:
+                raise IndexCorrupt(0, f"inode record of {cur} holds inode {op[1]}")
+        elif op[1] != cur or op[0] not in _RECORD_OPS:
+            raise IndexCorrupt(0, f"inode record of {cur} holds a "
+                               f"{OpType(op[0]).name} op of {op[1]}")
+    missing = next(expect, None)
+    if missing is not None:
+        raise IndexCorrupt(0, f"inode record of {missing} holds no INODE op")
+    return ops
