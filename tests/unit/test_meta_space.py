@@ -41,8 +41,9 @@ from zonefs_py.journal.journal import Journal
 from zonefs_py.journal.log import MetaLog
 
 #: 64 KiB zones, 8 meta zones: a few dozen commits roll a meta zone.
-#: Format 4's meta area (rotating whole-namespace checkpoints); format 5's: test_nsindex.py.
-pytestmark = pytest.mark.skipif(TEST_DISK_VERSION != 4, reason="format 4's meta-area rules")
+#: Format 4's meta-area rules (rotating whole-namespace checkpoints, compressed); format 5's:
+#: test_nsindex.py, test_meta_room.py.
+FORMAT4_ONLY = pytest.mark.skipif(TEST_DISK_VERSION != 4, reason="format 4's meta-area rules")
 
 ROLLING = Geometry(size_bytes=8 * MiB, zone_size_bytes=64 * KiB, meta_zones=8)
 #: 4 meta zones of 128 KiB: a checkpoint of at most ~105 KiB on the device.
@@ -98,7 +99,8 @@ async def test_meta_zone_accounting_asks_the_device_nothing(tmp_path: Path) -> N
                 await fs.checkpoint()
             assert dev.reports[trio_thread] == 0, "a zone report ran on the trio thread"
             assert dev.reports, "the workload never reported zones at all"
-            assert j.checkpoints_written == 3
+            # (format 5 may checkpoint more often in these tiny zones: `_meta_short`)
+            assert j.checkpoints_written >= 3
             assert len(j.log.zone_first_seq) + len(j.log.free_zones()) > zones_started
             # The figures the commit path and the status ask for: memory only.
             dev.reports.clear()
@@ -135,7 +137,7 @@ async def test_cached_meta_zones_equal_the_zone_report(tmp_path: Path,
                 assert_log_matches_device(mlog)
             await fs.checkpoint()
             assert_log_matches_device(mlog)
-        assert fs.journal.checkpoints_written == 4
+        assert fs.journal.checkpoints_written >= 4  # format 5: maybe more (`_meta_short`)
     # A checkpoint whose superblock write and zone resets are lost: the next
     # mount completes them (fs/after_recovery.py).
     dev = EmulatedZonedDevice.open(image)
@@ -162,7 +164,7 @@ async def test_cached_meta_zones_equal_the_zone_report(tmp_path: Path,
             real_append = fs.journal.log.append
 
             def append(records: list[tuple[RecordType, bytes]], **kw: bool) -> object:
-                if records[0][0] == RecordType.CHECKPOINT_END:
+                if any(rtype == RecordType.CHECKPOINT_END for rtype, _ in records):
                     raise OSError(5, "power cut")
                 return real_append(records, **kw)
 
@@ -226,6 +228,7 @@ def test_failed_reset_and_append_leave_the_figures_on_the_safe_side(tmp_path: Pa
 
 # -- 3. the checkpoint trigger ---------------------------------------------------------
 
+@FORMAT4_ONLY
 async def test_checkpoint_is_due_after_as_much_journal_as_the_last_checkpoint(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     image = tmp_path / "fs.img"
@@ -289,6 +292,7 @@ async def test_meta_short_counts_zones_in_device_bytes(tmp_path: Path) -> None:
         assert j._meta_short()
 
 
+@FORMAT4_ONLY
 async def test_a_fill_rewrites_the_metadata_a_bounded_number_of_times(tmp_path: Path) -> None:
     """With a fixed 16 KiB trigger a growing namespace is checkpointed over and
     over (metadata writes grow with the square of the files); with the trigger
@@ -321,6 +325,7 @@ async def test_a_fill_rewrites_the_metadata_a_bounded_number_of_times(tmp_path: 
 
 # -- 4. the bound on files -------------------------------------------------------------
 
+@FORMAT4_ONLY
 @pytest.mark.expect_log("zonefs_py.fs.namespace", "WARNING", "the metadata area is full")
 async def test_file_bound_uses_device_bytes_and_holds(tmp_path: Path) -> None:
     image = tmp_path / "fs.img"
@@ -364,6 +369,7 @@ async def test_file_bound_uses_device_bytes_and_holds(tmp_path: Path) -> None:
         assert await read_file(fs, "/after") == pattern(1, 3000)
 
 
+@FORMAT4_ONLY
 @pytest.mark.expect_log("zonefs_py.fs.namespace", "WARNING", "the metadata area is full")
 @pytest.mark.parametrize("late", ["inline-500", "inline-2000", "name-255"])
 async def test_files_that_do_not_compress_after_files_that_do(tmp_path: Path,
