@@ -40,11 +40,11 @@ from zonefs_py.fs.options import FsOptions
 from zonefs_py.journal.journal import Journal
 from zonefs_py.journal.log import MetaLog
 
-#: 64 KiB zones, 8 meta zones: a few dozen commits roll a meta zone.
 #: Format 4's meta-area rules (rotating whole-namespace checkpoints, compressed); format 5's:
 #: test_nsindex.py, test_meta_room.py.
 FORMAT4_ONLY = pytest.mark.skipif(TEST_DISK_VERSION != 4, reason="format 4's meta-area rules")
 
+#: 64 KiB zones, 8 meta zones: a few dozen commits roll a meta zone.
 ROLLING = Geometry(size_bytes=8 * MiB, zone_size_bytes=64 * KiB, meta_zones=8)
 #: 4 meta zones of 128 KiB: a checkpoint of at most ~105 KiB on the device.
 SMALL_META = Geometry(size_bytes=16 * MiB, zone_size_bytes=128 * KiB, meta_zones=4)
