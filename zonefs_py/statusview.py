@@ -128,7 +128,8 @@ def summary_lines(doc: dict[str, Any], now: float | None = None) -> list[str]:
     mode = "read-only" if fs.get("read_only") else "read-write"
     rows.append(("filesystem", f"{fs.get('uuid', '?')}"
                  + (f" '{fs['label']}'" if fs.get("label") else "")
-                 + f", {mode}, {_int(fs.get('inodes'))} inodes"))
+                 + f", {mode}, {_int(fs.get('inodes'))} inodes"
+                 + (f", format {fs['disk_version']}" if fs.get("disk_version") else "")))
     up = f", up {human_seconds(now - daemon['started'])}" if isinstance(
         daemon.get("started"), int | float) else ""
     rows.append(("daemon", f"pid {daemon.get('pid', '?')}{up}, mounted on "
