@@ -19,6 +19,10 @@ clean unmount). Each iteration is one of:
     blocks of sealed zones;
   * (3/8) bytes changed inside one record whose checksum is then recomputed,
     so the garbage reaches the op decoders and the replay;
+    With ZONEFS_TEST_FORMAT=5 the image is format 5: half of these re-sign
+    one index page instead (bytes of its header or body changed, its xxh3
+    fixed), so the garbage reaches the page's structure checks and the
+    inode records; and the random mutations above hit index pages too;
   * (1/4) 1-3 mutations of sealed zones only: their summary blocks (bit
     flips, zeroed, 0xFF or torn sector, the summary of another sealed zone, a
     re-signed block of another generation, zone, position or size, a
@@ -69,7 +73,7 @@ import xxhash
 from zonefs_py import errors
 from zonefs_py.device.emulated import EmulatedZonedDevice
 from zonefs_py.format import zonesum
-from zonefs_py.format.constants import RECORD_HEADER_SIZE, OpType, RecordType
+from zonefs_py.format.constants import DISK_VERSION, RECORD_HEADER_SIZE, OpType, RecordType
 from zonefs_py.format.ops import decode_ops, record_body
 from zonefs_py.format.records import FLAG_ZLIB, decode_record, padded_size, peek_header
 from zonefs_py.fs.api import ROOT_INO, Ctx, SetAttrRequest
@@ -77,10 +81,15 @@ from zonefs_py.fs.filesystem import ZoneFS
 from zonefs_py.fs.mkfs import make_filesystem
 from zonefs_py.fs.options import FsOptions
 from zonefs_py.fsck import check_filesystem
+from zonefs_py.index.page import MAGIC as PAGE_MAGIC
+from zonefs_py.index.page import page_checksum
 from zonefs_py.journal import journal as journal_mod
 from zonefs_py.journal.recovery import read_superblock
 
 KiB, MiB = 1 << 10, 1 << 20
+#: On-disk format of the base image: ZONEFS_TEST_FORMAT (5: the namespace index,
+#: whose pages are then fuzzed too), else the default.
+DISK_FORMAT = int(os.environ.get("ZONEFS_TEST_FORMAT", DISK_VERSION))
 REFUSALS = (errors.NotAFilesystem, errors.CorruptionError, errors.DeviceRefused)
 OPTIONS = FsOptions(commit_interval_s=3600.0, read_only=True, cleaner_rate_mb_s=0.0)
 CTX = Ctx()
@@ -110,7 +119,7 @@ async def build(path: Path, rng: random.Random
         # fewer than 2 x its size + 3 zones free after it (journal.py _meta_short),
         # the commits after it would write a compact checkpoint that replaces it
         # (as they did with 8 meta zones): `log_coverage` checks it is the last.
-        make_filesystem(dev, meta_zones=12)
+        make_filesystem(dev, meta_zones=12, disk_version=DISK_FORMAT)
         options = FsOptions(commit_interval_s=3600.0, cleaner_rate_mb_s=0.0)
         async with ZoneFS.mount(dev, options, close=False) as fs:
             # Checkpoints only where written below (the daemon's background task would
@@ -253,6 +262,32 @@ def mutate_resigned(fd: int, records: list[tuple[int, int]],
         buf[i] = rng.choice([rng.randrange(256), buf[i] ^ (1 << rng.randrange(8)), 0, 0xFF])
     digest = xxhash.xxh3_64_intdigest(bytes(buf[:24]) + bytes(buf[RECORD_HEADER_SIZE:]))
     buf[24:32] = struct.pack("<Q", digest)
+    os.pwrite(fd, bytes(buf), off)
+    return [(off, old)]
+
+
+def find_pages(fd: int, ranges: list[tuple[int, int]], page_size: int) -> list[int]:
+    """File offsets of the index pages (format 5) in the metadata ranges."""
+    found = []
+    for start, length in ranges:
+        buf = os.pread(fd, length, start)
+        found += [start + pos for pos in range(0, length - page_size + 1, page_size)
+                  if buf[pos:pos + 4] == PAGE_MAGIC]
+    return found
+
+
+def mutate_resigned_page(fd: int, pages: list[int], page_size: int,
+                         rng: random.Random) -> list[tuple[int, bytes]]:
+    """Change 1-4 bytes of one index page's header or body and fix its checksum:
+    the page passes its xxh3, so the garbage reaches the structure checks (kind,
+    level, counts, lengths, key order, separators) and the inode records."""
+    off = rng.choice(pages)
+    old = os.pread(fd, page_size, off)
+    buf = bytearray(old)
+    for _ in range(rng.randrange(1, 5)):
+        i = rng.randrange(4, 8) if rng.random() < 0.15 else rng.randrange(16, page_size)
+        buf[i] = rng.choice([rng.randrange(256), buf[i] ^ (1 << rng.randrange(8)), 0, 0xFF])
+    struct.pack_into("<Q", buf, 8, page_checksum(buf))
     os.pwrite(fd, bytes(buf), off)
     return [(off, old)]
 
@@ -710,6 +745,10 @@ def _run(workdir: Path, iterations: int, seed: int, quiet: bool) -> dict[str, in
     if FLAG_ZLIB not in flags:
         raise AssertionError("the base image holds no compressed record to fuzz")
     coverage = log_coverage(fd, records, block_size)
+    pages = find_pages(fd, ranges, block_size) if DISK_FORMAT >= 5 else []
+    if pages:
+        # Format 5: the inodes (EXTENT_SEALED ops among them) are in index pages.
+        coverage["index pages"] = len(pages)
     if len(coverage) < 4:
         raise AssertionError(f"the base image's log lacks journal records inside its "
                              f"checkpoint or seals in or after it: {coverage}")
@@ -726,6 +765,9 @@ def _run(workdir: Path, iterations: int, seed: int, quiet: bool) -> dict[str, in
                 sealed = (base, unverifiable_blocks(fd, base.sealed, base.live, block_size))
                 outcomes["sealed-zone-iterations"] += 1
                 outcomes["sealed-with-unverifiable-blocks"] += bool(sealed[1])
+            elif resigned and pages and rng.random() < 0.5:
+                undo = mutate_resigned_page(fd, pages, block_size, rng)
+                outcomes["resigned-page-iterations"] += 1
             elif resigned:
                 undo = mutate_resigned(fd, records, rng)
             else:
