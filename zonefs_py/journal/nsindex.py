@@ -15,14 +15,15 @@ lists them with their live page counts, so recovery tells them from garbage
 and needs no walk to know what is live (DESIGN.md 3.14).
 
 Caveats: the whole namespace is still loaded at mount and held in memory
-(the State); only checkpoints follow what changed so far. A page is read
-with one device read of a page each, also when cleaning reads a zone.
+(the State); only checkpoints follow what changed so far. Reads are batched
+while mount loads the tree and while cleaning reads a victim zone (1 MiB at
+a time); any other page read is one device read. `lookup` and `inode_ops`
+(point reads for lazy loading) are not used by the engine yet.
 """
 
 from __future__ import annotations
 
 import errno
-import logging
 from collections.abc import Iterator
 
 from zonefs_py.device.base import ZonedDevice
@@ -49,8 +50,6 @@ from zonefs_py.index.errors import IndexCorrupt
 from zonefs_py.index.page import DEFAULT_PAGE_SIZE_BYTES, Page, PageLimits
 from zonefs_py.journal.log import MetaLog
 from zonefs_py.model.state import State
-
-log = logging.getLogger(__name__)
 
 #: Decoded pages kept by the index's cache (clean pages; dirty ones until commit).
 CACHE_PAGES = 2048

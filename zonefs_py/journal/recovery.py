@@ -224,8 +224,9 @@ def _recover(dev: ZonedDevice, *, salvage: bool = False,
                     # Zones whose pages this tree references: kept (not garbage)
                     # until the superblock points past a checkpoint using them.
                     res.index_zones_seen.update(z for z, n in loading_root.zones.items() if n)
-                    res.index = NamespaceIndex(dev, mlog, loading_root)
-                    res.ops += res.index.load_into(loading)
+                    index = NamespaceIndex(dev, mlog, loading_root)
+                    res.ops += index.load_into(loading)
+                    res.index = index  # only once loaded (a salvage may stop here)
                     # From here on, replayed ops are changes the index lacks.
                     loading.dirty = DirtySet()
                 # The checkpoint is the State as of its BEGIN; the commits written
