@@ -217,18 +217,8 @@ class Journal(GroupCommit):
                 if group:
                     disk += await self._append_data(group)
                 end = CHECKPOINT_END.pack(count, total)
-                async with self._write_lock:
-                    self._check_broken()
-                    before = self.log.bytes_consumed
-                    await self._run(self._write_records, [(RecordType.CHECKPOINT_END, end)],
-                                    False)
-                    disk += self.log.bytes_consumed - before
-                sb = self.sb.with_checkpoint(first.zone, first.offset, first.seq)
-                await self._run(self.sbstore.write, sb)
-                self.sb = sb
-                obsolete = self.log.zones_before(self.log.zone_first_seq[first.zone])
-                if obsolete:
-                    await self._run(self.log.reset_zones, obsolete)
+                disk += await self._end_checkpoint([(RecordType.CHECKPOINT_END, end)], first)
+                obsolete = await self._reset_before(first)
             except (OSError, LogFull) as exc:
                 self._failed("checkpoint write", exc)
         self.last_checkpoint_bytes = total
@@ -273,17 +263,8 @@ class Journal(GroupCommit):
                 records.append((RecordType.CHECKPOINT_INDEX, root.encode()))
                 records.append((RecordType.CHECKPOINT_END,
                                 CHECKPOINT_END.pack(len(payloads), total)))
-                async with self._write_lock:
-                    self._check_broken()
-                    before = self.log.bytes_consumed
-                    await self._run(self._write_records, records, False)
-                    disk += self.log.bytes_consumed - before
-                sb = self.sb.with_checkpoint(first.zone, first.offset, first.seq)
-                await self._run(self.sbstore.write, sb)
-                self.sb = sb
-                obsolete = self.log.zones_before(self.log.zone_first_seq[first.zone])
-                if obsolete:
-                    await self._run(self.log.reset_zones, obsolete)
+                disk += await self._end_checkpoint(records, first)
+                await self._reset_before(first)
                 reset = index.take_empty_zones()
                 if reset:
                     await self._run(self.reset_index_zones, reset)
@@ -301,6 +282,29 @@ class Journal(GroupCommit):
                  "%d obsolete), %d bytes of records; %d index zones reset", entries,
                  index.last_written, index.last_relocated, index.last_obsolete, disk,
                  len(reset))
+
+    async def _end_checkpoint(self, records: list[tuple[RecordType, bytes]],
+                              first: LogPosition) -> int:
+        """Step 3 of both formats: append the checkpoint's last records (END last)
+        holding the log, flushed, then point the superblock at its BEGIN `first`.
+        Return the meta-area bytes the records took."""
+        async with self._write_lock:
+            self._check_broken()
+            before = self.log.bytes_consumed
+            await self._run(self._write_records, records, False)
+            disk = self.log.bytes_consumed - before
+        sb = self.sb.with_checkpoint(first.zone, first.offset, first.seq)
+        await self._run(self.sbstore.write, sb)
+        self.sb = sb
+        return disk
+
+    async def _reset_before(self, first: LogPosition) -> list[int]:
+        """Step 4: reset the log zones before the checkpoint at `first` (the
+        superblock points at it); return them."""
+        obsolete = self.log.zones_before(self.log.zone_first_seq[first.zone])
+        if obsolete:
+            await self._run(self.log.reset_zones, obsolete)
+        return obsolete
 
     def start_index(self, index: NamespaceIndex, dirty: DirtySet) -> None:
         """Turn this journal's checkpoints into format 5's (a conversion): from the
