@@ -23,14 +23,15 @@ from zonefs_py.format.constants import (
     MIN_INDEX_META_ZONES,
     OpType,
 )
-from zonefs_py.format.nsindex import IndexRoot
+from zonefs_py.format.ops import encode_op
 from zonefs_py.format.superblock import LABEL_MAX, Superblock
 from zonefs_py.fs.api import ROOT_INO
-from zonefs_py.journal.journal import checkpoint_records, index_checkpoint_records
+from zonefs_py.journal.journal import begin_record, checkpoint_records, index_checkpoint_tail
 from zonefs_py.journal.log import MetaLog
 from zonefs_py.journal.nsindex import NamespaceIndex
 from zonefs_py.journal.sbstore import SuperblockStore
 from zonefs_py.model.dirty import inode_record
+from zonefs_py.model.snapshot import head_ops
 from zonefs_py.model.state import State
 
 MIN_DATA_ZONES = 4
@@ -121,11 +122,11 @@ def make_filesystem(dev: ZonedDevice, label: bytes = b"", *, meta_zones: int | N
         # BEGIN first (the log keeps the first meta zone, as in format 4), then the
         # root's record in a new tree (pages flushed by the commit), then the
         # records that name its root.
-        records = index_checkpoint_records(state, 0, IndexRoot(0, 0, 0, {}))
-        positions = mlog.append(records[:1], new_zone=True)
+        positions = mlog.append([begin_record(0)], new_zone=True)
         index = NamespaceIndex(dev, mlog, None)
         index.apply({ROOT_INO: inode_record(state, state.inodes[ROOT_INO])}, {})
-        mlog.append(index_checkpoint_records(state, 0, index.commit())[1:])
+        head = [encode_op(op) for op in head_ops(state)]
+        mlog.append(index_checkpoint_tail(head, index.commit())[0])
     else:
         positions = mlog.append(checkpoint_records(state, 0), new_zone=True)
     dev.flush()

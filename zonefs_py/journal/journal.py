@@ -48,7 +48,6 @@ from zonefs_py.journal.commit import GroupCommit, _pack, _pack_iter
 from zonefs_py.journal.log import LogFull, LogPosition
 from zonefs_py.journal.nsindex import NamespaceIndex
 from zonefs_py.model.dirty import DirtySet, IndexSnapshot
-from zonefs_py.model.snapshot import head_ops
 from zonefs_py.model.state import Snapshot, State
 
 log = logging.getLogger(__name__)
@@ -160,7 +159,7 @@ class Journal(GroupCommit):
             # checkpoint be torn, recovery replays the older state through it and
             # then the commits written inside the checkpoint, which follow it.
             journal = [(RecordType.JOURNAL, p) for p in _pack(batch, self._payload_target())]
-            begin = [(RecordType.CHECKPOINT_BEGIN, struct.pack("<QQ", upto, time.time_ns()))]
+            begin = [begin_record(upto)]
             # BEGIN starts a fresh zone: its header and BEGIN are the checkpoint's.
             begun.disk = self.log.block_size + padded_size(len(begin[0][1]),
                                                            self.log.block_size)
@@ -257,12 +256,7 @@ class Journal(GroupCommit):
             try:
                 root = await self._run(self._commit_index, index, snap)
                 assert isinstance(root, IndexRoot)
-                payloads = _pack(snap.head, self._payload_target())
-                total = sum(len(p) for p in payloads)
-                records = [(RecordType.CHECKPOINT_DATA, p) for p in payloads]
-                records.append((RecordType.CHECKPOINT_INDEX, root.encode()))
-                records.append((RecordType.CHECKPOINT_END,
-                                CHECKPOINT_END.pack(len(payloads), total)))
+                records, total = index_checkpoint_tail(snap.head, root, self._payload_target())
                 disk += await self._end_checkpoint(records, first)
                 await self._reset_before(first)
                 reset = index.take_empty_zones()
@@ -390,21 +384,30 @@ def checkpoint_records(state: State, upto_txn: int) -> list[tuple[RecordType, by
     return _checkpoint_records([encode_op(op) for op in state.snapshot_ops()], upto_txn)
 
 
-def index_checkpoint_records(state: State, upto_txn: int,
-                             root: IndexRoot) -> list[tuple[RecordType, bytes]]:
-    """Format 5: CHECKPOINT_BEGIN, _DATA (ops outside inodes), _INDEX, _END records
-    of a State whose inodes and names are in the committed index `root`."""
-    records = _checkpoint_records([encode_op(op) for op in head_ops(state)], upto_txn)
-    records.insert(-1, (RecordType.CHECKPOINT_INDEX, root.encode()))
-    return records
+def begin_record(upto_txn: int) -> tuple[RecordType, bytes]:
+    """A CHECKPOINT_BEGIN record of a snapshot holding transactions up to `upto_txn`."""
+    return RecordType.CHECKPOINT_BEGIN, struct.pack("<QQ", upto_txn, time.time_ns())
+
+
+def index_checkpoint_tail(head: list[bytes], root: IndexRoot,
+                          payload_target: int = RECORD_PAYLOAD_TARGET
+                          ) -> tuple[list[tuple[RecordType, bytes]], int]:
+    """Format 5: the records after BEGIN of a checkpoint whose inodes and names are
+    in the committed index `root`: CHECKPOINT_DATA (the encoded `head` ops),
+    CHECKPOINT_INDEX and CHECKPOINT_END; and the DATA payload bytes."""
+    payloads = _pack(head, payload_target)
+    total = sum(len(p) for p in payloads)
+    records = [(RecordType.CHECKPOINT_DATA, p) for p in payloads]
+    records.append((RecordType.CHECKPOINT_INDEX, root.encode()))
+    records.append((RecordType.CHECKPOINT_END, CHECKPOINT_END.pack(len(payloads), total)))
+    return records, total
 
 
 def _checkpoint_records(encoded_ops: list[bytes],
                         upto_txn: int) -> list[tuple[RecordType, bytes]]:
     payloads = _pack(encoded_ops, RECORD_PAYLOAD_TARGET)
-    begin = struct.pack("<QQ", upto_txn, time.time_ns())
     end = CHECKPOINT_END.pack(len(payloads), sum(len(p) for p in payloads))
-    records = [(RecordType.CHECKPOINT_BEGIN, begin)]
+    records = [begin_record(upto_txn)]
     records += [(RecordType.CHECKPOINT_DATA, p) for p in payloads]
     records.append((RecordType.CHECKPOINT_END, end))
     return records
