@@ -601,7 +601,7 @@ SCENARIOS: dict[str, tuple[Scenario, Geometry]] = {
     "fsync_during_checkpoint": (fsync_during_checkpoint, SMALL),
     "commits_inside_checkpoint": (commits_inside_checkpoint, SMALL),
     "index_churn": (index_churn, Geometry(size_bytes=8 << 20, zone_size_bytes=64 * KiB,
-                                          meta_zones=8)),
+                                          meta_zones=10)),
 }
 
 

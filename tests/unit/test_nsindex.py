@@ -304,6 +304,8 @@ async def test_index_snapshot_is_the_state_of_its_first_instant(tmp_path: Path) 
                        else inode_record(state, state.inodes[ino]) for ino in dirty.inos}
         want_dirents = {(p, n): (state.inodes[p].entries or {}).get(n)
                         if p in state.inodes else None for p, n in dirty.dirents}
+        want_owners = {z: sorted(state.zone_owners[z]) if state.zone_owners.get(z) else None
+                       for z in dirty.zones}
         snap = IndexSnapshot(state, dirty)
         try:
             serial = 0
@@ -330,12 +332,15 @@ async def test_index_snapshot_is_the_state_of_its_first_instant(tmp_path: Path) 
         assert snap.copied > 0
         assert snap.inodes == want_inodes
         assert snap.dirents == want_dirents
+        assert snap.owners == want_owners
         now = state.dirty
         assert now is not None
         assert len(now) > 0  # the changes meanwhile: the next checkpoint's
         # This snapshot is not written: its entries go back for the checkpoint of close.
         now.inos.update(want_inodes)
         now.dirents.update(want_dirents)
+        now.dirs.update(p for p, _ in want_dirents)
+        now.zones.update(snap.owners)
         again = IndexSnapshot(state, now)
         taken = len(again)
         assert len(now) == 0

@@ -490,7 +490,7 @@ class Allocator:
         dz.reserved = 0
         dz.sealed = False
         dz.resets += 1
-        self.state.zone_owners.pop(zone_idx, None)
+        self.state.forget_zone_owners(zone_idx)
         op = (OpType.ZONE_STATE, zone_idx, Stream.DEFAULT, 0, dz.resets)
         self.state.apply(op)
         journal_ops.append(op)

@@ -52,6 +52,9 @@ OPTIONS_HELP = textwrap.dedent("""\
                 sequentially, MiB, 0 off, default 8),
               cache_mb=N (memory for the checksums of full zones, read from the
                 zones' summary blocks on demand, MiB, default 256),
+              inode_cache=N (format 5: inodes kept in memory besides those in use,
+                ~1 KiB each, the rest read from the namespace index on use; 0 loads
+                every inode at mount; default 131072),
               inline_max=N (files of at most N bytes keep them in the metadata, no
                 data block; 0 off, at most 2048, default 512),
               zone_append=auto|on|off (NVMe Zone Append through /dev/ngXnY when the

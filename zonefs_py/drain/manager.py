@@ -303,7 +303,7 @@ class DrainManager(DrainStatus):
         if not self.state.drain:
             return
         todo, seen = [d.ino], 0
-        while todo and seen < len(self.state.inodes):
+        while todo and seen < self.state.inode_count:
             cur = self.state.inodes.get(todo.pop())
             seen += 1
             for child in (cur.entries or {}).values() if cur is not None else ():

@@ -105,6 +105,16 @@ class OpType(enum.IntEnum):
     PUNCH = 24
     #: Device blocks gain references: an instant copy shares them (issue 28).
     SHARE = 25
+    #: Format 5 inode records: the inode's primary parent directory (issue 32).
+    PARENT = 26
+    #: Format 5 checkpoints: a data zone's live block count (issue 32: mount reads
+    #: it instead of summing every file's extents).
+    ZONE_LIVE = 27
+    #: Format 5 checkpoints: the number of inodes (`df -i`, the file bound).
+    INODE_COUNT = 28
+    #: Format 5 checkpoints: inodes a mount loads at once (open-unlinked files,
+    #: reservations, drain states, quota and capability xattrs; DESIGN.md 3.15).
+    RESIDENT = 29
 
 
 class Stream(enum.IntEnum):

@@ -7,7 +7,10 @@ B+tree of byte keys (zonefs_py/index); format 5 keeps the namespace in it:
   checkpoint writes them (INODE, then SYMLINK, XATTR_SETs, DRAIN, INLINE,
   EXTENT / EXTENT_SEALED, PREALLOC; no DIRENT_ADD), framed as in a JOURNAL
   payload and cut into parts of at most `part_bytes` bytes, numbered from 0;
-* directory entry ``0x02 ‖ parent ino (u64 BE) ‖ name``: the child's ino (u64 LE).
+* directory entry ``0x02 ‖ parent ino (u64 BE) ‖ name``: the child's ino (u64 LE);
+* zone owners ``0x03 ‖ data zone (u32 BE) ‖ part (u16 BE)``: the inodes that
+  have (or had, since the zone's last reset) extents in the zone, u64 LE
+  each, cut into parts like inode records (a roots with FLAG_SELF_CONTAINED).
 
 Big-endian numbers in keys make the tree's byte order the numeric order, so
 one inode's parts are adjacent and a directory's names are one key range.
@@ -20,10 +23,20 @@ from dataclasses import dataclass
 
 INODE_PREFIX = b"\x01"
 DIRENT_PREFIX = b"\x02"
+OWNERS_PREFIX = b"\x03"
+#: Past every key of the three kinds.
+END_PREFIX = b"\x04"
+#: CHECKPOINT_INDEX flag: the tree holds everything a lazy mount needs (inode
+#: records with their PARENT op, the zone owners) and the checkpoint's head
+#: the derived counts (ZONE_LIVE, INODE_COUNT, RESIDENT). Without it (images
+#: written before issue 32's second step) a mount loads the whole tree.
+FLAG_SELF_CONTAINED = 1
+_KNOWN_FLAGS = FLAG_SELF_CONTAINED
+_OWNERS_KEY = struct.Struct(">cIH")
 _INO = struct.Struct(">Q")
 _INODE_KEY = struct.Struct(">cQH")
 _CHILD = struct.Struct("<Q")
-#: CHECKPOINT_INDEX payload header: u32 page size, u32 flags (0), u64 root
+#: CHECKPOINT_INDEX payload header: u32 page size, u32 flags, u64 root
 #: address, u32 current zone, u32 zone count; then per zone u32 zone, u32 live pages.
 _HEAD = struct.Struct("<IIQII")
 _ZONE = struct.Struct("<II")
@@ -63,6 +76,34 @@ def split_dirent_key(key: bytes) -> tuple[int, bytes]:
     return _INO.unpack_from(key, 1)[0], key[9:]
 
 
+def owners_key(zone: int, part: int) -> bytes:
+    return _OWNERS_KEY.pack(OWNERS_PREFIX, zone, part)
+
+
+def owners_key_range(zone: int) -> tuple[bytes, bytes]:
+    """[start, end) of the keys of one zone's owner list parts."""
+    return (_OWNERS_KEY.pack(OWNERS_PREFIX, zone, 0)[:5],
+            OWNERS_PREFIX + struct.pack(">I", zone + 1) if zone < 0xFFFFFFFF else END_PREFIX)
+
+
+def split_owners_key(key: bytes) -> tuple[int, int]:
+    """Return (zone, part) of a zone owners key."""
+    if len(key) != _OWNERS_KEY.size or key[:1] != OWNERS_PREFIX:
+        raise IndexRecordError(f"bad zone owners key {key.hex()}")
+    _, zone, part = _OWNERS_KEY.unpack(key)
+    return zone, part
+
+
+def encode_owners(inos: list[int]) -> bytes:
+    return struct.pack(f"<{len(inos)}Q", *inos)
+
+
+def decode_owners(value: bytes) -> list[int]:
+    if len(value) % 8:
+        raise IndexRecordError(f"zone owners value of {len(value)} bytes")
+    return list(struct.unpack(f"<{len(value) // 8}Q", value))
+
+
 def child_value(ino: int) -> bytes:
     return _CHILD.pack(ino)
 
@@ -91,10 +132,15 @@ class IndexRoot:
     root_address: int
     current_zone: int
     zones: dict[int, int]
+    flags: int = 0
+
+    @property
+    def self_contained(self) -> bool:
+        return bool(self.flags & FLAG_SELF_CONTAINED)
 
     def encode(self) -> bytes:
-        head = _HEAD.pack(self.page_size_bytes, 0, self.root_address, self.current_zone,
-                          len(self.zones))
+        head = _HEAD.pack(self.page_size_bytes, self.flags, self.root_address,
+                          self.current_zone, len(self.zones))
         return head + b"".join(_ZONE.pack(z, n) for z, n in sorted(self.zones.items()))
 
     @classmethod
@@ -102,7 +148,7 @@ class IndexRoot:
         if len(payload) < _HEAD.size:
             raise IndexRecordError(f"CHECKPOINT_INDEX payload of {len(payload)} bytes")
         page, flags, root, cur, count = _HEAD.unpack_from(payload)
-        if flags or len(payload) != _HEAD.size + count * _ZONE.size:
+        if flags & ~_KNOWN_FLAGS or len(payload) != _HEAD.size + count * _ZONE.size:
             raise IndexRecordError(f"CHECKPOINT_INDEX with flags {flags:#x}, {count} zones "
                                    f"in {len(payload)} bytes")
         zones: dict[int, int] = {}
@@ -113,4 +159,4 @@ class IndexRoot:
             zones[z] = n
         if cur != NO_ZONE and cur not in zones:
             raise IndexRecordError(f"CHECKPOINT_INDEX current zone {cur} is not listed")
-        return cls(page, root, cur, zones)
+        return cls(page, root, cur, zones, flags)

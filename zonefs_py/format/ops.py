@@ -30,6 +30,11 @@ u32 body length, body (docs/SPEC.md "Operations").
     PUNCH       (ino, first_block, nblocks)   drops the mappings and reservations of file blocks
     SHARE       (dev_offset, nblocks, count)   device blocks gain `count` references
                 (copy_file_range sharing extents, model/shared.py)
+    Format 5 only (issue 32, docs/DESIGN.md 3.15):
+    PARENT      (ino, parent_ino)   an inode record's primary parent directory
+    ZONE_LIVE   (zone_idx, live_blocks)   a checkpoint's live block count of a data zone
+    INODE_COUNT (count,)   a checkpoint's number of inodes
+    RESIDENT    (inos: tuple of u64)   inodes a mount loads at once
 """
 
 from __future__ import annotations
@@ -59,6 +64,9 @@ _INLINE = struct.Struct("<QQqqH")
 _ZONE_SEAL = struct.Struct("<IIQ")
 _QQQ = struct.Struct("<QQQ")
 _SHARE = struct.Struct("<QQI")
+_ZONE_LIVE = struct.Struct("<IQ")
+#: Inodes one RESIDENT op lists at most (a checkpoint writes as many ops as needed).
+RESIDENT_MAX_INODES = 4096
 
 
 class OpDecodeError(Exception):
@@ -71,7 +79,7 @@ def encode_op(op: Op) -> bytes:
     kind = op[0]
     if kind == OpType.INODE:
         body = _INODE.pack(*op[1:])
-    elif kind == OpType.INODE_FREE or kind == OpType.NEXT_INO:
+    elif kind == OpType.INODE_FREE or kind == OpType.NEXT_INO or kind == OpType.INODE_COUNT:
         body = _Q.pack(op[1])
     elif kind == OpType.DIRENT_ADD:
         body = _DIRENT_ADD.pack(op[1], op[2], len(op[3])) + op[3]
@@ -85,8 +93,14 @@ def encode_op(op: Op) -> bytes:
             body += op[5]
     elif kind == OpType.ZONE_SEAL:
         body = _ZONE_SEAL.pack(op[1], op[2], op[3])
-    elif kind == OpType.TRUNCATE or kind == OpType.TENANT_BYTES:
+    elif kind == OpType.TRUNCATE or kind == OpType.TENANT_BYTES or kind == OpType.PARENT:
         body = _QQ.pack(op[1], op[2])
+    elif kind == OpType.ZONE_LIVE:
+        body = _ZONE_LIVE.pack(op[1], op[2])
+    elif kind == OpType.RESIDENT:
+        if len(op[1]) > RESIDENT_MAX_INODES:
+            raise ValueError(f"RESIDENT op of {len(op[1])} inodes (at most {RESIDENT_MAX_INODES})")
+        body = struct.pack(f"<{len(op[1])}Q", *op[1])
     elif kind == OpType.PREALLOC or kind == OpType.PUNCH:
         body = _QQQ.pack(op[1], op[2], op[3])
     elif kind == OpType.SHARE:
@@ -182,6 +196,23 @@ def _decode_body(kind: int, payload: bytes, mv: memoryview, pos: int, bend: int)
         return (OpType.INODE_FREE, _Q.unpack_from(payload, pos)[0])
     if kind == OpType.NEXT_INO:
         return (OpType.NEXT_INO, _Q.unpack_from(payload, pos)[0])
+    if kind == OpType.INODE_COUNT:
+        if bend - pos != 8:
+            raise OpDecodeError("INODE_COUNT body is not 8 bytes")
+        return (OpType.INODE_COUNT, _Q.unpack_from(payload, pos)[0])
+    if kind == OpType.PARENT:
+        if bend - pos != 16:
+            raise OpDecodeError("PARENT body is not 16 bytes")
+        return (OpType.PARENT, *_QQ.unpack_from(payload, pos))
+    if kind == OpType.ZONE_LIVE:
+        if bend - pos != _ZONE_LIVE.size:
+            raise OpDecodeError("ZONE_LIVE body is not 12 bytes")
+        return (OpType.ZONE_LIVE, *_ZONE_LIVE.unpack_from(payload, pos))
+    if kind == OpType.RESIDENT:
+        n, rest = divmod(bend - pos, 8)
+        if rest or n > RESIDENT_MAX_INODES:
+            raise OpDecodeError(f"RESIDENT body of {bend - pos} bytes")
+        return (OpType.RESIDENT, struct.unpack_from(f"<{n}Q", payload, pos))
     if kind == OpType.DIRENT_ADD:
         parent, ino, nlen = _DIRENT_ADD.unpack_from(payload, pos)
         start = pos + _DIRENT_ADD.size

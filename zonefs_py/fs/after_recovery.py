@@ -43,6 +43,14 @@ def refuse_non_tree(state: State, path: str) -> None:
     directory alias, whatever a damaged (but checksummed) log says.
     Directories with nlink 0 (removed while open before a crash) are freed later.
     """
+    if state.lazy:
+        # The namespace is not loaded: the root is checked here, the rest by
+        # fsck (a lazy mount reads no more than the root and the journal tail).
+        root = state.inodes.get(ROOT_INO)
+        if root is None or not root.is_dir:
+            raise errors.CorruptionError(f"{path}: the root directory is missing; "
+                                         "run 'zonefs-py fsck'")
+        return
     names: dict[int, int] = {}
     for d in state.inodes.values():
         for child in (d.entries or {}).values():
@@ -85,10 +93,8 @@ async def convert_to_index(state: State, journal: Journal) -> Superblock:
             f"at least {MIN_INDEX_META_ZONES} (its log and index share them); the image "
             f"stays format {journal.sb.disk_version}")
     dirty = DirtySet()
-    dirty.inos.update(state.inodes)
-    for d in state.inodes.values():
-        if d.entries:
-            dirty.dirents.update((d.ino, name) for name in d.entries)
+    dirty.mark_all(state.inodes, ((d.ino, name) for d in state.inodes.values()
+                                  for name in (d.entries or ())), state.zone_owners)
     journal.start_index(NamespaceIndex(journal.dev, journal.log, None), dirty)
     await journal.checkpoint()
     log.info("converted on-disk format %d to %d: %d inodes, %d names in the index",
@@ -160,6 +166,8 @@ async def finish_recovery(rec: Recovered, journal: Journal, alloc: Allocator,
             for zone in unused:
                 if zone in store.live:
                     store.forget_zone(zone)
+            if rec.index.reader is not None:
+                rec.index.reader.zones_reset()
     orphans = [i for i in rec.state.inodes.values() if i.nlink == 0 and i.ino != ROOT_INO]
     for inode in orphans:
         log.info("freeing orphan inode %d (unlinked while open before a crash)", inode.ino)

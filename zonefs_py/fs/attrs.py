@@ -21,8 +21,10 @@ from zonefs_py.fs.api import FILE_SIZE_MAX, NAME_MAX, ROOT_INO, Attr, Ctx, SetAt
 from zonefs_py.fs.clock import now_ns
 from zonefs_py.fs.datapath import DataPath
 from zonefs_py.fs.inline import InlineData
+from zonefs_py.fs.lazyio import fault_in
 from zonefs_py.fs.namespace import XATTR_PREFIXES
 from zonefs_py.journal.journal import Journal
+from zonefs_py.model.lazy import LazyEntries
 from zonefs_py.model.state import Inode, State
 
 
@@ -60,6 +62,8 @@ class AttrOps:
             if len(name) > NAME_MAX:
                 raise errors.NameTooLong(f"name of {len(name)} bytes")
             assert d.entries is not None
+            if isinstance(d.entries, LazyEntries):
+                await fault_in(self.state, d.entries, name)
             child = d.entries.get(name)
             if child is None:
                 raise errors.NotFound(f"{name!r} not in directory {parent_ino}")
@@ -85,6 +89,9 @@ class AttrOps:
                 continue
             inode.lookups = max(0, inode.lookups - n)
             self._free_if_unused(inode)
+        # A lazy State evicts what the kernel let go of, down to its cache
+        # (no await here: nobody holds an Inode across one at this point).
+        self.state.trim()
 
     async def getattr(self, ino: int) -> Attr:
         return self.attr(self.inode(ino))

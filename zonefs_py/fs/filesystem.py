@@ -190,7 +190,8 @@ class ZoneFS(NamespaceOps, HandleOps, AttrOps, FileSystemAPI):
         messages) when the device cannot be mounted.
         """
         options = options or FsOptions()
-        rec = await trio.to_thread.run_sync(functools.partial(recover, dev, progress=progress))
+        rec = await trio.to_thread.run_sync(functools.partial(
+            recover, dev, progress=progress, inode_cache=options.inode_cache))
         refuse_non_tree(rec.state, dev.info.path)
         fs = cls(dev, rec, options, tasks or MountTasks())
         log.info("recovered %s: %d records, %d ops in %.2f s (torn tail: %s; journal "
@@ -442,13 +443,14 @@ class ZoneFS(NamespaceOps, HandleOps, AttrOps, FileSystemAPI):
         for _ in range(256):
             if cur == ROOT_INO:
                 break
-            for d in self.state.inodes.values():
-                if d.entries and cur in d.entries.values():
-                    parts.append(next(n for n, c in d.entries.items() if c == cur))
-                    cur = d.ino
-                    break
-            else:
+            inode = self.state.inodes.get(cur)
+            d = None if inode is None else self.state.inodes.get(inode.parent)
+            name = None if d is None or not d.entries else next(
+                (n for n, c in d.entries.items() if c == cur), None)
+            if d is None or name is None:
                 return f"<inode {ino}, unlinked>"
+            parts.append(name)
+            cur = d.ino
         return "/" + b"/".join(reversed(parts)).decode(errors="replace")
 
     def _maybe_free(self, inode: Inode) -> list[Op]:
@@ -479,7 +481,7 @@ class ZoneFS(NamespaceOps, HandleOps, AttrOps, FileSystemAPI):
         free = min(free, total)
         # Inodes: as many more as the meta area's checkpoint budget allows (the
         # estimate of NamespaceOps._check_meta_room), so that df -i shows the limit.
-        used = len(self.state.inodes)
+        used = self.state.inode_count
         room = self.journal.inodes_room(used)
         return StatFs(bs, total, free, free, used + room, room)
 

@@ -16,6 +16,8 @@ import stat as statmod
 import time
 from typing import TYPE_CHECKING
 
+import trio
+
 from zonefs_py import errors
 from zonefs_py.alloc.allocator import Allocator
 from zonefs_py.drain.manager import DrainManager
@@ -30,6 +32,8 @@ from zonefs_py.fs.prealloc import Fallocator
 from zonefs_py.fs.quota import QuotaTracker
 from zonefs_py.fs.reflink import Copier
 from zonefs_py.journal.journal import Journal
+from zonefs_py.journal.nsindex import NotCached
+from zonefs_py.model.lazy import LazyEntries
 from zonefs_py.model.state import Inode, State
 
 log = logging.getLogger(__name__)
@@ -37,14 +41,22 @@ log = logging.getLogger(__name__)
 
 class DirHandle:
     """An open directory: its inode and the names it held at opendir (or the
-    last rewind), which readdir offsets index."""
+    last rewind), which readdir offsets index. A directory of a lazy State
+    (LazyEntries) is listed in name order a batch at a time instead, never
+    whole: `names` is None, and `cursor` is (offset, name) of the last entry
+    given, where the next readdir goes on from."""
 
-    __slots__ = ("ino", "names")
+    __slots__ = ("cursor", "ino", "names")
 
-    def __init__(self, ino: int, names: list[bytes]) -> None:
+    def __init__(self, ino: int, names: list[bytes] | None) -> None:
         self.ino = ino
         self.names = names
+        self.cursor: tuple[int, bytes] | None = None
 
+
+
+#: Entries one readdir of a lazy directory returns at most.
+READDIR_BATCH = 1024
 
 
 class HandleOps:
@@ -256,7 +268,8 @@ class HandleOps:
         assert d.entries is not None
         fh = self._next_fh
         self._next_fh += 1
-        self.dirs[fh] = DirHandle(ino, list(d.entries))
+        self.dirs[fh] = DirHandle(
+            ino, None if isinstance(d.entries, LazyEntries) else list(d.entries))
         d.opens += 1
         return fh
 
@@ -272,8 +285,20 @@ class HandleOps:
             raise errors.InvalidArgument(f"bad directory handle {dh}")
         d = self.inode(h.ino)
         assert d.entries is not None
+        if isinstance(d.entries, LazyEntries):
+            reader = self.state.inodes.reader  # type: ignore[attr-defined]
+            try:
+                with reader.cached_only():
+                    return self._readdir_streamed(h, d, d.entries, offset)
+            except NotCached:
+                # The names and their inodes read in a worker thread first.
+                after = h.cursor[1] if h.cursor is not None and h.cursor[0] == offset \
+                    and offset > 2 else None
+                await trio.to_thread.run_sync(reader.warm_names, d.ino, after, READDIR_BATCH)
+                return self._readdir_streamed(h, d, d.entries, offset)
         if offset == 0:
             h.names = list(d.entries)
+        assert h.names is not None
         out: list[DirEntry] = []
         specials = [(b".", d.ino), (b"..", d.parent or ROOT_INO)]
         for i in range(offset, len(h.names) + 2):
@@ -291,6 +316,46 @@ class HandleOps:
             out.append(DirEntry(name, self.attr(inode), i + 1))
             if len(out) >= 1024:
                 break
+        return out
+
+    def _readdir_streamed(self, h: DirHandle, d: Inode, entries: LazyEntries,
+                          offset: int) -> list[DirEntry]:
+        """readdir of a lazy directory: entries in name order from `offset`, the
+        offset of the last entry given (entry k of the listing has offset k + 1;
+        "." and ".." are 1 and 2). A directory changed meanwhile: names added or
+        removed may or may not show, every other name shows once (POSIX)."""
+        out: list[DirEntry] = []
+        if offset < 1:
+            out.append(DirEntry(b".", self.attr(d), 1))
+        if offset < 2:
+            parent = self.state.inodes.get(d.parent or ROOT_INO)
+            out.append(DirEntry(b"..", self.attr(parent if parent is not None else d), 2))
+        pos = max(offset, 2)
+        if pos == 2:
+            after: bytes | None = None
+        elif h.cursor is not None and h.cursor[0] == pos:
+            after = h.cursor[1]
+        else:
+            # A seek elsewhere (telldir/seekdir): count from the first name.
+            after, skip = None, pos - 2
+            while skip > 0:
+                batch = entries.names_after(after, min(skip, 1024))
+                if not batch:
+                    return out
+                take = batch[:skip]
+                skip -= len(take)
+                after = take[-1][0]
+        cursor = h.cursor
+        for name, ino in entries.names_after(after, READDIR_BATCH):
+            inode = self.state.inodes.get(ino)
+            if inode is None:
+                continue
+            pos += 1
+            out.append(DirEntry(name, self.attr(inode), pos))
+            cursor = (pos, name)
+            if len(out) >= READDIR_BATCH:
+                break
+        h.cursor = cursor  # only once done (a NotCached above leaves it as it was)
         return out
 
     async def releasedir(self, dh: int) -> None:

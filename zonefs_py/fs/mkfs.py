@@ -125,7 +125,7 @@ def make_filesystem(dev: ZonedDevice, label: bytes = b"", *, meta_zones: int | N
         positions = mlog.append([begin_record(0)], new_zone=True)
         index = NamespaceIndex(dev, mlog, None)
         index.apply({ROOT_INO: inode_record(state, state.inodes[ROOT_INO])}, {})
-        head = [encode_op(op) for op in head_ops(state)]
+        head = [encode_op(op) for op in head_ops(state, index=True)]
         mlog.append(index_checkpoint_tail(head, index.commit())[0])
     else:
         positions = mlog.append(checkpoint_records(state, 0), new_zone=True)

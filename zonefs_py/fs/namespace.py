@@ -98,7 +98,7 @@ class NamespaceOps:
         """
         self._writable()
         j = self.journal
-        n = len(self.state.inodes) + 1
+        n = self.state.inode_count + 1
         budget = j.checkpoint_budget_bytes()
         if j.estimated_checkpoint_bytes(n) <= budget // 2:
             return
@@ -106,7 +106,7 @@ class NamespaceOps:
             # Past half the budget, measure again at every 5% of growth: an estimate
             # off by half still leaves the measuring checkpoint room to be written.
             await j.checkpoint()
-            n = len(self.state.inodes) + 1
+            n = self.state.inode_count + 1
         if j.estimated_checkpoint_bytes(n) <= budget:
             return
         if not self._meta_full_logged:

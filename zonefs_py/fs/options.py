@@ -60,6 +60,11 @@ class FsOptions:
     #: MiB of memory for the checksums of sealed zones read from their summaries
     #: (fs/zonesums.py; at 4 KiB blocks, 1 MiB of cache covers ~1 GiB of data).
     cache_mb: int = 256
+    #: Format 5: inodes kept in memory at most beyond those the kernel or a handle
+    #: holds or that changed since the last checkpoint (model/lazy.py; ~1 KiB each);
+    #: the others are read from the namespace index when used. 0 loads the whole
+    #: namespace at mount, as format 4 does.
+    inode_cache: int = 131072
     #: Files of at most this many bytes keep their bytes in the metadata (fs/inline.py;
     #: at most 2048 and half a block; 0 disables it).
     inline_max_bytes: int = 512
@@ -105,6 +110,7 @@ class FsOptions:
         "read_latency_ms": ("read_latency_ms", float),
         "prefetch_mb": ("prefetch_mb", int),
         "cache_mb": ("cache_mb", int),
+        "inode_cache": ("inode_cache", int),
         "inline_max": ("inline_max_bytes", int),
         "zone_append": ("zone_append", lambda v: {"1": "on", "0": "off"}.get(v, v)),
         "drain_endpoint": ("drain_endpoint", str),
@@ -162,6 +168,9 @@ class FsOptions:
             raise ValueError("prefetch_mb must be 0 (off) or a number of MiB")
         if result.cache_mb < 1:
             raise ValueError("cache_mb must be at least 1 (MiB of checksums kept in memory)")
+        if result.inode_cache < 0:
+            raise ValueError("inode_cache must be 0 (load every inode at mount) or a "
+                             "number of inodes")
         if not result.read_latency_ms >= 0:
             raise ValueError("read_latency_ms must be 0 (off) or a positive number of ms")
         if not 5 <= result.drain_part_mb <= 5120 or not 1 <= result.drain_parts <= 64 \

@@ -58,7 +58,9 @@ class QuotaTracker:
     def reload(self) -> None:
         """Find every quota directory and compute its usage (mount, xattr or rename)."""
         self.quotas = {}
-        for inode in self.state.inodes.values():
+        # (A list: the walks below fault inodes of a lazy State in. Quota
+        # directories of a lazy State are resident: State.resident_xattrs.)
+        for inode in list(self.state.inodes.values()):
             if inode.xattrs and QUOTA_XATTR in inode.xattrs and inode.is_dir:
                 try:
                     limit = int(inode.xattrs[QUOTA_XATTR].strip())

@@ -117,7 +117,7 @@ def build_status(fs: StatusSource) -> dict[str, object]:
                    "zone_append": fs.dev.info.zone_append},
         "filesystem": {"uuid": fs.sb.uuid_str, "label": fs.sb.label.decode(errors="replace"),
                        "read_only": fs.options.read_only, "failsafe": fs.failsafe,
-                       "inodes": len(fs.state.inodes),
+                       "inodes": fs.state.inode_count,
                        "disk_version": fs.sb.disk_version},
         "zones_by_condition": dict(sorted(by_cond.items())),
         "zones_by_role": dict(Counter(r.name.lower() for r in roles.values())),

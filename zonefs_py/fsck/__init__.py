@@ -20,6 +20,7 @@ from zonefs_py.fsck.data import (
     check_inv12_data_checksums,
     check_inv23_zone_summaries,
     check_inv25_namespace_index,
+    check_inv26_lazy_records,
 )
 from zonefs_py.fsck.metadata import (
     check_inv2_layout,
@@ -77,6 +78,7 @@ def check_filesystem(dev: ZonedDevice, *, check_data: bool = True,
     check_inv23_zone_summaries(dev, state, zones, report, read=not check_data)
     check_inv25_namespace_index(range(sb.meta_first_zone, sb.meta_first_zone
                                       + sb.meta_zone_count), rec, report)
+    check_inv26_lazy_records(rec, report)
     if check_data:
         check_inv12_data_checksums(dev, rec, report, progress)
     return report

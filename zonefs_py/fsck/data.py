@@ -9,7 +9,15 @@ from zonefs_py.device.base import Zone, ZonedDevice
 from zonefs_py.errors import CorruptionError
 from zonefs_py.format import zonesum
 from zonefs_py.format.checksum import first_bad_block
+from zonefs_py.format.nsindex import (
+    END_PREFIX,
+    OWNERS_PREFIX,
+    IndexRecordError,
+    decode_owners,
+    split_owners_key,
+)
 from zonefs_py.fsck.report import Progress, Report
+from zonefs_py.index.errors import IndexCorrupt
 from zonefs_py.journal.recovery import Recovered
 from zonefs_py.model.extents import Extent
 from zonefs_py.model.state import State
@@ -159,3 +167,56 @@ def check_inv25_namespace_index(sb_meta: range, rec: Recovered, report: Report) 
         if counts.get(zone, 0) != recorded:
             report.add("INV-25", f"index zone {zone}: the checkpoint records {recorded} live "
                        f"pages, the tree references {counts.get(zone, 0)}")
+
+
+def check_inv26_lazy_records(rec: Recovered, report: Report) -> None:
+    """INV-26 (format 5, a self-contained index): what a lazy mount trusts instead
+    of the whole namespace matches it. The checkpoint's INODE_COUNT and ZONE_LIVE
+    ops equal the counts of the loaded namespace, its RESIDENT ops list every
+    inode a mount must load at once, and each zone's owner list in the index
+    holds every inode with extents there. Checked when no journal follows the
+    checkpoint (the replayed ops changed the namespace since the counts)."""
+    index = rec.index
+    state = rec.state
+    if index is None or index.root_record is None or not index.root_record.self_contained \
+            or rec.journal_bytes or state.recorded_inode_count is None:
+        return
+    if state.recorded_inode_count != len(state.inodes):
+        report.add("INV-26", f"the checkpoint counts {state.recorded_inode_count} inodes, "
+                   f"the namespace holds {len(state.inodes)}")
+    live = {z: n for z, n in state.zone_live_blocks.items() if n}
+    for zone in sorted(set(live) | set(state.recorded_zone_live))[:_INV26_SHOWN]:
+        if live.get(zone, 0) != state.recorded_zone_live.get(zone, 0):
+            report.add("INV-26", f"zone {zone}: the checkpoint records "
+                       f"{state.recorded_zone_live.get(zone, 0)} live blocks, the files "
+                       f"map {live.get(zone, 0)}")
+    missing = sorted(set(state.resident_inos()) - set(state.recorded_resident))
+    if missing:
+        report.add("INV-26", f"inodes a mount must load at once are not listed (RESIDENT): "
+                   f"{missing[:_INV26_SHOWN]}")
+    recorded: dict[int, set[int]] = {}
+    try:
+        for key, value in index.tree.scan(OWNERS_PREFIX, END_PREFIX):
+            zone, _ = split_owners_key(key)
+            recorded.setdefault(zone, set()).update(decode_owners(value))
+    except (IndexRecordError, IndexCorrupt, CorruptionError) as exc:
+        report.add("INV-26", f"zone owner lists: {exc}")
+        return
+    zsize = state.zone_size
+    shown = 0
+    for zone in sorted(state.zone_owners):
+        lo = zone * zsize
+        for ino in sorted(state.zone_owners[zone] - recorded.get(zone, set())):
+            inode = state.inodes.get(ino)
+            if inode is None or inode.extents is None or not any(
+                    lo <= e.dev < lo + zsize for e in inode.extents):
+                continue
+            report.add("INV-26", f"inode {ino} has extents in zone {zone}, whose owner "
+                       "list in the index does not name it")
+            shown += 1
+            if shown >= _INV26_SHOWN:
+                return
+
+
+#: Findings of one kind INV-26 shows at most.
+_INV26_SHOWN = 10

@@ -153,7 +153,7 @@ class Journal(GroupCommit):
             flush_first = self.data_dirty
             self.data_dirty = False
             snap = snapshot()
-            begun = _Begun(snap, len(self.state.inodes), self._new_content_bytes)
+            begun = _Begun(snap, self.state.inode_count, self._new_content_bytes)
             self._new_ino_floor = self.state.next_ino
             # The batch goes out as a journal record *before* BEGIN: should this
             # checkpoint be torn, recovery replays the older state through it and
@@ -258,6 +258,7 @@ class Journal(GroupCommit):
                 assert isinstance(root, IndexRoot)
                 records, total = index_checkpoint_tail(snap.head, root, self._payload_target())
                 disk += await self._end_checkpoint(records, first)
+                self._publish(index, snap)
                 await self._reset_before(first)
                 reset = index.take_empty_zones()
                 if reset:
@@ -311,10 +312,20 @@ class Journal(GroupCommit):
         self.state.dirty = dirty
         self.sb = self.sb.as_version(INDEX_DISK_VERSION)
 
+    def _publish(self, index: NamespaceIndex, snap: IndexSnapshot) -> None:
+        """The superblock points at the checkpoint whose tree holds `snap`: lazy
+        States read that tree from now on, and memory drops what it holds as
+        it is (DESIGN.md 3.15). Trio thread, no await: one step for the State."""
+        index.publish(snap.next_ino)
+        dirty = self.state.dirty
+        if dirty is not None:
+            self.state.published(dirty.settle())
+        self.state.trim()
+
     @staticmethod
     def _commit_index(index: NamespaceIndex, snap: IndexSnapshot) -> IndexRoot:
         """Worker thread: the snapshot's entries into the tree, cleaning, commit."""
-        index.apply(snap.inodes, snap.dirents)
+        index.apply(snap.inodes, snap.dirents, snap.owners)
         index.clean(index.store.mlog.zone_capacity_bytes)
         return index.commit()
 
@@ -325,6 +336,8 @@ class Journal(GroupCommit):
         self.log.reset_zones(zones)
         for zone in zones:
             self.index.store.forget_zone(zone)
+        if self.index.reader is not None:
+            self.index.reader.zones_reset()
 
     async def _append_data(self, payloads: list[bytes]) -> int:
         """Append CHECKPOINT_DATA records (not flushed), holding the log; return

@@ -75,7 +75,7 @@ class MetaRoom:
         #: (device bytes, inodes) of the newest checkpoint written (or loaded at
         #: mount): what `estimated_checkpoint_bytes` scales from.
         self.checkpoint_sample: tuple[int, int] = (
-            checkpoint_disk_bytes + (index_live_bytes or 0), len(state.inodes))
+            checkpoint_disk_bytes + (index_live_bytes or 0), state.inode_count)
         #: Format 5 (the namespace in the index): a checkpoint writes what changed,
         #: so its trigger is the journal's size alone, and the meta area holds the
         #: index's live pages (counted in `checkpoint_sample`) instead of two

@@ -23,22 +23,29 @@ a time); any other page read is one device read. `lookup` and `inode_ops`
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import threading
 from collections.abc import Iterator
 
 from zonefs_py.device.base import ZonedDevice
 from zonefs_py.format.constants import OpType
 from zonefs_py.format.nsindex import (
     DIRENT_PREFIX,
+    FLAG_SELF_CONTAINED,
     INODE_PREFIX,
     NO_ZONE,
     IndexRecordError,
     IndexRoot,
     child_value,
     decode_child,
+    decode_owners,
     dirent_key,
+    encode_owners,
     inode_key,
     inode_key_range,
+    owners_key,
+    owners_key_range,
     split_dirent_key,
     split_inode_key,
     split_parts,
@@ -239,6 +246,12 @@ class NamespaceIndex:
         #: Bytes of an inode record per tree entry (the key is 11 bytes).
         self.part_bytes = limits.max_entry_bytes - 16
         self.root_record = root
+        #: The tree holds what a lazy mount needs (inode records with their parent,
+        #: zone owners): its commits carry FLAG_SELF_CONTAINED. False for a tree
+        #: of an older format 5 until a checkpoint rewrote every entry.
+        self.self_contained = root is None or root.self_contained
+        #: The published tree, as lazy States read it (`open_reader`).
+        self.reader: IndexReader | None = None
         #: Pages written and made obsolete by the last commit (figures).
         self.last_written = 0
         self.last_obsolete = 0
@@ -265,6 +278,7 @@ class NamespaceIndex:
         inos: list[int] = []
         blobs: list[bytes] = []
         part_of = -1
+        parents: list[Op] = []
         for key, value in self.tree.scan(INODE_PREFIX, DIRENT_PREFIX):
             ino, part = _inode_key(key)
             if inos and ino == inos[-1]:
@@ -274,13 +288,13 @@ class NamespaceIndex:
                 if part != 0:
                     raise IndexCorrupt(0, f"inode {ino}: record starts with part {part}")
                 if len(inos) >= LOAD_BATCH_RECORDS:
-                    count += self._apply_records(state, inos, blobs)
+                    count += self._apply_records(state, inos, blobs, parents)
                     inos, blobs = [], []
                 inos.append(ino)
             part_of = part
             blobs.append(value)
         if inos:
-            count += self._apply_records(state, inos, blobs)
+            count += self._apply_records(state, inos, blobs, parents)
         for key, value in self.tree.scan(DIRENT_PREFIX, _END_OF_DIRENTS):
             try:
                 parent, name = split_dirent_key(key)
@@ -289,21 +303,43 @@ class NamespaceIndex:
                 raise IndexCorrupt(0, str(exc)) from None
             state.apply((OpType.DIRENT_ADD, parent, child, name))
             count += 1
+        # A file of several names: its record says which directory is its primary
+        # parent (the names above gave it the last one in key order).
+        state.apply_all(parents)
         return count
 
     @staticmethod
-    def _apply_records(state: State, inos: list[int], blobs: list[bytes]) -> int:
+    def _apply_records(state: State, inos: list[int], blobs: list[bytes],
+                       parents: list[Op]) -> int:
         """Decode consecutive inode records at once (one call for many: mount time)
-        and apply them."""
+        and apply them; PARENT ops of files of several names go to `parents`."""
         ops = _checked_records(inos, blobs)
         state.apply_all(ops)
+        nlink = 0
+        for op in ops:
+            if op[0] == OpType.INODE:
+                nlink = op[4]
+            elif op[0] == OpType.PARENT and nlink > 1:
+                parents.append(op)
         return len(ops)
 
     # -- checkpoint (worker thread) ------------------------------------------------------
     def apply(self, inodes: dict[int, bytes | None],
-              dirents: dict[tuple[int, bytes], int | None]) -> None:
+              dirents: dict[tuple[int, bytes], int | None],
+              owners: dict[int, list[int] | None] | None = None) -> None:
         """Put the changed entries into the tree (not committed)."""
         tree = self.tree
+        for zone in sorted(owners or ()):
+            inos = owners[zone]  # type: ignore[index]
+            start, end = owners_key_range(zone)
+            old = [k for k, _ in tree.scan(start, end)]
+            per_part = self.part_bytes // 8
+            new = [] if not inos else [encode_owners(inos[i:i + per_part])
+                                       for i in range(0, len(inos), per_part)]
+            for part, chunk in enumerate(new):
+                tree.put(owners_key(zone, part), chunk)
+            for key in old[len(new):]:
+                tree.delete(key)
         for ino in sorted(inodes):
             record = inodes[ino]
             start, end = inode_key_range(ino)
@@ -369,8 +405,25 @@ class NamespaceIndex:
         store = self.store
         self.root_record = IndexRoot(store.page_size_bytes, root,
                                      NO_ZONE if store.current is None else store.current,
-                                     dict(store.live))
+                                     dict(store.live),
+                                     FLAG_SELF_CONTAINED if self.self_contained else 0)
         return self.root_record
+
+    # -- the published tree (lazy States read it) ------------------------------------------
+    def open_reader(self, next_ino: int, cache_pages: int = CACHE_PAGES) -> IndexReader:
+        """The reader lazy States fault in from: the tree of `root_record`, whose
+        checkpoint's NEXT_INO is `next_ino`."""
+        root = self.root_record
+        self.reader = IndexReader(self.store.dev, self.store.page_size_bytes,
+                                  None if root is None else root.root_address, next_ino,
+                                  cache_pages)
+        return self.reader
+
+    def publish(self, next_ino: int) -> None:
+        """The superblock points at the checkpoint of `root_record`: readers read
+        its tree from now on (the trio thread, before any zone it frees is reset)."""
+        if self.reader is not None and self.root_record is not None:
+            self.reader.publish(self.root_record.root_address, next_ino)
 
     def take_empty_zones(self) -> list[int]:
         """Index zones to reset now that the newest checkpoint does not use them;
@@ -411,7 +464,163 @@ def _inode_key(key: bytes) -> tuple[int, int]:
 
 #: Ops an inode record may hold after its INODE op (SPEC "Namespace index").
 _RECORD_OPS = frozenset({OpType.SYMLINK, OpType.XATTR_SET, OpType.DRAIN, OpType.INLINE,
-                         OpType.EXTENT, OpType.PREALLOC})
+                         OpType.EXTENT, OpType.PREALLOC, OpType.PARENT})
+
+
+class NotCached(Exception):
+    """A read under `IndexReader.cached_only` needed a page not in the cache."""
+
+
+class IndexReader:
+    """The published tree, read by lazy States (model/lazy.py) from any thread.
+
+    Pages of a published tree are never changed and stay where they are until
+    a later tree is published and their zone reset; `lock` covers every read
+    and the switch to a new tree (`publish`) and the resets (`zones_reset`),
+    so a reader never reads a zone being reset. Its page cache is its own (the
+    checkpoint's worker thread has the writer's).
+
+    The trio thread reads through it under `cached_only()`: a page not in the
+    cache raises NotCached, and the caller reads it in a worker thread
+    (`warm`) and tries again, so the event loop never waits for the device.
+    """
+
+    def __init__(self, dev: ZonedDevice, page_size_bytes: int, root_address: int | None,
+                 next_ino: int, cache_pages: int = CACHE_PAGES) -> None:
+        self.lock = threading.Lock()
+        self.next_ino = next_ino
+        self.page_size_bytes = page_size_bytes
+        self._local = threading.local()
+        self._store = _DevicePages(dev, page_size_bytes, self._local)
+        self._cache = PageCache[Page](capacity_pages=cache_pages)
+        self._tree = BTree(self._store, self._cache, root_address, page_size_bytes)
+
+    @property
+    def device_reads(self) -> int:
+        return self._store.reads
+
+    @property
+    def cache(self) -> PageCache[Page]:
+        return self._cache
+
+    def publish(self, root_address: int, next_ino: int) -> None:
+        with self.lock:
+            self._tree = BTree(self._store, self._cache, root_address, self.page_size_bytes)
+            self.next_ino = next_ino
+
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[None]:
+        """Hold the lock for one read (under `cached_only`, only if it is free:
+        a worker thread holding it may be reading the device)."""
+        if getattr(self._local, "cached_only", False):
+            if not self.lock.acquire(blocking=False):
+                raise NotCached(-1)
+        else:
+            self.lock.acquire()
+        try:
+            yield
+        finally:
+            self.lock.release()
+
+    @contextlib.contextmanager
+    def cached_only(self) -> Iterator[None]:
+        """Reads in this thread raise NotCached instead of reading the device."""
+        self._local.cached_only = True
+        try:
+            yield
+        finally:
+            self._local.cached_only = False
+
+    def warm(self, parent: int, name: bytes | None, ino: int | None = None) -> None:
+        """Worker thread: read into the cache the pages that looking up `name` in
+        `parent` (if given) and the named inode's record (or `ino`'s) take."""
+        if name is not None:
+            ino = self.lookup(parent, name)
+        if ino is not None:
+            self.inode_ops(ino)
+
+    def warm_names(self, parent: int, after: bytes | None, limit: int,
+                   inodes: bool = True) -> None:
+        """Worker thread: read into the cache a batch of `parent`'s names after
+        `after` and (with `inodes`) their inodes' records (readdir)."""
+        for _, child in self.names_after(parent, after, limit):
+            if inodes:
+                self.inode_ops(child)
+
+    def zones_reset(self) -> None:
+        """Index zones were reset: drop every cached page (an address may be reused)."""
+        with self.lock:
+            self._cache.clear()
+
+    def inode_ops(self, ino: int) -> list[Op] | None:
+        start, end = inode_key_range(ino)
+        with self._reading():
+            blobs = [value for _, value in self._tree.scan(start, end)]
+        if not blobs:
+            return None
+        return _checked_records([ino], blobs)  # (outside the lock: pure decoding)
+
+    def lookup(self, parent: int, name: bytes) -> int | None:
+        with self._reading():
+            value = self._tree.get(dirent_key(parent, name))
+        if value is None:
+            return None
+        try:
+            return decode_child(value)
+        except IndexRecordError as exc:
+            raise IndexCorrupt(0, str(exc)) from None
+
+    def names_after(self, parent: int, after: bytes | None,
+                    limit: int) -> list[tuple[bytes, int]]:
+        start = dirent_key(parent, b"") if after is None else dirent_key(parent, after) + b"\0"
+        end = dirent_key(parent + 1, b"")
+        out: list[tuple[bytes, int]] = []
+        try:
+            with self._reading():
+                for key, value in self._tree.scan(start, end):
+                    out.append((split_dirent_key(key)[1], decode_child(value)))
+                    if len(out) >= limit:
+                        break
+        except IndexRecordError as exc:
+            raise IndexCorrupt(0, str(exc)) from None
+        return out
+
+    def zone_owners(self, zone: int) -> list[int]:
+        start, end = owners_key_range(zone)
+        with self._reading():
+            values = [value for _, value in self._tree.scan(start, end)]
+        out: list[int] = []
+        try:
+            for value in values:
+                out.extend(decode_owners(value))
+        except IndexRecordError as exc:
+            raise IndexCorrupt(0, str(exc)) from None
+        return out
+
+
+class _DevicePages:
+    """Read-only page access for an IndexReader (no read-ahead state to share)."""
+
+    def __init__(self, dev: ZonedDevice, page_size_bytes: int, local: threading.local) -> None:
+        self.dev = dev
+        self.page_size_bytes = page_size_bytes
+        self.reads = 0
+        self._local = local
+
+    def append(self, page_bytes: bytes) -> int:
+        raise RuntimeError("the published index tree is read-only")
+
+    def read(self, address: int) -> bytes:
+        if address % self.page_size_bytes or address < 0 \
+                or address + self.page_size_bytes > self.dev.info.size_bytes:
+            raise IndexCorrupt(address, "page address outside the device")
+        if getattr(self._local, "cached_only", False):
+            raise NotCached(address)
+        self.reads += 1
+        return self.dev.read(address, self.page_size_bytes)
+
+    def flush(self) -> None:
+        pass
 
 
 def _checked_records(inos: list[int], blobs: list[bytes]) -> list[Op]:

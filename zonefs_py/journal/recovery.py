@@ -116,7 +116,8 @@ PROGRESS_EVERY = 512
 
 
 def recover(dev: ZonedDevice, *, salvage: bool = False,
-            progress: Callable[[int, int], None] | None = None) -> Recovered:
+            progress: Callable[[int, int], None] | None = None,
+            inode_cache: int = 0) -> Recovered:
     """Rebuild the State (see `_recover`), with the cyclic GC paused meanwhile.
 
     `progress(done_bytes, total_bytes)` is called now and then during the
@@ -125,18 +126,23 @@ def recover(dev: ZonedDevice, *, salvage: bool = False,
 
     Recovery creates millions of small objects and no garbage cycles; letting
     the collector scan them over and over made mount ~15% slower.
+
+    `inode_cache` > 0: a format-5 image whose index is self-contained is
+    mounted lazily (model/lazy.py) with a cache of that many inodes; 0 loads
+    the whole namespace (fsck, and the mount option inode_cache=0).
     """
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _recover(dev, salvage=salvage, progress=progress)
+        return _recover(dev, salvage=salvage, progress=progress, inode_cache=inode_cache)
     finally:
         if was_enabled:
             gc.enable()
 
 
 def _recover(dev: ZonedDevice, *, salvage: bool = False,
-             progress: Callable[[int, int], None] | None = None) -> Recovered:
+             progress: Callable[[int, int], None] | None = None,
+             inode_cache: int = 0) -> Recovered:
     """Rebuild the State from the newest checkpoint and the journal after it.
 
     `salvage` (fsck --repair only) stops at the first damaged record instead of
@@ -225,10 +231,20 @@ def _recover(dev: ZonedDevice, *, salvage: bool = False,
                     # until the superblock points past a checkpoint using them.
                     res.index_zones_seen.update(z for z, n in loading_root.zones.items() if n)
                     index = NamespaceIndex(dev, mlog, loading_root)
-                    res.ops += index.load_into(loading)
-                    res.index = index  # only once loaded (a salvage may stop here)
                     # From here on, replayed ops are changes the index lacks.
                     loading.dirty = DirtySet()
+                    if inode_cache > 0 and loading_root.self_contained:
+                        # Lazy (DESIGN.md 3.15): the head's counts, the root and
+                        # the RESIDENT inodes; the rest on first use.
+                        loading.go_lazy(index.open_reader(loading.next_ino), inode_cache)
+                    else:
+                        res.ops += index.load_into(loading)
+                        if not loading_root.self_contained:
+                            # A tree of an older format 5: the next checkpoint
+                            # rewrites every entry, with what a lazy mount needs.
+                            _mark_everything(loading)
+                            index.self_contained = True
+                    res.index = index  # only once loaded (a salvage may stop here)
                 # The checkpoint is the State as of its BEGIN; the commits written
                 # inside it came after. (When it is not the first, `state` got them
                 # too, from the journal before BEGIN on: the two are the same.)
@@ -297,6 +313,13 @@ def _recover(dev: ZonedDevice, *, salvage: bool = False,
     if progress is not None:
         progress(total_bytes, total_bytes)
     return res
+
+
+def _mark_everything(state: State) -> None:
+    """Every inode, name and zone owner list changed (DirtySet.mark_all)."""
+    assert state.dirty is not None
+    state.dirty.mark_all(state.inodes, ((d.ino, name) for d in state.inodes.values()
+                                        for name in (d.entries or ())), state.zone_owners)
 
 
 def _zone_change_bytes(mlog: MetaLog, prev_end: int, off: int) -> int:

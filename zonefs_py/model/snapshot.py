@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from zonefs_py.format.constants import OpType
-from zonefs_py.format.ops import Op
+from zonefs_py.format.ops import RESIDENT_MAX_INODES, Op
 from zonefs_py.model.drain import DrainRecord
 from zonefs_py.model.errors import StateError
 from zonefs_py.model.inode import Inode, inline_op
@@ -30,12 +30,17 @@ class SnapshotHook(Protocol):
 
     def before_change(self, inode: Inode) -> None: ...
 
+    def before_owners(self, zone: int) -> None: ...
+
 
 class SnapshotSource(Protocol):
     """What a snapshot reads of a model.state.State (which imports this module)."""
 
     block_size: int
+    zone_size: int
     inodes: dict[int, Inode]
+    zone_owners: dict[int, set[int]]
+    zone_live_blocks: dict[int, int]
     next_ino: int
     counters: dict[int, int]
     tenant_written: dict[int, int]
@@ -47,6 +52,11 @@ class SnapshotSource(Protocol):
     #: The snapshot being encoded, if any; apply() hands it each inode it changes.
     snapshot: SnapshotHook | None
     snapshot_gen: int
+
+    @property
+    def inode_count(self) -> int: ...
+
+    def resident_inos(self) -> list[int]: ...
 
 
 #: Ops whose op[1] is an inode they change (for DIRENT_* the directory; the
@@ -71,8 +81,11 @@ def snapshot_ops(state: SnapshotSource, max_csum_blocks: int = 65536) -> Iterato
         yield from inode_body_ops(state, inode, max_csum_blocks)
 
 
-def head_ops(state: SnapshotSource) -> Iterator[Op]:
-    """Yield the snapshot's ops that belong to no inode: counters, tenants, zones."""
+def head_ops(state: SnapshotSource, *, index: bool = False) -> Iterator[Op]:
+    """Yield the snapshot's ops that belong to no inode: counters, tenants, zones;
+    with `index` (format 5) also what a lazy mount reads instead of the whole
+    namespace: the inode count, each data zone's live blocks, and the inodes
+    it loads at once (DESIGN.md 3.15)."""
     yield (OpType.NEXT_INO, state.next_ino)
     yield (OpType.COUNTERS, dict(state.counters))
     for dir_ino, written in state.tenant_written.items():
@@ -83,6 +96,15 @@ def head_ops(state: SnapshotSource) -> Iterator[Op]:
         yield (OpType.ZONE_SEAL, zone, resets, data_blocks)
     for dev, nblocks, extra in state.shared.items():
         yield (OpType.SHARE, dev, nblocks, extra)
+    if not index:
+        return
+    yield (OpType.INODE_COUNT, state.inode_count)
+    for zone, live in sorted(state.zone_live_blocks.items()):
+        if live:
+            yield (OpType.ZONE_LIVE, zone, live)
+    resident = state.resident_inos()
+    for i in range(0, len(resident), RESIDENT_MAX_INODES):
+        yield (OpType.RESIDENT, tuple(resident[i:i + RESIDENT_MAX_INODES]))
 
 
 def inode_body_ops(state: SnapshotSource, inode: Inode, max_csum_blocks: int = 65536,
@@ -195,6 +217,9 @@ class Snapshot:
         if self._todo:
             raise StateError("snapshot is not complete")
         return self.head + self.inode_part + self.body_part
+
+    def before_owners(self, zone: int) -> None:
+        """Format 4 lists no zone owners (they are derived from the extents)."""
 
     def close(self, failed: bool = False) -> None:
         """Stop tracking changes (always call it, also when the checkpoint fails;

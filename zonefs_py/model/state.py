@@ -20,7 +20,7 @@ from __future__ import annotations
 import stat as statmod
 from collections.abc import Callable, Iterator
 
-from zonefs_py.format.constants import OpType
+from zonefs_py.format.constants import QUOTA_XATTR, ROOT_INO, OpType
 from zonefs_py.format.ops import Op
 from zonefs_py.format.zonesum import summary_end
 from zonefs_py.model.dirty import DirtySet
@@ -28,6 +28,7 @@ from zonefs_py.model.drain import DrainRecord
 from zonefs_py.model.errors import StateError
 from zonefs_py.model.extents import EMPTY_EXTENTS, ExtentMap, Freed
 from zonefs_py.model.inode import CAPABILITY_XATTR, Inode, inline_op
+from zonefs_py.model.lazy import IndexReader, InodeTable, LazyEntries, ZoneOwnersTable
 from zonefs_py.model.prealloc import Reservations
 from zonefs_py.model.shared import SharedBlocks
 from zonefs_py.model.snapshot import Snapshot, SnapshotHook, snapshot_ops
@@ -93,6 +94,25 @@ class State:
         #: inode is not taken out). While empty, the FUSE adapter answers the
         #: kernel's capability probe before every write(2) without the engine.
         self.caps_inos: set[int] = set()
+        #: Format 5 lazy mount (model/lazy.py, DESIGN.md 3.15): `inodes` and
+        #: `zone_owners` fault in from the namespace index; set by `go_lazy`.
+        self.lazy = False
+        #: `install` is applying an inode's record read from the index: it restores
+        #: what the tree holds and changes no count (they are in the checkpoint's head).
+        self._installing = False
+        #: Inodes in a lazy State (its `inodes` holds the resident ones only).
+        self._inode_count = 0
+        #: What a format-5 checkpoint's head recorded (INODE_COUNT, ZONE_LIVE,
+        #: RESIDENT): a lazy mount takes them, fsck compares them.
+        self.recorded_inode_count: int | None = None
+        self.recorded_zone_live: dict[int, int] = {}
+        self.recorded_resident: list[int] = []
+        #: Xattrs that keep their inode resident (and listed in RESIDENT): the
+        #: capability one, and those the engine adds (quota directories).
+        self.resident_xattrs: set[bytes] = {CAPABILITY_XATTR, QUOTA_XATTR}
+        #: Inodes that may have to stay resident (nlink 0, or a resident xattr was
+        #: set); `resident_inos` filters them.
+        self.pin_candidates: set[int] = set()
         self._dispatch = {
             OpType.INODE: self._apply_inode,
             OpType.INODE_FREE: self._apply_inode_free,
@@ -113,6 +133,10 @@ class State:
             OpType.PREALLOC: self._apply_prealloc,
             OpType.PUNCH: self._apply_punch,
             OpType.SHARE: self._apply_share,
+            OpType.PARENT: self._apply_parent,
+            OpType.ZONE_LIVE: self._apply_zone_live,
+            OpType.INODE_COUNT: self._apply_inode_count,
+            OpType.RESIDENT: self._apply_resident,
         }
 
     # -- applying ops --------------------------------------------------------
@@ -154,11 +178,115 @@ class State:
         for op in ops:
             self.apply(op)
 
+    # -- the lazy namespace (format 5, model/lazy.py) -------------------------------------
+    @property
+    def inode_count(self) -> int:
+        """Inodes of the filesystem (a lazy State holds some of them)."""
+        return self._inode_count if self.lazy else len(self.inodes)
+
+    def go_lazy(self, reader: IndexReader, capacity: int) -> None:
+        """Take inodes, names and zone owners from `reader` from now on (a format-5
+        mount, right after the checkpoint's head ops): adopt the head's counts
+        and install the root and the RESIDENT inodes."""
+        if self.inodes or self.zone_owners or self.recorded_inode_count is None:
+            raise StateError("go_lazy: the State holds inodes, or the checkpoint "
+                             "recorded no inode count")
+        self.lazy = True
+        self.inodes = InodeTable(self, reader, capacity)
+        self.zone_owners = ZoneOwnersTable(self, reader)
+        self._inode_count = self.recorded_inode_count
+        self.zone_live_blocks = dict(self.recorded_zone_live)
+        self.live_blocks_total = sum(self.zone_live_blocks.values())
+        for ino in [ROOT_INO, *self.recorded_resident]:
+            self.inodes.get(ino)
+
+    def install(self, ops: list[Op]) -> None:
+        """Apply an inode's record read from the index (InodeTable's fault): its
+        INODE op first. Not a change: nothing is noted, no count moves."""
+        self._installing = True
+        try:
+            for op in ops:
+                self._dispatch[op[0]](op)
+        finally:
+            self._installing = False
+
+    def forget_zone_owners(self, zone: int) -> None:
+        """The zone was reset: no inode has extents in it (the allocator)."""
+        if self.snapshot is not None:
+            self.snapshot.before_owners(zone)
+        self.zone_owners.pop(zone, None)
+        if self.dirty is not None:
+            self.dirty.zones.add(zone)
+
+    def resident_inos(self) -> list[int]:
+        """Inodes a lazy mount must load at once (a RESIDENT op lists them): open
+        but unlinked, with reservations or a drain state, or with a resident xattr."""
+        out = set(self.prealloc.ranges)
+        out.update(self.drain)
+        for ino in list(self.pin_candidates):
+            inode = dict.get(self.inodes, ino)
+            if inode is not None and (inode.nlink == 0 or (
+                    inode.xattrs is not None
+                    and not self.resident_xattrs.isdisjoint(inode.xattrs))):
+                out.add(ino)
+            else:
+                self.pin_candidates.discard(ino)
+        return sorted(out)
+
+    def must_stay(self, inode: Inode) -> bool:
+        """True when `inode` may not be evicted from a lazy State: the kernel or a
+        handle holds it, memory is all there is of it (changed since the published
+        tree), or a mount must find it loaded (`resident_inos`)."""
+        ino = inode.ino
+        dirty = self.dirty
+        return (inode.lookups > 0 or inode.opens > 0 or ino == ROOT_INO or inode.nlink == 0
+                or (dirty is not None and (dirty.changed_ino(ino) or (
+                    inode.entries is not None and dirty.changed_dir(ino))))
+                or ino in self.prealloc.ranges or ino in self.drain
+                or (inode.xattrs is not None
+                    and not self.resident_xattrs.isdisjoint(inode.xattrs)))
+
+    def trim(self) -> int:
+        """Evict inodes of a lazy State down to its cache (InodeTable.trim); call
+        only where no caller holds an Inode across an await."""
+        if not self.lazy:
+            return 0
+        assert isinstance(self.inodes, InodeTable)
+        return self.inodes.trim(self.must_stay)
+
+    def published(self, settled: tuple[set[int], set[tuple[int, bytes]], set[int]]) -> None:
+        """The index tree holding what a checkpoint took is published (DirtySet.settle
+        returned `settled`): memory drops the names and owner lists the tree now
+        holds as they are."""
+        if not self.lazy or self.dirty is None:
+            return
+        dirty = self.dirty
+        for parent, name in settled[1]:
+            if dirty.changed_dirent((parent, name)):
+                continue
+            d = dict.get(self.inodes, parent)
+            if d is not None and isinstance(d.entries, LazyEntries):
+                d.entries.published(name)
+        assert isinstance(self.zone_owners, ZoneOwnersTable)
+        self.zone_owners.trim()
+
     def get(self, ino: int) -> Inode:
         try:
             return self.inodes[ino]
         except KeyError:
             raise StateError(f"op names inode {ino}, which does not exist") from None
+
+    def _apply_parent(self, op: Op) -> None:
+        self.get(op[1]).parent = op[2]
+
+    def _apply_zone_live(self, op: Op) -> None:
+        self.recorded_zone_live[op[1]] = op[2]
+
+    def _apply_inode_count(self, op: Op) -> None:
+        self.recorded_inode_count = op[1]
+
+    def _apply_resident(self, op: Op) -> None:
+        self.recorded_resident.extend(op[1])
 
     def _apply_inode(self, op: Op) -> None:
         (_, ino, mode, uid, gid, nlink, rdev, size, atime, mtime, ctime, flags) = op
@@ -176,10 +304,19 @@ class State:
             ctime = mtime
         if atime == mtime:
             atime = mtime
-        inode = self.inodes.get(ino)
+        inode = dict.get(self.inodes, ino) if self._installing else self.inodes.get(ino)
+        if nlink == 0:
+            self.pin_candidates.add(ino)
         if inode is None:
             inode = self.inodes[ino] = Inode(ino, mode, uid, gid, nlink, rdev, size, atime,
                                              mtime, ctime, flags)
+            if self.lazy:
+                if inode.entries is not None:
+                    assert isinstance(self.inodes, InodeTable)
+                    inode.entries = LazyEntries(ino, self, self.inodes.reader)  # type: ignore[assignment]
+                if self._installing:
+                    return
+                self._inode_count += 1
             if self.snapshot is not None:
                 inode.ckpt_gen = self.snapshot_gen  # born after the snapshot: not in it
             if ino >= self.next_ino:
@@ -203,7 +340,11 @@ class State:
         if inode is None:
             raise StateError(f"INODE_FREE of unknown inode {op[1]}")
         if inode.entries:
+            self.inodes[op[1]] = inode
             raise StateError(f"INODE_FREE of non-empty directory {op[1]}")
+        if self.lazy:
+            self._inode_count -= 1
+        self.pin_candidates.discard(op[1])
         self.tenant_written.pop(op[1], None)
         self.drain.pop(op[1], None)
         if inode.extents is not None:
@@ -254,6 +395,11 @@ class State:
         # A file's bytes are inline or in blocks, never both: the writer that
         # gives an inline file its first block put the inline bytes in it.
         inode.inline = b""
+        if self._installing:
+            # Restored as the tree holds it: its blocks are counted in the
+            # checkpoint's ZONE_LIVE ops, its zones list it already.
+            inode.extents.insert(fblock, nblocks, dev, csums, self.block_size, self.zone_size)
+            return
         # Reserved blocks this maps stop being held: their charge becomes live (INV-24).
         held = self.prealloc.mapping(ino, inode.extents, fblock, fblock + nblocks)
         freed = inode.extents.insert(fblock, nblocks, dev, csums, self.block_size,
@@ -263,7 +409,10 @@ class State:
         owners = self.zone_owners.get(zone)
         if owners is None:
             owners = self.zone_owners[zone] = set()
-        owners.add(inode.ino)  # the inode's int object, not a new one (issue 15)
+        if inode.ino not in owners:
+            owners.add(inode.ino)  # the inode's int object, not a new one (issue 15)
+            if self.dirty is not None:
+                self.dirty.zones.add(zone)
         self._notify_blocks(ino, held + nblocks - sum(n for _, n in freed))
         self._release(freed)
 
@@ -313,6 +462,8 @@ class State:
         inode.xattrs[op[2]] = op[3]
         if op[2] == CAPABILITY_XATTR:
             self.caps_inos.add(op[1])
+        if op[2] in self.resident_xattrs:
+            self.pin_candidates.add(op[1])
 
     def _apply_xattr_del(self, op: Op) -> None:
         inode = self.get(op[1])
@@ -341,7 +492,11 @@ class State:
                              f"the zone is at reset {info[2]}")
         lo = zone * self.zone_size
         hi = lo + data_blocks * self.block_size
-        owners = [inode for inode in map(self.inodes.get, self.zone_owners.get(zone, ()))
+        # Resident owners only: a lazy State installs a file's extents of a sealed
+        # zone without their checksums (_apply_extent).
+        resident = dict.get
+        owners = [inode for inode in (resident(self.inodes, i)
+                                      for i in self.zone_owners.get(zone, ()))
                   if inode is not None and inode.extents is not None]
         for inode in owners:  # check everything before changing anything
             assert inode.extents is not None
@@ -391,7 +546,7 @@ class State:
         inode.ctime = mtime if op[4] == mtime else op[4]
 
     def _notify_blocks(self, ino: int, delta: int) -> None:
-        if delta and self._on_blocks_changed is not None:
+        if delta and self._on_blocks_changed is not None and not self._installing:
             self._on_blocks_changed(ino, delta)
 
     def _release(self, freed: list[Freed]) -> None:

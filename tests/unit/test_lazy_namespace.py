@@ -1,0 +1,233 @@
+"""Format 5's lazy namespace (issue 32, DESIGN.md 3.15), through the engine.
+
+A mount loads the root, the inodes a RESIDENT op lists and the journal tail;
+every other inode, name and zone owner list is read from the index on first
+use, and inodes beyond `inode_cache` are evicted. These tests run a few pages
+of cache under random creates, renames, unlinks, writes, reads, checkpoints
+and the cleaner, and compare with a model; readdir streams a big directory.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+from engine_helpers import (
+    CTX,
+    TEST_OPTIONS,
+    Geometry,
+    MiB,
+    Model,
+    assert_fsck_clean,
+    listdir,
+    lookup,
+    mounted,
+    parent_and_name,
+    pattern,
+    read_file,
+    read_tree,
+    resolve,
+    write_file,
+)
+
+from zonefs_py import errors
+from zonefs_py.device.emulated import EmulatedZonedDevice
+from zonefs_py.format.constants import INDEX_DISK_VERSION
+from zonefs_py.fs.api import ROOT_INO, RenameFlags
+from zonefs_py.fs.filesystem import ZoneFS
+from zonefs_py.fs.mkfs import make_filesystem
+from zonefs_py.model.lazy import InodeTable, LazyEntries
+
+GEO5 = Geometry(size_bytes=64 * MiB, zone_size_bytes=512 << 10, meta_zones=24)
+#: A cache of a few inodes: nearly every use of a cold one faults it in.
+TINY_CACHE = TEST_OPTIONS.replace(inode_cache=4, cleaner_rate_mb_s=0.0)
+
+
+def new_image5(path: Path, geo: Geometry = GEO5) -> None:
+    dev = EmulatedZonedDevice.create(path, size_bytes=geo.size_bytes,
+                                     zone_size_bytes=geo.zone_size_bytes,
+                                     block_size=geo.block_size)
+    try:
+        make_filesystem(dev, meta_zones=geo.meta_zones, disk_version=INDEX_DISK_VERSION)
+    finally:
+        dev.close()
+
+
+def table(fs: ZoneFS) -> InodeTable:
+    assert fs.state.lazy
+    assert isinstance(fs.state.inodes, InodeTable)
+    return fs.state.inodes
+
+
+async def test_a_mount_loads_the_root_and_faults_in_the_rest(tmp_path: Path) -> None:
+    image = tmp_path / "a.img"
+    new_image5(image)
+    async with mounted(image) as fs:
+        for d in range(3):
+            await fs.mkdir(ROOT_INO, b"d%d" % d, 0o755, CTX)
+            fs.forget([((await lookup(fs, ROOT_INO, b"d%d" % d)).ino, 1)])
+            for i in range(40):
+                await write_file(fs, f"/d{d}/f{i:03d}", pattern(d * 100 + i, 50 + 97 * i),
+                                 fsync=False)
+        before = await read_tree(fs)
+        count = fs.state.inode_count
+    async with mounted(image) as fs:
+        t = table(fs)
+        # The root only: nothing is open or unlinked, no xattr pins an inode.
+        assert len(t) == 1, sorted(t)
+        assert fs.state.inode_count == count == 1 + 3 + 120
+        assert fs.statfs is not None
+        assert await read_tree(fs) == before
+        assert t.faults >= count - 1
+        assert fs.state.inode_count == count
+
+
+async def test_eviction_under_pressure_matches_a_model(tmp_path: Path) -> None:
+    """A 4-inode cache while creates, renames, unlinks, writes, reads, checkpoints
+    and the cleaner run: the tree equals a model's, before and after a remount,
+    and fsck finds nothing."""
+    image = tmp_path / "a.img"
+    new_image5(image)
+    rng = random.Random(32)
+    model = Model()
+    dirs = ["/a", "/b", "/a/c"]
+    async with mounted(image, options=TINY_CACHE) as fs:
+        for d in dirs:
+            parent, name = await parent_and_name(fs, d)
+            fs.forget([((await fs.mkdir(parent, name.encode() if isinstance(name, str)
+                                        else name, 0o755, CTX)).ino, 1)])
+            model.dirs.add(d)
+        for step in range(400):
+            choice = rng.random()
+            files = sorted(model.files)
+            if choice < 0.35 or not files:
+                path = f"{rng.choice(dirs)}/f{step}"
+                data = pattern(step, rng.choice([0, 40, 300, 5000, 20000]))
+                await write_file(fs, path, data, fsync=rng.random() < 0.1)
+                model.files[path] = data
+            elif choice < 0.5:
+                src = rng.choice(files)
+                dst = f"{rng.choice(dirs)}/r{step}"
+                sp, sn = await parent_and_name(fs, src)
+                dp, dn = await parent_and_name(fs, dst)
+                await fs.rename(sp, sn, dp, dn, RenameFlags.NONE)
+                model.rename(src, dst)
+            elif choice < 0.62:
+                path = rng.choice(files)
+                parent, name = await parent_and_name(fs, path)
+                await fs.unlink(parent, name)
+                del model.files[path]
+            elif choice < 0.75:
+                path = rng.choice(files)
+                old = model.files[path]
+                off = rng.randrange(0, len(old) + 1)
+                data = pattern(10_000 + step, rng.randrange(1, 3000))
+                ino = await resolve(fs, path)
+                fh = await fs.open(ino, os.O_WRONLY)
+                try:
+                    await fs.write(fh, off, data)
+                finally:
+                    await fs.release(fh)
+                model.write(path, off, data)
+            elif choice < 0.92:
+                path = rng.choice(files)
+                assert await read_file(fs, path) == model.files[path], path
+            elif choice < 0.97:
+                await fs.journal.checkpoint()
+            else:
+                await fs.cleaner.background_pass()
+            fs.state.trim()
+            assert len(table(fs)) <= 64, len(table(fs))
+        files, got_dirs = await read_tree(fs)
+        assert files == model.files
+        assert got_dirs == model.dirs
+        assert table(fs).evictions > 100
+        assert fs.state.inode_count == 1 + len(model.dirs) + len(model.files)
+    async with mounted(image, options=TINY_CACHE) as fs:
+        files, got_dirs = await read_tree(fs)
+        assert files == model.files
+        assert got_dirs == model.dirs
+    assert_fsck_clean(image)
+
+
+async def test_readdir_streams_a_big_directory_changed_while_listed(tmp_path: Path) -> None:
+    """A directory's names come from the tree a batch at a time, merged with the
+    names changed since the checkpoint, in name order: every name not changed
+    meanwhile shows exactly once, none removed before the listing shows."""
+    image = tmp_path / "a.img"
+    new_image5(image)
+    async with mounted(image, options=TEST_OPTIONS.replace(inode_cache=16)) as fs:
+        dino = (await fs.mkdir(ROOT_INO, b"big", 0o755, CTX)).ino
+        for i in range(2500):
+            fh, attr = await fs.create(dino, b"n%05d" % i, 0o644, os.O_WRONLY, CTX)
+            fs.forget([(attr.ino, 1)])
+            await fs.release(fh)
+        await fs.journal.checkpoint()
+        for i in range(0, 2500, 7):
+            await fs.unlink(dino, b"n%05d" % i)
+        for i in range(100):
+            fh, attr = await fs.create(dino, b"m%05d" % i, 0o644, os.O_WRONLY, CTX)
+            fs.forget([(attr.ino, 1)])
+            await fs.release(fh)
+        d = fs.state.inodes[dino]
+        assert isinstance(d.entries, LazyEntries)
+        want = sorted([b"n%05d" % i for i in range(2500) if i % 7]
+                      + [b"m%05d" % i for i in range(100)])
+        assert await listdir(fs, dino) == want
+        # Listed while names come and go: the untouched ones show once each.
+        dh = await fs.opendir(dino)
+        seen: list[bytes] = []
+        offset = 0
+        turn = 0
+        while True:
+            entries = await fs.readdir(dh, offset)
+            if not entries:
+                break
+            seen += [e.name for e in entries if e.name not in (b".", b"..")]
+            offset = entries[-1].next_offset
+            turn += 1
+            if (turn * 3 + 1) % 7:
+                await fs.unlink(dino, b"n%05d" % (turn * 3 + 1))
+            fh, attr = await fs.create(dino, b"a%05d" % turn, 0o644, os.O_WRONLY, CTX)
+            fs.forget([(attr.ino, 1)])
+            await fs.release(fh)
+        await fs.releasedir(dh)
+        assert len(seen) == len(set(seen))
+        untouched = {n for n in want if n.startswith(b"m")
+                     or int(n[1:]) % 3 != 1 or int(n[1:]) > turn * 3 + 1}
+        assert untouched <= set(seen)
+        fs.forget([(dino, 1)])
+        # Emptiness and rmdir of a directory whose names are in the tree only.
+        sub = (await fs.mkdir(ROOT_INO, b"sub", 0o755, CTX)).ino
+        fh, attr = await fs.create(sub, b"x", 0o644, os.O_WRONLY, CTX)
+        fs.forget([(attr.ino, 1), (sub, 1)])
+        await fs.release(fh)
+        await fs.journal.checkpoint()
+        with pytest.raises(errors.NotEmpty):
+            await fs.rmdir(ROOT_INO, b"sub")
+        await fs.unlink(sub, b"x")
+        await fs.rmdir(ROOT_INO, b"sub")
+
+
+async def test_open_unlinked_and_xattr_pinned_inodes_are_loaded_at_mount(
+        tmp_path: Path) -> None:
+    """Inodes a mount must see at once (an open-unlinked file left by a crash, a
+    quota directory) are listed by the checkpoint's RESIDENT ops and loaded."""
+    image = tmp_path / "a.img"
+    new_image5(image)
+    async with mounted(image) as fs:
+        q = (await fs.mkdir(ROOT_INO, b"q", 0o755, CTX)).ino
+        from zonefs_py.fs.api import XattrFlags
+        await fs.setxattr(q, b"user.zonefs.quota", b"1000000", XattrFlags.NONE, CTX)
+        fs.forget([(q, 1)])
+        for i in range(20):
+            await write_file(fs, f"/q/f{i}", pattern(i, 3000), fsync=False)
+        await fs.journal.checkpoint()
+    async with mounted(image) as fs:
+        t = table(fs)
+        assert q in dict(t.items())  # loaded by the mount (RESIDENT), no fault
+        tenants = fs.quota.tenant_report()
+        assert tenants["q"]["quota_bytes"] == 1000000
+        assert tenants["q"]["bytes_stored"] == 20 * 4096

@@ -1,0 +1,36 @@
+"""Faulting in from the namespace index without blocking the event loop (format 5).
+
+A lazy State (model/lazy.py) reads a cold inode or name from the index when
+it is first used, synchronously. The request paths that meet cold entries
+(a lookup of a name the kernel does not cache, readdir) first try under the
+reader's `cached_only()`: served from the index page cache, nothing waits;
+a page not cached raises NotCached, and the pages are read in a worker
+thread (`IndexReader.warm`) before the request goes on, from the cache.
+Other paths (the cleaner's owners, quotas' walks, recovery) may read on the
+thread they run on: DESIGN.md 3.15 lists them.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from zonefs_py.journal.nsindex import NotCached
+from zonefs_py.model.lazy import InodeTable, LazyEntries
+from zonefs_py.model.state import State
+
+
+async def fault_in(state: State, entries: LazyEntries, name: bytes) -> None:
+    """Make `name` of the directory and the inode it names resident (if it exists)."""
+    table = state.inodes
+    assert isinstance(table, InodeTable)
+    reader = table.reader
+    try:
+        with reader.cached_only():  # type: ignore[attr-defined]
+            child = entries.get(name)
+            if child is not None:
+                table.get(child)
+        return
+    except NotCached:
+        pass
+    table.thread_reads += 1
+    await trio.to_thread.run_sync(reader.warm, entries.ino, name)  # type: ignore[attr-defined]
