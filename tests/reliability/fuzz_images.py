@@ -501,7 +501,11 @@ async def read_everything(fs: ZoneFS, written: set[bytes], blocks: set[bytes],
     """Walk the tree; return violations (bytes never written, unexpected exceptions).
 
     `found`, if given, gets every path: ("dir", None), ("link", target),
-    ("file", bytes read), or ("file", None) for a read that failed with EIO."""
+    ("file", bytes read), or ("file", None) for a read that failed with EIO.
+    A lazy mount (format 5) reads inodes and names from the index as the walk
+    needs them: a damaged index page shows there as CorruptionError (EIO to
+    the kernel, and the failsafe), recorded as ("damaged", None) for the path
+    (or the directory) whose entries it held."""
     bad: list[str] = []
     if found is None:
         found = {}
@@ -513,14 +517,24 @@ async def read_everything(fs: ZoneFS, written: set[bytes], blocks: set[bytes],
             bad.append(f"{path!r}: directory reached twice (a loop)")
             continue
         seen.add(ino)
-        dh = await fs.opendir(ino)
-        entries = await fs.readdir(dh, 0)
-        await fs.releasedir(dh)
+        try:
+            dh = await fs.opendir(ino)
+            try:
+                entries = await fs.readdir(dh, 0)
+            finally:
+                await fs.releasedir(dh)
+        except errors.CorruptionError:
+            found[path] = ("damaged", None)
+            continue
         for entry in entries:
             if entry.name in (b".", b".."):
                 continue
             child, cpath = entry.attr.ino, path + entry.name
-            attr = await fs.getattr(child)
+            try:
+                attr = await fs.getattr(child)
+            except errors.CorruptionError:
+                found[cpath] = ("damaged", None)
+                continue
             if statmod.S_ISDIR(attr.mode):
                 found[cpath] = ("dir", None)
                 todo.append((child, cpath + b"/"))

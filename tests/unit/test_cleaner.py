@@ -114,6 +114,9 @@ class FakeHost:
                 out.append(ZoneUsage(i, z.capacity_blocks * BS, written, live, z.last_write_ns))
         return out
 
+    async def warm_zone(self, zone_idx: int) -> None:
+        pass
+
     def live_pieces(self, zone_idx: int, max_bytes: int) -> list[LivePiece]:
         pieces: list[LivePiece] = []
         run: list[int] = []

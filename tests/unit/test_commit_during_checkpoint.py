@@ -100,7 +100,7 @@ async def test_fsync_returns_while_a_checkpoint_is_being_written(
     async with mounted(image) as fs:
         assert await read_file(fs, "/late") == pattern(7, 5000)
         assert await read_file(fs, "/small") == b"inline bytes"
-        assert len(fs.state.inodes) == 303
+        assert fs.state.inode_count == 303
 
 
 @FORMAT4_ONLY

@@ -112,7 +112,7 @@ async def test_meta_zone_accounting_asks_the_device_nothing(tmp_path: Path) -> N
                 j._last_meta_zones_at_stake()
                 j.log.free_zone_count()
                 j.log.room_in_current_zone()
-                j.estimated_checkpoint_bytes(len(fs.state.inodes))
+                j.estimated_checkpoint_bytes(fs.state.inode_count)
                 await fs.statfs()
             assert sum(dev.reports.values()) == 0
     finally:
@@ -334,7 +334,7 @@ async def test_file_bound_uses_device_bytes_and_holds(tmp_path: Path) -> None:
         d = await fs.mkdir(ROOT_INO, b"d", 0o755, CTX)
         assert await create_files(fs, d.ino, b"early-", 1000) == 1000
         await fs.checkpoint()
-        inodes = len(fs.state.inodes)
+        inodes = fs.state.inode_count
         budget = j.checkpoint_budget_bytes()
         # The bound as it was: the checkpoint's bytes before compression.
         per_inode_inflated = j.last_checkpoint_bytes // inodes
@@ -365,7 +365,7 @@ async def test_file_bound_uses_device_bytes_and_holds(tmp_path: Path) -> None:
         await fs.checkpoint()
         await write_file(fs, "/after", pattern(1, 3000))
     async with mounted(image) as fs:
-        assert len(fs.state.inodes) == inodes + more - 500 + 1
+        assert fs.state.inode_count == inodes + more - 500 + 1
         assert await read_file(fs, "/after") == pattern(1, 3000)
 
 
@@ -405,7 +405,7 @@ async def test_files_that_do_not_compress_after_files_that_do(tmp_path: Path,
         assert fs.failsafe is None
         assert j.broken is None
     async with mounted(image) as fs:
-        assert len(fs.state.inodes) == 5000 + made + 2
+        assert fs.state.inode_count == 5000 + made + 2
 
 
 async def test_recovered_checkpoint_size_is_the_size_written(tmp_path: Path) -> None:
@@ -434,7 +434,7 @@ async def test_recovered_checkpoint_size_is_the_size_written(tmp_path: Path) -> 
         rec = fs.recovered
         assert (rec.checkpoint_bytes, rec.checkpoint_disk_bytes) == written
         assert fs.journal.last_checkpoint_disk_bytes == written[1]
-        assert fs.journal.checkpoint_sample == (written[1], len(fs.state.inodes))
+        assert fs.journal.checkpoint_sample == (written[1], fs.state.inode_count)
 
 
 # -- records fit the meta zones --------------------------------------------------------
@@ -456,4 +456,4 @@ async def test_a_commit_larger_than_a_meta_zone_is_split_into_records_that_fit(
         assert fs.journal.broken is None
         await fs.checkpoint()
     async with mounted(image) as fs:
-        assert len(fs.state.inodes) == 151
+        assert fs.state.inode_count == 151

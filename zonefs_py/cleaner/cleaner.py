@@ -121,6 +121,7 @@ class Cleaner:
         a block of it could not be read correctly, in which case it is left
         alone and skipped from now on.
         """
+        await self.host.warm_zone(victim)
         pieces = sorted(self.host.live_pieces(victim, COPY_UNIT))
         # Pinned in the same step as the pieces were taken (INV-8): data that dies
         # while we copy it stays readable until we are done.

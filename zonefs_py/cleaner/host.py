@@ -82,6 +82,10 @@ class CleanerHost(Protocol):
     def live_pieces(self, zone_idx: int, max_bytes: int) -> list[LivePiece]:
         """The zone's live data now, in pieces of at most `max_bytes`."""
 
+    async def warm_zone(self, zone_idx: int) -> None:
+        """Read ahead, off the event loop, what `live_pieces` of the zone will look
+        up (format 5's lazy namespace: its owners and their inodes)."""
+
     def pin_zone(self, zone_idx: int) -> None:
         """Keep the zone from being reset (its data may die while the cleaner copies
         it; a reset under the copy would fail its checksums) until `unpin_zone`."""

@@ -31,6 +31,7 @@ from zonefs_py.journal.journal import Journal
 from zonefs_py.journal.nsindex import NamespaceIndex
 from zonefs_py.journal.recovery import Recovered
 from zonefs_py.model.dirty import DirtySet
+from zonefs_py.model.lazy import InodeTable
 from zonefs_py.model.state import State
 
 log = logging.getLogger(__name__)
@@ -44,12 +45,7 @@ def refuse_non_tree(state: State, path: str) -> None:
     Directories with nlink 0 (removed while open before a crash) are freed later.
     """
     if state.lazy:
-        # The namespace is not loaded: the root is checked here, the rest by
-        # fsck (a lazy mount reads no more than the root and the journal tail).
-        root = state.inodes.get(ROOT_INO)
-        if root is None or not root.is_dir:
-            raise errors.CorruptionError(f"{path}: the root directory is missing; "
-                                         "run 'zonefs-py fsck'")
+        _refuse_replayed_non_tree(state, path)
         return
     names: dict[int, int] = {}
     for d in state.inodes.values():
@@ -75,6 +71,43 @@ def refuse_non_tree(state: State, path: str) -> None:
             raise errors.CorruptionError(
                 f"{path}: directory {ino} has {names.get(ino, 0)} names or is not reachable "
                 "from the root (INV-11); run 'zonefs-py fsck'")
+
+
+def _refuse_replayed_non_tree(state: State, path: str) -> None:
+    """INV-11 for a lazy mount (format 5): it reads the root and the journal tail,
+    not the namespace, so it checks what the replayed ops changed (the tree was
+    checked by the mount that wrote it): each directory that gained or lost a
+    name keeps one name (one more if the replay created it, none if it was
+    removed while open), and its parents lead to the root. Then stops counting."""
+    changes = state.dir_name_changes or {}
+    state.dir_name_changes = None
+    root = state.inodes.get(ROOT_INO)
+    if root is None or not root.is_dir:
+        raise errors.CorruptionError(f"{path}: the root directory is missing; "
+                                     "run 'zonefs-py fsck'")
+    assert isinstance(state.inodes, InodeTable)
+    tree_next_ino = state.inodes.reader.next_ino
+    for ino, delta in sorted(changes.items()):
+        inode = state.inodes.get(ino)
+        if inode is None or ino == ROOT_INO:
+            continue
+        want = (1 if ino >= tree_next_ino else 0) - (1 if inode.nlink == 0 else 0)
+        if delta != want:
+            raise errors.CorruptionError(
+                f"{path}: the journal gives directory {ino} {delta:+d} names, not "
+                f"{want:+d} (INV-11); run 'zonefs-py fsck'")
+        if inode.nlink == 0:
+            continue
+        seen = {ino}
+        cur = inode.parent
+        while cur != ROOT_INO:
+            d = state.inodes.get(cur)
+            if d is None or not d.is_dir or cur in seen:
+                raise errors.CorruptionError(
+                    f"{path}: directory {ino} is not reachable from the root "
+                    "(INV-11); run 'zonefs-py fsck'")
+            seen.add(cur)
+            cur = d.parent
 
 
 async def convert_to_index(state: State, journal: Journal) -> Superblock:

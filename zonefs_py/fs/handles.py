@@ -43,15 +43,15 @@ class DirHandle:
     """An open directory: its inode and the names it held at opendir (or the
     last rewind), which readdir offsets index. A directory of a lazy State
     (LazyEntries) is listed in name order a batch at a time instead, never
-    whole: `names` is None, and `cursor` is (offset, name) of the last entry
-    given, where the next readdir goes on from."""
+    whole: `names` is None, and `marks` maps the offset of each entry of the
+    last batch given to its name, where a readdir at that offset goes on from."""
 
-    __slots__ = ("cursor", "ino", "names")
+    __slots__ = ("ino", "marks", "names")
 
     def __init__(self, ino: int, names: list[bytes] | None) -> None:
         self.ino = ino
         self.names = names
-        self.cursor: tuple[int, bytes] | None = None
+        self.marks: dict[int, bytes] = {}
 
 
 
@@ -286,14 +286,13 @@ class HandleOps:
         d = self.inode(h.ino)
         assert d.entries is not None
         if isinstance(d.entries, LazyEntries):
-            reader = self.state.inodes.reader  # type: ignore[attr-defined]
+            reader = self.state.inodes.reader
             try:
                 with reader.cached_only():
                     return self._readdir_streamed(h, d, d.entries, offset)
             except NotCached:
                 # The names and their inodes read in a worker thread first.
-                after = h.cursor[1] if h.cursor is not None and h.cursor[0] == offset \
-                    and offset > 2 else None
+                after = h.marks.get(offset)
                 await trio.to_thread.run_sync(reader.warm_names, d.ino, after, READDIR_BATCH)
                 return self._readdir_streamed(h, d, d.entries, offset)
         if offset == 0:
@@ -333,8 +332,8 @@ class HandleOps:
         pos = max(offset, 2)
         if pos == 2:
             after: bytes | None = None
-        elif h.cursor is not None and h.cursor[0] == pos:
-            after = h.cursor[1]
+        elif pos in h.marks:
+            after = h.marks[pos]
         else:
             # A seek elsewhere (telldir/seekdir): count from the first name.
             after, skip = None, pos - 2
@@ -345,17 +344,18 @@ class HandleOps:
                 take = batch[:skip]
                 skip -= len(take)
                 after = take[-1][0]
-        cursor = h.cursor
+        marks: dict[int, bytes] = {}
         for name, ino in entries.names_after(after, READDIR_BATCH):
             inode = self.state.inodes.get(ino)
             if inode is None:
                 continue
             pos += 1
             out.append(DirEntry(name, self.attr(inode), pos))
-            cursor = (pos, name)
+            marks[pos] = name
             if len(out) >= READDIR_BATCH:
                 break
-        h.cursor = cursor  # only once done (a NotCached above leaves it as it was)
+        if marks:
+            h.marks = marks  # only once done (a NotCached above leaves them as they were)
         return out
 
     async def releasedir(self, dh: int) -> None:

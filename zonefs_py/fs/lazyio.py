@@ -34,3 +34,18 @@ async def fault_in(state: State, entries: LazyEntries, name: bytes) -> None:
         pass
     table.thread_reads += 1
     await trio.to_thread.run_sync(reader.warm, entries.ino, name)  # type: ignore[attr-defined]
+
+
+async def warm_zone(state: State, zone: int) -> None:
+    """Read into the index cache, in a worker thread, the owner list of data zone
+    `zone` and its owners' records (the cleaner's `live_pieces`, a zone's seal)."""
+    table = state.inodes
+    if not isinstance(table, InodeTable):
+        return
+    dirty = state.dirty
+    owners: set[int] | None = None
+    if dirty is not None and dirty.changed_zone(zone):
+        owners = state.zone_owners.get(zone)  # in memory (no read) once changed
+    missing = [ino for ino in owners or () if table.resident(ino) is None]
+    table.thread_reads += 1
+    await trio.to_thread.run_sync(table.reader.warm_zone, zone, missing)  # type: ignore[attr-defined]

@@ -31,6 +31,7 @@ from zonefs_py.device.base import ZonedDevice
 from zonefs_py.format.checksum import block_checksums, first_bad_block
 from zonefs_py.format.constants import C_CLEANER_BYTES, OpType, Stream
 from zonefs_py.format.ops import Op
+from zonefs_py.fs.lazyio import warm_zone
 from zonefs_py.fs.zonesums import SumCache, ZoneSealer
 from zonefs_py.journal.journal import Journal
 from zonefs_py.model.state import State
@@ -106,6 +107,9 @@ class SpaceReclaim:
         return out
 
     # -- CleanerHost: data ---------------------------------------------------------------
+    async def warm_zone(self, zone_idx: int) -> None:
+        await warm_zone(self.state, zone_idx)
+
     def live_pieces(self, zone_idx: int, max_bytes: int) -> list[LivePiece]:
         bs = self.block_size
         unit = max_bytes // bs

@@ -29,6 +29,7 @@ from zonefs_py.fs.latency import Histogram
 from zonefs_py.fs.options import FsOptions
 from zonefs_py.fs.quota import QuotaTracker
 from zonefs_py.journal.journal import Journal
+from zonefs_py.model.lazy import InodeTable
 from zonefs_py.model.state import State
 
 
@@ -119,6 +120,7 @@ def build_status(fs: StatusSource) -> dict[str, object]:
                        "read_only": fs.options.read_only, "failsafe": fs.failsafe,
                        "inodes": fs.state.inode_count,
                        "disk_version": fs.sb.disk_version},
+        "namespace": _namespace(fs),
         "zones_by_condition": dict(sorted(by_cond.items())),
         "zones_by_role": dict(Counter(r.name.lower() for r in roles.values())),
         "space": {"capacity_bytes": total, "reserve_bytes": fs.alloc.reserve_bytes,
@@ -251,3 +253,16 @@ def _zone_char(fs: StatusSource, z: Zone, role: ZoneRole) -> str:
     if fs.alloc.live_bytes(z.index) == 0:
         return "x"
     return "D" if z.cond == ZoneCond.FULL else "d"
+
+
+def _namespace(fs: StatusSource) -> dict[str, object]:
+    """Format 5's lazy namespace (model/lazy.py): what is in memory and what was read."""
+    table = fs.state.inodes
+    if not isinstance(table, InodeTable):
+        return {"lazy": False, "resident_inodes": len(table)}
+    reader = table.reader
+    return {"lazy": True, "resident_inodes": len(table), "inode_cache": table.capacity,
+            "faults": table.faults, "evictions": table.evictions,
+            "faults_read_in_threads": table.thread_reads,
+            "index_device_reads": getattr(reader, "device_reads", 0),
+            "index_cached_pages": getattr(getattr(reader, "cache", None), "clean_pages", 0)}

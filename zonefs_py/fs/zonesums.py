@@ -36,6 +36,7 @@ from zonefs_py.device.aread import AsyncReader
 from zonefs_py.device.base import ZonedDevice
 from zonefs_py.format import zonesum
 from zonefs_py.format.constants import OpType
+from zonefs_py.fs.lazyio import warm_zone
 from zonefs_py.fs.tasks import MountTasks
 from zonefs_py.journal.journal import Journal
 from zonefs_py.model.state import State
@@ -219,6 +220,7 @@ class ZoneSealer:
             return False
         data_blocks = data_bytes // self.bs
         resets = self.state.zone_info.get(zone, (0, 0, dz.resets))[2]
+        await warm_zone(self.state, zone)
         try:
             csums = zone_checksums(self.state, zone, data_blocks)
         except errors.CorruptionError as exc:

@@ -330,6 +330,8 @@ class NamespaceIndex:
         """Put the changed entries into the tree (not committed)."""
         tree = self.tree
         for zone in sorted(owners or ()):
+            if not 0 <= zone <= 0xFFFFFFFF:
+                continue  # (no zone: a forged extent's device offset)
             inos = owners[zone]  # type: ignore[index]
             start, end = owners_key_range(zone)
             old = [k for k, _ in tree.scan(start, end)]
@@ -539,6 +541,12 @@ class IndexReader:
         if ino is not None:
             self.inode_ops(ino)
 
+    def warm_zone(self, zone: int, inos: list[int]) -> None:
+        """Worker thread: read into the cache `zone`'s owner list and the records
+        of its owners and of `inos` (a zone the cleaner or the sealer reads)."""
+        for ino in [*self.zone_owners(zone), *inos]:
+            self.inode_ops(ino)
+
     def warm_names(self, parent: int, after: bytes | None, limit: int,
                    inodes: bool = True) -> None:
         """Worker thread: read into the cache a batch of `parent`'s names after
@@ -586,6 +594,8 @@ class IndexReader:
         return out
 
     def zone_owners(self, zone: int) -> list[int]:
+        if not 0 <= zone <= 0xFFFFFFFF:
+            return []  # (no zone: a forged device offset asked)
         start, end = owners_key_range(zone)
         with self._reading():
             values = [value for _, value in self._tree.scan(start, end)]

@@ -14,7 +14,7 @@ Pure: no I/O, no trio.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from zonefs_py.format.constants import OpType
 from zonefs_py.format.ops import Op, encode_op
@@ -97,14 +97,15 @@ class DirtySet:
     def changed_zone(self, zone: int) -> bool:
         return zone in self.zones or zone in self.inflight_zones
 
-    def mark_all(self, inos: object, dirents: object, zones: object) -> None:
+    def mark_all(self, inos: Iterable[int], dirents: Iterable[DirentKey],
+                 zones: Iterable[int]) -> None:
         """Everything changed (a conversion, or a tree without what a lazy mount
         needs): the next checkpoint writes every entry."""
-        self.inos.update(inos)  # type: ignore[call-overload]
-        for parent, name in dirents:  # type: ignore[attr-defined]
+        self.inos.update(inos)
+        for parent, name in dirents:
             self.dirents.add((parent, name))
             self.dirs.add(parent)
-        self.zones.update(zones)  # type: ignore[call-overload]
+        self.zones.update(zones)
 
     def __len__(self) -> int:
         return len(self.inos) + len(self.dirents) + len(self.zones)

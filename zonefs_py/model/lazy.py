@@ -36,7 +36,9 @@ from collections.abc import Callable, Iterator
 from itertools import islice
 from typing import TYPE_CHECKING, Any, Protocol
 
+from zonefs_py import errors
 from zonefs_py.format.ops import Op
+from zonefs_py.model.errors import StateError
 from zonefs_py.model.inode import Inode
 
 if TYPE_CHECKING:
@@ -90,11 +92,18 @@ class InodeTable(dict[int, Inode]):
         ops = self.reader.inode_ops(ino)
         if ops is None:
             return None
-        self.host.install(ops)
+        try:
+            self.host.install(ops)
+        except StateError as exc:
+            # A record that decodes but does not fit (damage the page checksum
+            # did not catch): EIO, and the engine's failsafe, never a wrong inode.
+            dict.pop(self, ino, None)
+            raise errors.CorruptionError(f"namespace index: the record of inode {ino} "
+                                         f"does not fit: {exc}; run 'zonefs-py fsck'") from None
         self.faults += 1
         return dict.get(self, ino)
 
-    def get(self, ino: int, default: Any = None) -> Any:  # type: ignore[override]
+    def get(self, ino: int, default: Any = None) -> Any:
         inode = dict.get(self, ino)
         if inode is None:
             inode = self._fault(ino)
@@ -113,7 +122,7 @@ class InodeTable(dict[int, Inode]):
             return True
         return isinstance(ino, int) and self._fault(ino) is not None
 
-    def pop(self, ino: int, *default: Any) -> Any:  # type: ignore[override]
+    def pop(self, ino: int, *default: Any) -> Any:
         if not dict.__contains__(self, ino):
             self._fault(ino)
         return dict.pop(self, ino, *default)
@@ -265,7 +274,7 @@ class ZoneOwnersTable(dict[int, set[int]]):
         self.host = host
         self.reader = reader
 
-    def get(self, zone: int, default: Any = None) -> Any:  # type: ignore[override]
+    def get(self, zone: int, default: Any = None) -> Any:
         owners = dict.get(self, zone)
         if owners is not None:
             return owners

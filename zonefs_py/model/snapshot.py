@@ -100,11 +100,15 @@ def head_ops(state: SnapshotSource, *, index: bool = False) -> Iterator[Op]:
         return
     yield (OpType.INODE_COUNT, state.inode_count)
     for zone, live in sorted(state.zone_live_blocks.items()):
-        if live:
+        if live and 0 <= zone <= _ZONE_MAX:  # (a forged extent can name no zone)
             yield (OpType.ZONE_LIVE, zone, live)
     resident = state.resident_inos()
     for i in range(0, len(resident), RESIDENT_MAX_INODES):
         yield (OpType.RESIDENT, tuple(resident[i:i + RESIDENT_MAX_INODES]))
+
+
+#: Zone numbers are u32 on the device (SPEC).
+_ZONE_MAX = 0xFFFFFFFF
 
 
 def inode_body_ops(state: SnapshotSource, inode: Inode, max_csum_blocks: int = 65536,

@@ -113,6 +113,10 @@ class State:
         #: Inodes that may have to stay resident (nlink 0, or a resident xattr was
         #: set); `resident_inos` filters them.
         self.pin_candidates: set[int] = set()
+        #: A lazy mount's replay: directory -> names gained minus names lost by the
+        #: ops replayed after the checkpoint (the mount's INV-11 check of what it
+        #: replayed, fs/after_recovery.refuse_non_tree); None otherwise.
+        self.dir_name_changes: dict[int, int] | None = None
         self._dispatch = {
             OpType.INODE: self._apply_inode,
             OpType.INODE_FREE: self._apply_inode_free,
@@ -195,6 +199,7 @@ class State:
         self.inodes = InodeTable(self, reader, capacity)
         self.zone_owners = ZoneOwnersTable(self, reader)
         self._inode_count = self.recorded_inode_count
+        self.dir_name_changes = {}
         self.zone_live_blocks = dict(self.recorded_zone_live)
         self.live_blocks_total = sum(self.zone_live_blocks.values())
         for ino in [ROOT_INO, *self.recorded_resident]:
@@ -359,6 +364,15 @@ class State:
         if parent.entries is None:
             raise StateError(f"DIRENT_ADD into non-directory {parent_ino}")
         child = self.get(ino)
+        changes = self.dir_name_changes
+        if changes is not None:
+            old = parent.entries.get(name)
+            if old is not None and old != ino:
+                old_inode = self.inodes.get(old)
+                if old_inode is not None and old_inode.is_dir:
+                    changes[old] = changes.get(old, 0) - 1
+            if child.is_dir and old != ino:
+                changes[ino] = changes.get(ino, 0) + 1
         # The inodes' own int objects, not the op's (a decoded op's are new ones).
         parent.entries[name] = child.ino
         # Directories: their one parent. Other files: the directory of their newest
@@ -368,8 +382,14 @@ class State:
     def _apply_dirent_del(self, op: Op) -> None:
         _, parent_ino, name = op
         parent = self.get(parent_ino)
-        if parent.entries is None or parent.entries.pop(name, None) is None:
+        child = None if parent.entries is None else parent.entries.pop(name, None)
+        if child is None:
             raise StateError(f"DIRENT_DEL of missing entry {name!r} in {parent_ino}")
+        changes = self.dir_name_changes
+        if changes is not None:
+            inode = self.inodes.get(child)
+            if inode is not None and inode.is_dir:
+                changes[child] = changes.get(child, 0) - 1
 
     def _apply_extent(self, op: Op) -> None:
         _, ino, fblock, nblocks, dev, csums = op
