@@ -67,12 +67,9 @@ def classify(state: State, parent_ino: int, name: bytes) -> int:
             except ValueError:
                 pass
         if not ckpt_path and d.parent:
-            parent = state.inodes.get(d.parent)
-            if parent is not None and parent.entries:
-                for n, child in parent.entries.items():
-                    if child == ino:
-                        ckpt_path = bool(_CKPT_WORD.search(n))
-                        break
+            n = _name_of(state, d.parent, ino)
+            if n is not None:
+                ckpt_path = bool(_CKPT_WORD.search(n))
         if ino == d.parent or not d.parent:
             break
         ino = d.parent
@@ -92,3 +89,28 @@ def classify(state: State, parent_ino: int, name: bytes) -> int:
 def classify_stream(state: State, inode: object) -> int:
     """Fallback for files whose stream was not decided at creation."""
     return Stream.DEFAULT
+
+
+#: Directory names `_name_of` remembers at most (then it starts over).
+_NAME_HINTS_MAX = 4096
+
+
+def _name_of(state: State, parent_ino: int, ino: int) -> bytes | None:
+    """A name of directory `ino` in `parent_ino` (its parent), or None. Found by
+    scanning the parent's names once, then remembered in `State.name_hints`
+    until a name op names the directory (a lazy directory's scan reads the
+    index, and format 4's went over every sibling per create)."""
+    hints = state.name_hints
+    hit = hints.get(ino)
+    if hit is not None and hit[0] == parent_ino:
+        return hit[1]
+    parent = state.inodes.get(parent_ino)
+    if parent is None or not parent.entries:
+        return None
+    for n, child in parent.entries.items():
+        if child == ino:
+            if len(hints) >= _NAME_HINTS_MAX:
+                hints.clear()
+            hints[ino] = (parent_ino, n)
+            return n
+    return None

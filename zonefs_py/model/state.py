@@ -117,6 +117,9 @@ class State:
         #: ops replayed after the checkpoint (the mount's INV-11 check of what it
         #: replayed, fs/after_recovery.refuse_non_tree); None otherwise.
         self.dir_name_changes: dict[int, int] | None = None
+        #: directory -> (parent, its name there): stream placement's memory of
+        #: directory names (alloc/streams.py); a name op on it forgets it.
+        self.name_hints: dict[int, tuple[int, bytes]] = {}
         self._dispatch = {
             OpType.INODE: self._apply_inode,
             OpType.INODE_FREE: self._apply_inode_free,
@@ -373,6 +376,8 @@ class State:
                     changes[old] = changes.get(old, 0) - 1
             if child.is_dir and old != ino:
                 changes[ino] = changes.get(ino, 0) + 1
+        if self.name_hints:
+            self.name_hints.pop(ino, None)
         # The inodes' own int objects, not the op's (a decoded op's are new ones).
         parent.entries[name] = child.ino
         # Directories: their one parent. Other files: the directory of their newest
@@ -385,6 +390,8 @@ class State:
         child = None if parent.entries is None else parent.entries.pop(name, None)
         if child is None:
             raise StateError(f"DIRENT_DEL of missing entry {name!r} in {parent_ino}")
+        if self.name_hints:
+            self.name_hints.pop(child, None)
         changes = self.dir_name_changes
         if changes is not None:
             inode = self.inodes.get(child)
