@@ -70,6 +70,8 @@ LOAD_BATCH_RECORDS = 1024
 WRITE_BATCH_BYTES = 1 << 20
 #: Bytes read at a time while mount loads the tree (pages lie mostly in order).
 LOAD_READ_AHEAD_BYTES = 1 << 20
+#: Names and records an IndexReader keeps decoded (each), until a new tree.
+RESULTS_KEPT = 256
 #: Zones one checkpoint cleans at most.
 CLEAN_ZONES_PER_CHECKPOINT = 2
 _END_OF_DIRENTS = bytes([DIRENT_PREFIX[0] + 1])
@@ -496,6 +498,11 @@ class IndexReader:
         self._store = _DevicePages(dev, page_size_bytes, self._local)
         self._cache = PageCache[Page](capacity_pages=cache_pages)
         self._tree = BTree(self._store, self._cache, root_address, page_size_bytes)
+        #: The last names looked up and records decoded in this tree (a request
+        #: asks twice: `fs/lazyio.fault_in`, then the engine), up to
+        #: RESULTS_KEPT each; dropped whenever another tree is published.
+        self._names: dict[tuple[int, bytes], int | None] = {}
+        self._records: dict[int, list[Op] | None] = {}
 
     @property
     def device_reads(self) -> int:
@@ -509,6 +516,8 @@ class IndexReader:
         with self.lock:
             self._tree = BTree(self._store, self._cache, root_address, self.page_size_bytes)
             self.next_ino = next_ino
+            self._names = {}
+            self._records = {}
 
     @contextlib.contextmanager
     def _reading(self) -> Iterator[None]:
@@ -561,22 +570,33 @@ class IndexReader:
             self._cache.clear()
 
     def inode_ops(self, ino: int) -> list[Op] | None:
+        records = self._records
+        if ino in records:
+            return records[ino]
         start, end = inode_key_range(ino)
         with self._reading():
             blobs = [value for _, value in self._tree.scan(start, end)]
-        if not blobs:
-            return None
-        return _checked_records([ino], blobs)  # (outside the lock: pure decoding)
+        ops = _checked_records([ino], blobs) if blobs else None  # (pure decoding)
+        if len(records) >= RESULTS_KEPT:
+            records.clear()
+        records[ino] = ops
+        return ops
 
     def lookup(self, parent: int, name: bytes) -> int | None:
+        names = self._names
+        key = (parent, name)
+        if key in names:
+            return names[key]
         with self._reading():
             value = self._tree.get(dirent_key(parent, name))
-        if value is None:
-            return None
         try:
-            return decode_child(value)
+            child = None if value is None else decode_child(value)
         except IndexRecordError as exc:
             raise IndexCorrupt(0, str(exc)) from None
+        if len(names) >= RESULTS_KEPT:
+            names.clear()
+        names[key] = child
+        return child
 
     def names_after(self, parent: int, after: bytes | None,
                     limit: int) -> list[tuple[bytes, int]]:
