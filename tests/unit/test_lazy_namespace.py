@@ -38,6 +38,7 @@ from zonefs_py.format.constants import INDEX_DISK_VERSION
 from zonefs_py.fs.api import ROOT_INO, RenameFlags
 from zonefs_py.fs.filesystem import ZoneFS
 from zonefs_py.fs.mkfs import make_filesystem
+from zonefs_py.journal import nsindex
 from zonefs_py.model.lazy import InodeTable, LazyEntries
 
 GEO5 = Geometry(size_bytes=64 * MiB, zone_size_bytes=512 << 10, meta_zones=24)
@@ -84,10 +85,12 @@ async def test_a_mount_loads_the_root_and_faults_in_the_rest(tmp_path: Path) -> 
         assert fs.state.inode_count == count
 
 
-async def test_eviction_under_pressure_matches_a_model(tmp_path: Path) -> None:
-    """A 4-inode cache while creates, renames, unlinks, writes, reads, checkpoints
-    and the cleaner run: the tree equals a model's, before and after a remount,
-    and fsck finds nothing."""
+async def test_eviction_under_pressure_matches_a_model(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 4-inode cache and 4-page index caches while creates, renames, unlinks,
+    writes, reads, checkpoints and the cleaner run: the tree equals a model's,
+    before and after a remount, and fsck finds nothing."""
+    monkeypatch.setattr(nsindex, "CACHE_PAGES", 4)
     image = tmp_path / "a.img"
     new_image5(image)
     rng = random.Random(32)
@@ -144,6 +147,8 @@ async def test_eviction_under_pressure_matches_a_model(tmp_path: Path) -> None:
         assert files == model.files
         assert got_dirs == model.dirs
         assert table(fs).evictions > 100
+        assert fs.journal.index is not None
+        assert fs.journal.index.tree.cache.capacity_pages == 4
         assert fs.state.inode_count == 1 + len(model.dirs) + len(model.files)
     async with mounted(image, options=TINY_CACHE) as fs:
         files, got_dirs = await read_tree(fs)

@@ -236,13 +236,14 @@ class NamespaceIndex:
     """The format-5 namespace in its B+tree (module docstring)."""
 
     def __init__(self, dev: ZonedDevice, mlog: MetaLog, root: IndexRoot | None,
-                 cache_pages: int = CACHE_PAGES) -> None:
+                 cache_pages: int | None = None) -> None:
         page_size = index_page_size(dev.info.block_size)
         if root is not None and root.page_size_bytes != page_size:
             raise IndexCorrupt(root.root_address, f"index pages of {root.page_size_bytes} "
                                f"bytes, this device takes {page_size}")
         self.store = MetaPageStore(dev, mlog, page_size, root)
-        self.tree = BTree(self.store, PageCache[Page](capacity_pages=cache_pages),
+        self.tree = BTree(self.store, PageCache[Page](
+            capacity_pages=CACHE_PAGES if cache_pages is None else cache_pages),
                           None if root is None else root.root_address, page_size)
         limits = PageLimits.for_page_size(page_size)
         #: Bytes of an inode record per tree entry (the key is 11 bytes).
@@ -414,13 +415,13 @@ class NamespaceIndex:
         return self.root_record
 
     # -- the published tree (lazy States read it) ------------------------------------------
-    def open_reader(self, next_ino: int, cache_pages: int = CACHE_PAGES) -> IndexReader:
+    def open_reader(self, next_ino: int, cache_pages: int | None = None) -> IndexReader:
         """The reader lazy States fault in from: the tree of `root_record`, whose
         checkpoint's NEXT_INO is `next_ino`."""
         root = self.root_record
         self.reader = IndexReader(self.store.dev, self.store.page_size_bytes,
                                   None if root is None else root.root_address, next_ino,
-                                  cache_pages)
+                                  CACHE_PAGES if cache_pages is None else cache_pages)
         return self.reader
 
     def publish(self, next_ino: int) -> None:
