@@ -14,6 +14,7 @@ import random
 from pathlib import Path
 
 import pytest
+import trio
 from engine_helpers import (
     CTX,
     TEST_OPTIONS,
@@ -236,3 +237,40 @@ async def test_open_unlinked_and_xattr_pinned_inodes_are_loaded_at_mount(
         tenants = fs.quota.tenant_report()
         assert tenants["q"]["quota_bytes"] == 1000000
         assert tenants["q"]["bytes_stored"] == 20 * 4096
+
+
+async def test_a_cold_stat_reads_at_most_three_pages(tmp_path: Path) -> None:
+    """Issue 32's target: once the mount pinned the index's internal pages (in the
+    background), a cold lookup + getattr of a random file reads its name's leaf
+    and its record's leaf: at most 3 device reads (2 here)."""
+    image = tmp_path / "a.img"
+    new_image5(image, Geometry(size_bytes=256 * MiB, zone_size_bytes=1 * MiB, meta_zones=32))
+    async with mounted(image) as fs:
+        dino = (await fs.mkdir(ROOT_INO, b"data", 0o755, CTX)).ino
+        for i in range(8000):
+            fh, attr = await fs.create(dino, b"sample-%06d.jpg" % i, 0o644, os.O_WRONLY, CTX)
+            fs.forget([(attr.ino, 1)])
+            await fs.release(fh)
+        fs.forget([(dino, 1)])
+    async with mounted(image) as fs:
+        t = table(fs)
+        reader = t.reader
+        with trio.fail_after(30):
+            while not reader.cache.pinned:  # type: ignore[attr-defined]
+                await trio.sleep(0.05)
+        index = fs.journal.index
+        assert index is not None
+        assert index.root_record is not None
+        height = 1 + index.tree._load(index.root_record.root_address).level
+        assert height >= 3, height
+        dino = (await fs.lookup(ROOT_INO, b"data")).ino
+        rng = random.Random(7)
+        worst = 0
+        for i in rng.sample(range(8000), 20):
+            before = reader.device_reads  # type: ignore[attr-defined]
+            attr = await fs.lookup(dino, b"sample-%06d.jpg" % i)
+            await fs.getattr(attr.ino)
+            fs.forget([(attr.ino, 1)])
+            worst = max(worst, reader.device_reads - before)  # type: ignore[attr-defined]
+        assert worst <= 3, worst
+        fs.forget([(dino, 1)])

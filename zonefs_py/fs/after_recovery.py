@@ -200,7 +200,7 @@ async def finish_recovery(rec: Recovered, journal: Journal, alloc: Allocator,
                 if zone in store.live:
                     store.forget_zone(zone)
             if rec.index.reader is not None:
-                rec.index.reader.zones_reset()
+                rec.index.reader.zones_reset(unused, store.zone_size)
     orphans = [i for i in rec.state.inodes.values() if i.nlink == 0 and i.ino != ROOT_INO]
     for inode in orphans:
         log.info("freeing orphan inode %d (unlinked while open before a crash)", inode.ino)

@@ -65,6 +65,7 @@ from zonefs_py.fs.reflink import Copier
 from zonefs_py.fs.status import build_status
 from zonefs_py.fs.tasks import MountTasks
 from zonefs_py.journal.journal import Journal
+from zonefs_py.journal.nsindex import IndexReader
 from zonefs_py.journal.recovery import Recovered, recover
 from zonefs_py.model.state import Inode, State
 
@@ -199,7 +200,19 @@ class ZoneFS(NamespaceOps, HandleOps, AttrOps, FileSystemAPI):
                  rec.ops, rec.seconds, rec.scan.torn_tail, rec.journal_bytes)
         if not options.read_only:
             await fs.after_recovery()
+        if rec.index is not None and rec.index.reader is not None and fs.tasks.is_open:
+            fs.tasks.start_soon(fs._pin_index_pages, rec.index.reader,
+                                name="zonefs-index-pin")
         return fs
+
+    @staticmethod
+    async def _pin_index_pages(reader: IndexReader) -> None:
+        """A lazy mount (DESIGN.md 3.15): the index's internal pages read into the
+        reader's cache in the background, for good: a cold lookup reads a leaf."""
+        t0 = time.monotonic()
+        pinned = await trio.to_thread.run_sync(reader.pin_internal_pages)
+        log.info("namespace index: %d internal pages cached in %.2f s", pinned,
+                 time.monotonic() - t0)
 
     async def after_recovery(self) -> None:
         """Put a recovered image in order before serving (fs/after_recovery.py)."""

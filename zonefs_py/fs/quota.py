@@ -34,6 +34,10 @@ if TYPE_CHECKING:
 MAX_DEPTH = 4096
 
 
+#: Tenants the status document lists at most (besides quota directories).
+TENANTS_SHOWN = 256
+
+
 class QuotaTracker:
     """Per-directory-tree byte quotas (`QUOTA_XATTR`) and per-tenant written bytes, kept up to date
     from the State's block changes.
@@ -148,12 +152,35 @@ class QuotaTracker:
             self.dirty_tenants.add(tenant)
 
     def tenant_report(self) -> dict[str, dict[str, int | None]]:
+        """The top-level directories (tenants): bytes written below each, stored
+        below each, and its quota. At most TENANTS_SHOWN of them, those that
+        wrote most first (the status document must fit an xattr: 64 KiB). A
+        lazy State (format 5) gives the bytes stored only of quota directories,
+        whose usage is tracked; the others' would read their whole subtree."""
         if self.stale:
             self.reload()
         root = self.state.inodes.get(ROOT_INO)
         out: dict[str, dict[str, int | None]] = {}
         if root is None or not root.entries:
             return out
+        lazy = self.state.lazy
+        written = self.state.tenant_written
+        shown = set(self.quotas) | set(sorted(written, key=lambda i: -written[i])[:TENANTS_SHOWN])
+        for name, ino in root.entries.items():
+            if (lazy or len(written) > TENANTS_SHOWN) and ino not in shown:
+                continue
+            d = self.state.inodes.get(ino)
+            if d is None or not d.is_dir:
+                continue
+            q = self.quotas.get(ino)
+            out[name.decode(errors="replace")] = {
+                "bytes_written": written.get(ino, 0),
+                "bytes_stored": (q[1] if q else None) if lazy else self.subtree_bytes(ino),
+                "quota_bytes": q[0] if q else None,
+            }
+            if len(out) >= TENANTS_SHOWN + len(self.quotas):
+                break
+        return out
         lazy = self.state.lazy
         wanted = set(self.state.tenant_written) | set(self.quotas)
         for name, ino in root.entries.items():

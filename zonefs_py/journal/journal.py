@@ -337,7 +337,7 @@ class Journal(GroupCommit):
         for zone in zones:
             self.index.store.forget_zone(zone)
         if self.index.reader is not None:
-            self.index.reader.zones_reset()
+            self.index.reader.zones_reset(zones, self.index.store.zone_size)
 
     async def _append_data(self, payloads: list[bytes]) -> int:
         """Append CHECKPOINT_DATA records (not flushed), holding the log; return

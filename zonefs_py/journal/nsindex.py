@@ -54,7 +54,7 @@ from zonefs_py.format.ops import Op, OpDecodeError, decode_ops
 from zonefs_py.index.btree import BTree
 from zonefs_py.index.cache import PageCache
 from zonefs_py.index.errors import IndexCorrupt
-from zonefs_py.index.page import DEFAULT_PAGE_SIZE_BYTES, Page, PageLimits
+from zonefs_py.index.page import DEFAULT_PAGE_SIZE_BYTES, InternalPage, Page, PageLimits
 from zonefs_py.journal.log import MetaLog
 from zonefs_py.model.state import State
 
@@ -70,6 +70,9 @@ LOAD_BATCH_RECORDS = 1024
 WRITE_BATCH_BYTES = 1 << 20
 #: Bytes read at a time while mount loads the tree (pages lie mostly in order).
 LOAD_READ_AHEAD_BYTES = 1 << 20
+#: Internal pages an IndexReader pins at most (~15 KiB each decoded: ~60 MiB; a
+#: tree of 10 million files has ~2,500).
+PINNED_PAGES = 4096
 #: Names and records an IndexReader keeps decoded (each), until a new tree.
 RESULTS_KEPT = 256
 #: Zones one checkpoint cleans at most.
@@ -497,7 +500,7 @@ class IndexReader:
         self.page_size_bytes = page_size_bytes
         self._local = threading.local()
         self._store = _DevicePages(dev, page_size_bytes, self._local)
-        self._cache = PageCache[Page](capacity_pages=cache_pages)
+        self._cache = _PinningCache(capacity_pages=cache_pages)
         self._tree = BTree(self._store, self._cache, root_address, page_size_bytes)
         #: The last names looked up and records decoded in this tree (a request
         #: asks twice: `fs/lazyio.fault_in`, then the engine), up to
@@ -565,10 +568,35 @@ class IndexReader:
             if inodes:
                 self.inode_ops(child)
 
-    def zones_reset(self) -> None:
-        """Index zones were reset: drop every cached page (an address may be reused)."""
+    def zones_reset(self, zones: list[int], zone_size: int) -> None:
+        """Index `zones` were reset: drop the cached pages there (an address may be
+        reused)."""
         with self.lock:
-            self._cache.clear()
+            self._cache.discard_zones(set(zones), zone_size)
+
+    def pin_internal_pages(self, max_pages: int = PINNED_PAGES) -> int:
+        """Worker thread: read the published tree's internal pages (all levels but
+        the leaves, breadth first, up to `max_pages`) into the cache for good, so
+        that a cold lookup or record reads its leaf only (issue 32: a cold stat
+        in at most 3 device reads). Return the pages pinned."""
+        with self._reading():
+            tree = self._tree
+            root = tree.root
+        todo = [] if root is None else [root]
+        pinned = 0
+        while todo and pinned < max_pages:
+            ref = todo.pop(0)
+            with self._reading():
+                if self._tree is not tree:
+                    break  # another tree was published meanwhile: its paths differ
+                page = tree._load(ref)
+                if not isinstance(page, InternalPage):
+                    continue
+                self._cache.pin(ref, page)
+            pinned += 1
+            if page.level > 1:
+                todo.extend(page.children)
+        return pinned
 
     def inode_ops(self, ino: int) -> list[Op] | None:
         records = self._records
@@ -627,6 +655,36 @@ class IndexReader:
         except IndexRecordError as exc:
             raise IndexCorrupt(0, str(exc)) from None
         return out
+
+
+class _PinningCache(PageCache[Page]):
+    """The reader's page cache: an LRU, plus pages pinned for good (internal pages,
+    `IndexReader.pin_internal_pages`) until their zone is reset."""
+
+    def __init__(self, capacity_pages: int) -> None:
+        super().__init__(capacity_pages=capacity_pages)
+        self.pinned: dict[int, Page] = {}
+
+    def get(self, address: int) -> Page | None:
+        page = self.pinned.get(address)
+        if page is not None:
+            self.hits += 1
+            return page
+        return super().get(address)
+
+    def pin(self, address: int, page: Page) -> None:
+        self.pinned[address] = page
+        self.discard(address)
+
+    def discard_zones(self, zones: set[int], zone_size: int) -> None:
+        for address in [a for a in self.pinned if a // zone_size in zones]:
+            del self.pinned[address]
+        for address in [a for a in self._clean if a // zone_size in zones]:
+            self.discard(address)
+
+    def clear(self) -> None:
+        super().clear()
+        self.pinned.clear()
 
 
 class _DevicePages:
