@@ -19,6 +19,7 @@ from zonefs_py.device.emulated import EmulatedZonedDevice
 from zonefs_py.format.constants import DISK_VERSION, INDEX_DISK_VERSION, MIN_INDEX_META_ZONES
 from zonefs_py.fs.mkfs import make_filesystem
 from zonefs_py.fsck import Report, check_filesystem
+from zonefs_py.journal.recovery import read_superblock
 
 MiB = 1 << 20
 
@@ -46,10 +47,19 @@ def new_image(path: Path, *, size_bytes: int = 64 * MiB, zone_size_bytes: int = 
 
 
 def fsck_report(path: Path, *, check_data: bool = True) -> Report:
-    """Run check_filesystem on a closed image, opened read-only."""
+    """Run check_filesystem on a closed image, opened read-only. A format-5 image
+    found clean is also checked in bounded memory (fsck/bounded.py, what
+    `fsck --no-data` runs on it), which must find it clean too."""
     dev = EmulatedZonedDevice.open(path, read_only=True)
     try:
-        return check_filesystem(dev, check_data=check_data)
+        report = check_filesystem(dev, check_data=check_data)
+        if report.clean and not report.fatal and check_data \
+                and read_superblock(dev)[0].has_index:
+            bounded = check_filesystem(dev, check_data=False, bounded=True)
+            if not bounded.clean:
+                report.findings.extend(bounded.findings)
+                report.add("fsck", "the bounded fsck (--no-data, format 5) disagrees")
+        return report
     finally:
         dev.close()
 

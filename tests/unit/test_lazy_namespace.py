@@ -261,7 +261,7 @@ async def test_a_cold_stat_reads_at_most_three_pages(tmp_path: Path) -> None:
         index = fs.journal.index
         assert index is not None
         assert index.root_record is not None
-        height = 1 + index.tree._load(index.root_record.root_address).level
+        height = 1 + index.tree.load_page(index.root_record.root_address).level
         assert height >= 3, height
         dino = (await fs.lookup(ROOT_INO, b"data")).ino
         rng = random.Random(7)

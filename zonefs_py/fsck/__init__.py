@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from zonefs_py import errors
 from zonefs_py.device.base import ZonedDevice
+from zonefs_py.fsck.bounded import check_bounded
 from zonefs_py.fsck.data import (
     check_inv12_data_checksums,
     check_inv23_zone_summaries,
@@ -41,9 +42,19 @@ from zonefs_py.journal.recovery import read_superblock, recover
 __all__ = ["Finding", "Progress", "Report", "check_filesystem", "repair_filesystem"]
 
 
+#: Inodes a bounded fsck's lazy State keeps (fsck/bounded.py).
+BOUNDED_INODE_CACHE = 4096
+
+
 def check_filesystem(dev: ZonedDevice, *, check_data: bool = True,
-                     progress: Progress | None = None) -> Report:
-    """Run every check; never raises for damage (it becomes a Finding)."""
+                     progress: Progress | None = None,
+                     bounded: bool | None = None) -> Report:
+    """Run every check; never raises for damage (it becomes a Finding).
+
+    `bounded`: stream a format-5 image's namespace index instead of loading
+    it (fsck/bounded.py: memory no longer grows ~1 KiB per file); None
+    (default): when the image is format 5 and data is not checked (--no-data).
+    Data checks (INV-12) load the namespace."""
     report = Report()
     try:
         sb, _store = read_superblock(dev)
@@ -55,15 +66,27 @@ def check_filesystem(dev: ZonedDevice, *, check_data: bool = True,
         report.add("INV-1", str(exc))
         report.fatal = True
         return report
+    if bounded is None:
+        bounded = sb.has_index and not check_data
     try:
         rec = recover(dev, progress=(lambda done, total: progress("replaying the log", done,
-                                                                   total)) if progress else None)
+                                                                   total)) if progress else None,
+                      inode_cache=BOUNDED_INODE_CACHE if bounded and not check_data else 0)
     except errors.CorruptionError as exc:
         report.add("INV-3", str(exc), repairable=True)
         report.fatal = True
         return report
     zones = {z.index: z for z in dev.report_zones()}
     state = rec.state
+    if state.lazy:
+        check_inv2_layout(sb, zones, report)
+        check_bounded(sb, rec, zones, report, progress)
+        check_inv21_drain_records(state, report)
+        check_inv24_reservations(sb, state, zones, report)
+        check_inv23_zone_summaries(dev, state, zones, report, read=True)
+        check_inv25_namespace_index(range(sb.meta_first_zone, sb.meta_first_zone
+                                          + sb.meta_zone_count), rec, report)
+        return report
     report.inodes = len(state.inodes)
     check_inv2_layout(sb, zones, report)
     check_inv4_extents_within_wp(sb, state, zones, report)

@@ -138,6 +138,10 @@ class BTree:
             self.cache.put(ref, page, self.page_size_bytes)
         return page
 
+    def load_page(self, ref: Ref) -> Page:
+        """The page at `ref` (an address, or a dirty page's id), through the cache."""
+        return self._load(ref)
+
     def _load_child(self, parent: InternalPage, idx: int) -> Page:
         """Load child `idx`, checking its level and that its keys lie between the separators."""
         ref = parent.children[idx]

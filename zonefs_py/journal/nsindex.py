@@ -319,7 +319,7 @@ class NamespaceIndex:
                        parents: list[Op]) -> int:
         """Decode consecutive inode records at once (one call for many: mount time)
         and apply them; PARENT ops of files of several names go to `parents`."""
-        ops = _checked_records(inos, blobs)
+        ops = checked_records(inos, blobs)
         state.apply_all(ops)
         nlink = 0
         for op in ops:
@@ -460,7 +460,7 @@ class NamespaceIndex:
         blobs = [value for _, value in self.tree.scan(start, end)]
         if not blobs:
             return None
-        return _checked_records([ino], blobs)
+        return checked_records([ino], blobs)
 
 
 def _inode_key(key: bytes) -> tuple[int, int]:
@@ -589,7 +589,7 @@ class IndexReader:
             with self._reading():
                 if self._tree is not tree:
                     break  # another tree was published meanwhile: its paths differ
-                page = tree._load(ref)
+                page = tree.load_page(ref)
                 if not isinstance(page, InternalPage):
                     continue
                 self._cache.pin(ref, page)
@@ -605,7 +605,7 @@ class IndexReader:
         start, end = inode_key_range(ino)
         with self._reading():
             blobs = [value for _, value in self._tree.scan(start, end)]
-        ops = _checked_records([ino], blobs) if blobs else None  # (pure decoding)
+        ops = checked_records([ino], blobs) if blobs else None  # (pure decoding)
         if len(records) >= RESULTS_KEPT:
             records.clear()
         records[ino] = ops
@@ -712,7 +712,7 @@ class _DevicePages:
         pass
 
 
-def _checked_records(inos: list[int], blobs: list[bytes]) -> list[Op]:
+def checked_records(inos: list[int], blobs: list[bytes]) -> list[Op]:
     """Decode the records of `inos` (consecutive, their parts in `blobs`) and check
     them: each is one INODE op of its key's inode, then only ops of that inode an
     inode record may hold (SPEC "Namespace index"). Raises IndexCorrupt."""

@@ -261,6 +261,11 @@ class LazyEntries:
     def __len__(self) -> int:
         return sum(1 for _ in self.items())
 
+    def known(self, name: bytes) -> int | None:
+        """The child of `name` if it changed since the published tree and exists
+        (no read; None also when it did not change)."""
+        return self._known.get(name)
+
     def known_items(self) -> Iterator[tuple[bytes, int]]:
         """The names in memory (changed since the published tree), no read."""
         return iter(self._known.items())
