@@ -44,6 +44,8 @@ from zonefs_py.model.inode import Inode
 if TYPE_CHECKING:
     from zonefs_py.model.dirty import DirtySet
 
+#: Inodes one `InodeTable.trim` looks at, at most.
+TRIM_SCAN = 8192
 #: Names one `names_after` call asks the tree for.
 NAMES_BATCH = 1024
 
@@ -141,7 +143,10 @@ class InodeTable(dict[int, Inode]):
         excess = dict.__len__(self) - want
         evicted = 0
         kept: list[Inode] = []
-        for ino in list(islice(dict.keys(self), excess + dict.__len__(self) // 4 + 64)):
+        # At most TRIM_SCAN inodes looked at per call (FORGETs come often, and the
+        # kernel may hold more inodes than the cache): kept ones go to the end,
+        # so the next call looks further.
+        for ino in list(islice(dict.keys(self), min(2 * excess + 64, TRIM_SCAN))):
             if evicted >= excess:
                 break
             inode = dict.__getitem__(self, ino)
