@@ -231,14 +231,16 @@ def _recover(dev: ZonedDevice, *, salvage: bool = False,
                     # until the superblock points past a checkpoint using them.
                     res.index_zones_seen.update(z for z, n in loading_root.zones.items() if n)
                     index = NamespaceIndex(dev, mlog, loading_root)
-                    # From here on, replayed ops are changes the index lacks.
-                    loading.dirty = DirtySet()
                     if inode_cache > 0 and loading_root.self_contained:
                         # Lazy (DESIGN.md 3.15): the head's counts, the root and
-                        # the RESIDENT inodes; the rest on first use.
+                        # the RESIDENT inodes; the rest on first use. (The tables
+                        # ask the DirtySet: set first; installs note nothing.)
+                        loading.dirty = DirtySet()
                         loading.go_lazy(index.open_reader(loading.next_ino), inode_cache)
                     else:
                         res.ops += index.load_into(loading)
+                        # From here on, replayed ops are changes the index lacks.
+                        loading.dirty = DirtySet()
                         if not loading_root.self_contained:
                             # A tree of an older format 5: the next checkpoint
                             # rewrites every entry, with what a lazy mount needs.
