@@ -84,6 +84,13 @@ async def test_a_mount_loads_the_root_and_faults_in_the_rest(tmp_path: Path) -> 
         assert await read_tree(fs) == before
         assert t.faults >= count - 1
         assert fs.state.inode_count == count
+    # inode_cache=0: loaded whole, and nothing counts as changed (a checkpoint
+    # right after would write nothing of the namespace).
+    async with mounted(image, options=TEST_OPTIONS.replace(inode_cache=0)) as fs:
+        assert not fs.state.lazy
+        assert len(fs.state.inodes) == count
+        assert fs.state.dirty is not None
+        assert len(fs.state.dirty) == 0
 
 
 async def test_eviction_under_pressure_matches_a_model(
