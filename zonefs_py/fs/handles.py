@@ -54,7 +54,6 @@ class DirHandle:
         self.marks: dict[int, bytes] = {}
 
 
-
 #: Entries one readdir of a lazy directory returns at most.
 READDIR_BATCH = 1024
 
