@@ -1,24 +1,25 @@
 """The namespace index of a format-5 filesystem: a B+tree whose pages live in meta zones.
 
 Blocking code (worker threads, and recovery). The tree (zonefs_py/index) holds
-every inode record and directory entry (format/nsindex.py); a checkpoint
-applies the entries changed since the last one (`apply`), copies the live pages
-of sparse index zones forward (`clean`), commits (children first, then a
-flush: every page below the new root is durable before the CHECKPOINT_INDEX
-record that names it), and the engine releases the zones left with no live
-page once the superblock points past them (`take_empty_zones`). Mount
-loads the tree into the State (`load_into`).
+every inode record, directory entry and data zone's owner list
+(format/nsindex.py); a checkpoint applies the entries changed since the last
+one (`apply`), copies the live pages of sparse index zones forward (`clean`),
+commits (children first, then a flush: every page below the new root is
+durable before the CHECKPOINT_INDEX record that names it), and the engine
+releases the zones left with no live page once the superblock points past
+them (`take_empty_zones`). A lazy mount reads the published tree through an
+`IndexReader` (DESIGN.md 3.15); an eager one (fsck, `inode_cache=0`, a tree
+of an older format 5) loads it into the State (`load_into`).
 
 Index zones come from the meta zones' free pool (`MetaLog.take_zone`) and go
 back to it by a reset (`MetaLog.reset_zones`); the CHECKPOINT_INDEX record
 lists them with their live page counts, so recovery tells them from garbage
 and needs no walk to know what is live (DESIGN.md 3.14).
 
-Caveats: the whole namespace is still loaded at mount and held in memory
-(the State); only checkpoints follow what changed so far. Reads are batched
-while mount loads the tree and while cleaning reads a victim zone (1 MiB at
-a time); any other page read is one device read. `lookup` and `inode_ops`
-(point reads for lazy loading) are not used by the engine yet.
+Caveats: reads are batched while mount loads the tree and while cleaning
+reads a victim zone (1 MiB at a time); a reader reads one page at a time
+(its internal pages pinned in its cache after a mount). The writer's tree
+and the reader have a page cache each.
 """
 
 from __future__ import annotations
