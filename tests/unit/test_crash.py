@@ -120,6 +120,54 @@ async def save_via_rename(fs: ZoneFS, t: Tracker) -> None:
         t.ack("/doc", "/doc.tmp")
 
 
+async def namespace_moves(fs: ZoneFS, t: Tracker) -> None:
+    """Renames across directories, unlinks of a last link and of one of two links,
+    a directory moved into another, with checkpoints between (format 5: the names
+    and records go into the index; a lazy mount reads them back from it)."""
+    for d in ("a", "b"):
+        t.expect(f"/{d}", DIR)
+        fs.forget([((await fs.mkdir(ROOT_INO, d.encode(), 0o755, CTX)).ino, 1)])
+    await fs.sync()
+    t.ack("/a", "/b")
+    data = {i: pattern(300 + i, 700 + 1000 * i) for i in range(6)}
+    for i in range(6):
+        t.expect(f"/a/f{i}", b"")
+        t.expect(f"/a/f{i}", data[i])
+        await write_file(fs, f"/a/f{i}", data[i], fsync=False)
+    await fs.sync()
+    t.ack(*[f"/a/f{i}" for i in range(6)])
+    await fs.journal.checkpoint()
+    a = await resolve(fs, "/a")
+    b = await resolve(fs, "/b")
+    for i in range(3):
+        t.expect(f"/b/g{i}", data[i])
+        t.expect(f"/a/f{i}", None)
+        await fs.rename(a, b"f%d" % i, b, b"g%d" % i, RenameFlags.NONE)
+    await fs.sync()
+    t.ack(*[f"/b/g{i}" for i in range(3)], *[f"/a/f{i}" for i in range(3)])
+    t.expect("/a/f3", None)
+    await fs.unlink(a, b"f3")
+    f4 = await resolve(fs, "/a/f4")
+    t.expect("/b/h4", data[4])
+    fs.forget([((await fs.link(f4, b, b"h4")).ino, 1)])
+    t.expect("/a/f4", None)
+    await fs.unlink(a, b"f4")
+    await fs.sync()
+    t.ack("/a/f3", "/b/h4", "/a/f4")
+    await fs.journal.checkpoint()
+    t.expect("/b/a2", DIR)
+    t.expect("/b/a2/f5", data[5])
+    t.expect("/a/f5", None)
+    t.expect("/a", None)
+    await fs.rename(ROOT_INO, b"a", b, b"a2", RenameFlags.NONE)
+    await fs.sync()
+    t.ack("/b/a2", "/b/a2/f5", "/a/f5", "/a")
+    t.expect("/b/h4", None)
+    await fs.unlink(b, b"h4")
+    await fs.sync()
+    t.ack("/b/h4")
+
+
 async def overwrite_in_place(fs: ZoneFS, t: Tracker) -> None:
     """Overwrite ranges of an existing file (unaligned), fsync after each."""
     content = bytearray(pattern(10, 64 * KiB))
@@ -592,6 +640,7 @@ SCENARIOS: dict[str, tuple[Scenario, Geometry]] = {
     "inline_small_files": (inline_small_files, SMALL),
     "cleaning_pass": (cleaning_pass, SMALL),
     "save_via_rename": (save_via_rename, SMALL),
+    "namespace_moves": (namespace_moves, SMALL),
     "overwrite_in_place": (overwrite_in_place, SMALL),
     "truncate_fsync": (truncate_fsync, SMALL),
     "small_files_fsyncdir": (small_files_fsyncdir, SMALL),
