@@ -281,3 +281,22 @@ async def test_a_cold_stat_reads_at_most_three_pages(tmp_path: Path) -> None:
             worst = max(worst, reader.device_reads - before)  # type: ignore[attr-defined]
         assert worst <= 3, worst
         fs.forget([(dino, 1)])
+
+
+async def test_trim_waits_while_every_inode_must_stay(tmp_path: Path) -> None:
+    """More inodes changed since the last checkpoint than the cache holds: a trim
+    that can evict nothing does not look again at every FORGET (creates fell to
+    330/s), only once the table grew or a checkpoint published them."""
+    image = tmp_path / "a.img"
+    new_image5(image)
+    async with mounted(image, options=TEST_OPTIONS.replace(inode_cache=50)) as fs:
+        t = table(fs)
+        for i in range(300):
+            fh, attr = await fs.create(ROOT_INO, b"f%d" % i, 0o644, os.O_WRONLY, CTX)
+            fs.forget([(attr.ino, 1)])
+            await fs.release(fh)
+        assert len(t) > 300  # every one changed: none evictable
+        assert fs.state.trim() == 0
+        assert t._next_trim_at > len(t)
+        await fs.journal.checkpoint()  # publishes them: evictable, and trimmed
+        assert len(t) <= 50

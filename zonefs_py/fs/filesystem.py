@@ -261,8 +261,10 @@ class ZoneFS(NamespaceOps, HandleOps, AttrOps, FileSystemAPI):
 
     def metadata_bytes_written(self) -> int:
         """Metadata bytes written over the filesystem's life (earlier mounts + this one)."""
+        index = self.journal.index
+        pages = 0 if index is None else index.store.pages_written * index.store.page_size_bytes
         return (self._meta_base + self.journal.log.bytes_written
-                + self.journal.sbstore.bytes_written)
+                + self.journal.sbstore.bytes_written + pages)
 
     def wake_background(self) -> None:
         self._wake.set()

@@ -68,6 +68,10 @@ class _Batch:
     def __init__(self, state: State, inodes: dict[int, Inode]) -> None:
         self.inodes = inodes
         self._state = state
+        # The fields the checks read per extent, without __getattr__ each time.
+        self.block_size = state.block_size
+        self.zone_size = state.zone_size
+        self.zone_seals = state.zone_seals
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._state, name)

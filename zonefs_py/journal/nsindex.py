@@ -71,9 +71,9 @@ LOAD_BATCH_RECORDS = 1024
 WRITE_BATCH_BYTES = 1 << 20
 #: Bytes read at a time while mount loads the tree (pages lie mostly in order).
 LOAD_READ_AHEAD_BYTES = 1 << 20
-#: Internal pages an IndexReader pins at most (~15 KiB each decoded: ~60 MiB; a
-#: tree of 10 million files has ~2,500).
-PINNED_PAGES = 4096
+#: Internal pages an IndexReader pins at most (~12 KiB each decoded: ~100 MiB; a
+#: tree of 10 million small files has more than 4,096, bench/namespace_scale).
+PINNED_PAGES = 8192
 #: Names and records an IndexReader keeps decoded (each), until a new tree.
 RESULTS_KEPT = 256
 #: Zones one checkpoint cleans at most.

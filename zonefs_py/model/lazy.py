@@ -84,6 +84,10 @@ class InodeTable(dict[int, Inode]):
         self.capacity = capacity
         self.faults = 0
         self.evictions = 0
+        #: After a trim that evicted less than it wanted (the rest must stay:
+        #: changed since the last checkpoint, held by the kernel), the next one
+        #: waits until this many inodes are resident or `retrim()` (a publish).
+        self._next_trim_at = 0
         #: Faults whose pages a worker thread read first (fs/lazyio.py).
         self.thread_reads = 0
 
@@ -137,7 +141,8 @@ class InodeTable(dict[int, Inode]):
         """Evict inodes `keep` does not hold, oldest installed first, down to
         `target` (default: 7/8 of the capacity) once above the capacity. Call
         only where no caller holds an Inode across an await. Return evictions."""
-        if dict.__len__(self) <= self.capacity and target is None:
+        size = dict.__len__(self)
+        if target is None and (size <= self.capacity or size < self._next_trim_at):
             return 0
         want = self.capacity * 7 // 8 if target is None else target
         excess = dict.__len__(self) - want
@@ -160,7 +165,17 @@ class InodeTable(dict[int, Inode]):
             dict.__delitem__(self, inode.ino)
             dict.__setitem__(self, inode.ino, inode)
         self.evictions += evicted
+        # Short of the goal: what is left must stay for now; look again once the
+        # table grew by an eighth of the cache (or after a publish), not at every
+        # FORGET (which scanned thousands of pinned inodes per call).
+        self._next_trim_at = 0 if evicted >= excess else \
+            dict.__len__(self) + max(1024, self.capacity // 8)
         return evicted
+
+    def retrim(self) -> None:
+        """Inodes may be evictable again (a checkpoint published them): the next
+        `trim` looks."""
+        self._next_trim_at = 0
 
 
 class LazyEntries:

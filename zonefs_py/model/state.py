@@ -277,6 +277,8 @@ class State:
                 d.entries.published(name)
         assert isinstance(self.zone_owners, ZoneOwnersTable)
         self.zone_owners.trim()
+        assert isinstance(self.inodes, InodeTable)
+        self.inodes.retrim()
 
     def get(self, ino: int) -> Inode:
         try:
