@@ -67,7 +67,7 @@ from zonefs_py.fs.tasks import MountTasks
 from zonefs_py.journal.journal import Journal
 from zonefs_py.journal.nsindex import IndexReader
 from zonefs_py.journal.recovery import Recovered, recover
-from zonefs_py.model.state import Inode, State
+from zonefs_py.model.state import Inode, State, StateError
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +210,12 @@ class ZoneFS(NamespaceOps, HandleOps, AttrOps, FileSystemAPI):
         """A lazy mount (DESIGN.md 3.15): the index's internal pages read into the
         reader's cache in the background, for good: a cold lookup reads a leaf."""
         t0 = time.monotonic()
-        pinned = await trio.to_thread.run_sync(reader.pin_internal_pages)
+        try:
+            pinned = await trio.to_thread.run_sync(reader.pin_internal_pages)
+        except (errors.IOFailure, errors.CorruptionError) as exc:
+            # Only a read-ahead: the faults that need those pages meet the error.
+            log.info("namespace index: caching its internal pages failed: %s", exc)
+            return
         log.info("namespace index: %d internal pages cached in %.2f s", pinned,
                  time.monotonic() - t0)
 
@@ -452,7 +457,16 @@ class ZoneFS(NamespaceOps, HandleOps, AttrOps, FileSystemAPI):
                     blocks, inode.atime, inode.mtime, inode.ctime, self.bs)
 
     def path_of(self, ino: int) -> str:
-        """Return one path of ino, for log lines (slow: scans directories)."""
+        """Return one path of ino, for log lines; never raises (error paths call it:
+        a lazy directory's names are read from the index, and the device may be
+        what failed): "<inode N>" then."""
+        try:
+            return self._path_of(ino)
+        except (OSError, errors.ZoneFSError, StateError) as exc:
+            log.debug("no path of inode %d for a log line: %s", ino, exc)
+            return f"<inode {ino}>"
+
+    def _path_of(self, ino: int) -> str:
         parts: list[bytes] = []
         cur = ino
         for _ in range(256):
@@ -460,7 +474,7 @@ class ZoneFS(NamespaceOps, HandleOps, AttrOps, FileSystemAPI):
                 break
             inode = self.state.inodes.get(cur)
             d = None if inode is None else self.state.inodes.get(inode.parent)
-            name = None if d is None or not d.entries else next(
+            name = None if d is None or d.entries is None else next(
                 (n for n, c in d.entries.items() if c == cur), None)
             if d is None or name is None:
                 return f"<inode {ino}, unlinked>"

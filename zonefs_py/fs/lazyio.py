@@ -12,11 +12,16 @@ thread they run on: DESIGN.md 3.15 lists them.
 
 from __future__ import annotations
 
+import logging
+
 import trio
 
+from zonefs_py import errors
 from zonefs_py.journal.nsindex import NotCached
 from zonefs_py.model.lazy import InodeTable, LazyEntries
 from zonefs_py.model.state import State
+
+log = logging.getLogger(__name__)
 
 
 async def fault_in(state: State, entries: LazyEntries, name: bytes) -> None:
@@ -33,7 +38,11 @@ async def fault_in(state: State, entries: LazyEntries, name: bytes) -> None:
     except NotCached:
         pass
     table.thread_reads += 1
-    await trio.to_thread.run_sync(reader.warm, entries.ino, name)  # type: ignore[attr-defined]
+    try:
+        await trio.to_thread.run_sync(reader.warm, entries.ino, name)  # type: ignore[attr-defined]
+    except (errors.IOFailure, errors.CorruptionError) as exc:
+        # Only a read-ahead: the lookup's own read meets the error (EIO).
+        log.debug("reading ahead %r in directory %d: %s", name, entries.ino, exc)
 
 
 async def warm_zone(state: State, zone: int) -> None:
@@ -48,4 +57,8 @@ async def warm_zone(state: State, zone: int) -> None:
         owners = state.zone_owners.get(zone)  # in memory (no read) once changed
     missing = [ino for ino in owners or () if table.resident(ino) is None]
     table.thread_reads += 1
-    await trio.to_thread.run_sync(table.reader.warm_zone, zone, missing)  # type: ignore[attr-defined]
+    try:
+        await trio.to_thread.run_sync(table.reader.warm_zone, zone, missing)  # type: ignore[attr-defined]
+    except (errors.IOFailure, errors.CorruptionError) as exc:
+        # Only a read-ahead: the caller's own reads meet the error where it is handled.
+        log.debug("reading ahead the owners of zone %d: %s", zone, exc)

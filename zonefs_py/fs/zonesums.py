@@ -223,7 +223,8 @@ class ZoneSealer:
         await warm_zone(self.state, zone)
         try:
             csums = zone_checksums(self.state, zone, data_blocks)
-        except errors.CorruptionError as exc:
+        except (errors.CorruptionError, errors.IOFailure) as exc:
+            # (IOFailure: format 5 reads the zone's owners from the index.)
             log.error("data zone %d not sealed: %s", zone, exc)
             return False
         blob = zonesum.encode(zone, resets, csums, self.bs)

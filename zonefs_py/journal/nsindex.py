@@ -29,6 +29,7 @@ import errno
 import threading
 from collections.abc import Iterator
 
+from zonefs_py import errors
 from zonefs_py.device.base import ZonedDevice
 from zonefs_py.format.constants import OpType
 from zonefs_py.format.nsindex import (
@@ -707,7 +708,13 @@ class _DevicePages:
         if getattr(self._local, "cached_only", False):
             raise NotCached(address)
         self.reads += 1
-        return self.dev.read(address, self.page_size_bytes)
+        try:
+            return self.dev.read(address, self.page_size_bytes)
+        except OSError as exc:
+            # A domain error (EIO to the kernel; the failsafe for background work),
+            # as a failed data read is: faults happen on any path (DESIGN.md 3.15).
+            raise errors.IOFailure(f"namespace index page at {address} could not be "
+                                   f"read: {exc}") from exc
 
     def flush(self) -> None:
         pass
