@@ -181,20 +181,3 @@ class QuotaTracker:
             if len(out) >= TENANTS_SHOWN + len(self.quotas):
                 break
         return out
-        lazy = self.state.lazy
-        wanted = set(self.state.tenant_written) | set(self.quotas)
-        for name, ino in root.entries.items():
-            if lazy and ino not in wanted:
-                # A lazy State (format 5) reports the tenants that wrote or have a
-                # quota: the others' sizes would read their whole subtree.
-                continue
-            d = self.state.inodes.get(ino)
-            if d is None or not d.is_dir:
-                continue
-            q = self.quotas.get(ino)
-            out[name.decode(errors="replace")] = {
-                "bytes_written": self.state.tenant_written.get(ino, 0),
-                "bytes_stored": q[1] if q and lazy else self.subtree_bytes(ino),
-                "quota_bytes": q[0] if q else None,
-            }
-        return out
