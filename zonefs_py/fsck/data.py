@@ -185,11 +185,12 @@ def check_inv26_lazy_records(rec: Recovered, report: Report) -> None:
         report.add("INV-26", f"the checkpoint counts {state.recorded_inode_count} inodes, "
                    f"the namespace holds {len(state.inodes)}")
     live = {z: n for z, n in state.zone_live_blocks.items() if n}
-    for zone in sorted(set(live) | set(state.recorded_zone_live))[:_INV26_SHOWN]:
-        if live.get(zone, 0) != state.recorded_zone_live.get(zone, 0):
-            report.add("INV-26", f"zone {zone}: the checkpoint records "
-                       f"{state.recorded_zone_live.get(zone, 0)} live blocks, the files "
-                       f"map {live.get(zone, 0)}")
+    wrong = [z for z in sorted(set(live) | set(state.recorded_zone_live))
+             if live.get(z, 0) != state.recorded_zone_live.get(z, 0)]
+    for zone in wrong[:_INV26_SHOWN]:
+        report.add("INV-26", f"zone {zone}: the checkpoint records "
+                   f"{state.recorded_zone_live.get(zone, 0)} live blocks, the files "
+                   f"map {live.get(zone, 0)}")
     missing = sorted(set(state.resident_inos()) - set(state.recorded_resident))
     if missing:
         report.add("INV-26", f"inodes a mount must load at once are not listed (RESIDENT): "
