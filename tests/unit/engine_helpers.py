@@ -23,8 +23,10 @@ import crashlib
 from zonefs_py import errors
 from zonefs_py.device.base import DeviceInfo, Zone
 from zonefs_py.device.emulated import EmulatedZonedDevice
+from zonefs_py.format.constants import INDEX_DISK_VERSION
 from zonefs_py.fs.api import ROOT_INO, Attr, Ctx
 from zonefs_py.fs.filesystem import ZoneFS
+from zonefs_py.fs.mkfs import make_filesystem
 from zonefs_py.fs.options import FsOptions
 from zonefs_py.fsck import Report
 
@@ -60,6 +62,18 @@ def new_image(path: Path, geo: Geometry = SMALL) -> None:
     crashlib.new_image(path, size_bytes=geo.size_bytes, zone_size_bytes=geo.zone_size_bytes,
                        block_size=geo.block_size, max_active=geo.max_active,
                        meta_zones=geo.meta_zones, disk_version=geo.disk_version)
+
+
+def new_image5(path: Path, geo: Geometry) -> None:
+    """An emulated image holding a fresh format-5 filesystem with exactly `geo`'s
+    meta zones (new_image adds format 5's for a geometry sized for format 4)."""
+    dev = EmulatedZonedDevice.create(path, size_bytes=geo.size_bytes,
+                                     zone_size_bytes=geo.zone_size_bytes,
+                                     block_size=geo.block_size)
+    try:
+        make_filesystem(dev, meta_zones=geo.meta_zones, disk_version=INDEX_DISK_VERSION)
+    finally:
+        dev.close()
 
 
 def open_image(path: Path, **kwargs: object) -> EmulatedZonedDevice:

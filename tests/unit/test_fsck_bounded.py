@@ -7,25 +7,24 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from engine_helpers import CTX, TEST_OPTIONS, Geometry, MiB, pattern, resolve, write_file
+from engine_helpers import (
+    CTX,
+    TEST_OPTIONS,
+    Geometry,
+    MiB,
+    new_image5,
+    pattern,
+    resolve,
+    write_file,
+)
 
 from zonefs_py.device.emulated import EmulatedZonedDevice
-from zonefs_py.format.constants import INDEX_DISK_VERSION, OpType
+from zonefs_py.format.constants import OpType
 from zonefs_py.fs.api import ROOT_INO, FallocFlags, XattrFlags
 from zonefs_py.fs.filesystem import ZoneFS
-from zonefs_py.fs.mkfs import make_filesystem
 from zonefs_py.fsck import check_filesystem
 
 GEO5 = Geometry(size_bytes=64 * MiB, zone_size_bytes=512 << 10, meta_zones=24)
-
-
-def new_image5(path: Path) -> None:
-    dev = EmulatedZonedDevice.create(path, size_bytes=GEO5.size_bytes,
-                                     zone_size_bytes=GEO5.zone_size_bytes, block_size=4096)
-    try:
-        make_filesystem(dev, meta_zones=GEO5.meta_zones, disk_version=INDEX_DISK_VERSION)
-    finally:
-        dev.close()
 
 
 def both(image: Path) -> tuple[list[str], list[str], int, int]:
@@ -66,7 +65,7 @@ async def populate(fs: ZoneFS) -> None:
 
 async def test_clean_images_are_clean_both_ways(tmp_path: Path) -> None:
     image = tmp_path / "a.img"
-    new_image5(image)
+    new_image5(image, GEO5)
     dev = EmulatedZonedDevice.open(image)
     try:
         async with ZoneFS.mount(dev, TEST_OPTIONS) as fs:
@@ -102,7 +101,7 @@ async def test_forged_damage_is_found_both_ways(tmp_path: Path) -> None:
     inode, forged in the journal and in a checkpoint: the same invariants."""
     for where in ("journal", "checkpoint"):
         image = tmp_path / f"{where}.img"
-        new_image5(image)
+        new_image5(image, GEO5)
         dev = EmulatedZonedDevice.open(image)
         try:
             async with ZoneFS.mount(dev, TEST_OPTIONS, close=False) as fs:

@@ -25,6 +25,7 @@ from engine_helpers import (
     listdir,
     lookup,
     mounted,
+    new_image5,
     parent_and_name,
     pattern,
     read_file,
@@ -34,27 +35,14 @@ from engine_helpers import (
 )
 
 from zonefs_py import errors
-from zonefs_py.device.emulated import EmulatedZonedDevice
-from zonefs_py.format.constants import INDEX_DISK_VERSION
 from zonefs_py.fs.api import ROOT_INO, RenameFlags
 from zonefs_py.fs.filesystem import ZoneFS
-from zonefs_py.fs.mkfs import make_filesystem
 from zonefs_py.journal import nsindex
 from zonefs_py.model.lazy import InodeTable, LazyEntries
 
 GEO5 = Geometry(size_bytes=64 * MiB, zone_size_bytes=512 << 10, meta_zones=24)
 #: A cache of a few inodes: nearly every use of a cold one faults it in.
 TINY_CACHE = TEST_OPTIONS.replace(inode_cache=4, cleaner_rate_mb_s=0.0)
-
-
-def new_image5(path: Path, geo: Geometry = GEO5) -> None:
-    dev = EmulatedZonedDevice.create(path, size_bytes=geo.size_bytes,
-                                     zone_size_bytes=geo.zone_size_bytes,
-                                     block_size=geo.block_size)
-    try:
-        make_filesystem(dev, meta_zones=geo.meta_zones, disk_version=INDEX_DISK_VERSION)
-    finally:
-        dev.close()
 
 
 def table(fs: ZoneFS) -> InodeTable:
@@ -65,7 +53,7 @@ def table(fs: ZoneFS) -> InodeTable:
 
 async def test_a_mount_loads_the_root_and_faults_in_the_rest(tmp_path: Path) -> None:
     image = tmp_path / "a.img"
-    new_image5(image)
+    new_image5(image, GEO5)
     async with mounted(image) as fs:
         for d in range(3):
             await fs.mkdir(ROOT_INO, b"d%d" % d, 0o755, CTX)
@@ -100,7 +88,7 @@ async def test_eviction_under_pressure_matches_a_model(
     before and after a remount, and fsck finds nothing."""
     monkeypatch.setattr(nsindex, "CACHE_PAGES", 4)
     image = tmp_path / "a.img"
-    new_image5(image)
+    new_image5(image, GEO5)
     rng = random.Random(32)
     model = Model()
     dirs = ["/a", "/b", "/a/c"]
@@ -170,7 +158,7 @@ async def test_readdir_streams_a_big_directory_changed_while_listed(tmp_path: Pa
     names changed since the checkpoint, in name order: every name not changed
     meanwhile shows exactly once, none removed before the listing shows."""
     image = tmp_path / "a.img"
-    new_image5(image)
+    new_image5(image, GEO5)
     async with mounted(image, options=TEST_OPTIONS.replace(inode_cache=16)) as fs:
         dino = (await fs.mkdir(ROOT_INO, b"big", 0o755, CTX)).ino
         for i in range(2500):
@@ -229,7 +217,7 @@ async def test_open_unlinked_and_xattr_pinned_inodes_are_loaded_at_mount(
     """Inodes a mount must see at once (an open-unlinked file left by a crash, a
     quota directory) are listed by the checkpoint's RESIDENT ops and loaded."""
     image = tmp_path / "a.img"
-    new_image5(image)
+    new_image5(image, GEO5)
     async with mounted(image) as fs:
         q = (await fs.mkdir(ROOT_INO, b"q", 0o755, CTX)).ino
         from zonefs_py.fs.api import XattrFlags
@@ -288,7 +276,7 @@ async def test_trim_waits_while_every_inode_must_stay(tmp_path: Path) -> None:
     that can evict nothing does not look again at every FORGET (creates fell to
     330/s), only once the table grew or a checkpoint published them."""
     image = tmp_path / "a.img"
-    new_image5(image)
+    new_image5(image, GEO5)
     async with mounted(image, options=TEST_OPTIONS.replace(inode_cache=50)) as fs:
         t = table(fs)
         for i in range(300):

@@ -20,6 +20,7 @@ from engine_helpers import (
     assert_fsck_clean,
     mounted,
     new_image,
+    new_image5,
     pattern,
     read_tree,
     write_file,
@@ -30,23 +31,12 @@ from zonefs_py.device.emulated import EmulatedZonedDevice
 from zonefs_py.format.constants import INDEX_DISK_VERSION
 from zonefs_py.fs.api import ROOT_INO, RenameFlags, XattrFlags
 from zonefs_py.fs.filesystem import ZoneFS
-from zonefs_py.fs.mkfs import make_filesystem
 from zonefs_py.journal.nsindex import NamespaceIndex
 from zonefs_py.journal.recovery import read_superblock, recover
 from zonefs_py.model.dirty import IndexSnapshot, inode_record
 
 #: Small meta zones, many of them: index zones fill and get cleaned quickly.
 GEO5 = Geometry(size_bytes=64 * MiB, zone_size_bytes=256 << 10, meta_zones=24)
-
-
-def new_image5(path: Path, geo: Geometry = GEO5) -> None:
-    dev = EmulatedZonedDevice.create(path, size_bytes=geo.size_bytes,
-                                     zone_size_bytes=geo.zone_size_bytes,
-                                     block_size=geo.block_size)
-    try:
-        make_filesystem(dev, meta_zones=geo.meta_zones, disk_version=INDEX_DISK_VERSION)
-    finally:
-        dev.close()
 
 
 async def populate(fs: ZoneFS, rng: random.Random, dirs: int = 4, files: int = 30) -> None:
@@ -64,7 +54,7 @@ async def populate(fs: ZoneFS, rng: random.Random, dirs: int = 4, files: int = 3
 
 async def test_format5_mount_loads_what_checkpoints_wrote(tmp_path: Path) -> None:
     image = tmp_path / "a.img"
-    new_image5(image)
+    new_image5(image, GEO5)
     rng = random.Random(5)
     async with mounted(image) as fs:
         assert fs.journal.index is not None
@@ -116,7 +106,7 @@ async def test_checkpoint_writes_what_changed_not_the_namespace(tmp_path: Path) 
 
 async def test_sparse_index_zones_are_cleaned_and_reset(tmp_path: Path) -> None:
     image = tmp_path / "a.img"
-    new_image5(image)
+    new_image5(image, GEO5)
     rng = random.Random(9)
     async with mounted(image) as fs:
         await populate(fs, rng, dirs=2, files=40)
@@ -143,7 +133,7 @@ async def test_sparse_index_zones_are_cleaned_and_reset(tmp_path: Path) -> None:
 
 async def test_a_damaged_index_page_refuses_the_mount(tmp_path: Path) -> None:
     image = tmp_path / "a.img"
-    new_image5(image)
+    new_image5(image, GEO5)
     async with mounted(image) as fs:
         await populate(fs, random.Random(1), dirs=2, files=10)
         await fs.journal.checkpoint()
@@ -187,7 +177,7 @@ async def test_an_index_zone_the_log_reused_is_never_reset_by_a_mount(tmp_path: 
     the superblock write and the log then takes it for journal records. A mount
     after a crash must not take it for an index zone (it reset journal records)."""
     image = tmp_path / "a.img"
-    new_image5(image)
+    new_image5(image, GEO5)
     rng = random.Random(9)
     dev = EmulatedZonedDevice.open(image, volatile_cache=True)
     try:
@@ -292,7 +282,7 @@ async def test_index_snapshot_is_the_state_of_its_first_instant(tmp_path: Path) 
     namespace keeps changing holds exactly what an eager encoding at its start
     would; a failed one gives every entry back to the next checkpoint."""
     image = tmp_path / "a.img"
-    new_image5(image)
+    new_image5(image, GEO5)
     rng = random.Random(11)
     async with mounted(image) as fs:
         await populate(fs, rng, dirs=3, files=12)

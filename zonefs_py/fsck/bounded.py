@@ -30,29 +30,27 @@ from array import array
 from collections.abc import Iterator
 
 from zonefs_py.device.base import Zone
-from zonefs_py.format.constants import ROOT_INO, Stream
+from zonefs_py.format.constants import ROOT_INO
 from zonefs_py.format.nsindex import (
     DIRENT_PREFIX,
-    INODE_PREFIX,
     OWNERS_PREFIX,
     IndexRecordError,
     decode_child,
     split_dirent_key,
-    split_inode_key,
 )
 from zonefs_py.format.superblock import Superblock
 from zonefs_py.fsck.metadata import (
     _merged,
     _shared_spans,
-    _stream_name,
     check_inv4_extents_within_wp,
     check_inv5_extents_sorted,
     check_inv13_file_types,
     check_inv22_inline_data,
+    report_mixed_streams,
 )
 from zonefs_py.fsck.report import Progress, Report
 from zonefs_py.index.errors import IndexCorrupt
-from zonefs_py.journal.nsindex import LOAD_BATCH_RECORDS, LOAD_READ_AHEAD_BYTES, checked_records
+from zonefs_py.journal.nsindex import LOAD_READ_AHEAD_BYTES, checked_records
 from zonefs_py.journal.recovery import Recovered
 from zonefs_py.model.errors import StateError
 from zonefs_py.model.inode import Inode
@@ -151,35 +149,13 @@ class BoundedCheck:
                     owners.append(ino)
                     last_zone = zone
 
-    def _tree_records(self) -> Iterator[tuple[list[int], list[bytes]]]:
-        """Consecutive inode records of the tree, a batch at a time."""
-        index = self.rec.index
-        assert index is not None
-        inos: list[int] = []
-        blobs: list[bytes] = []
-        part_of = -1
-        for key, value in index.tree.scan(INODE_PREFIX, DIRENT_PREFIX):
-            ino, part = split_inode_key(key)
-            if inos and ino == inos[-1]:
-                if part != part_of + 1:
-                    raise IndexCorrupt(0, f"inode {ino}: record part {part} after {part_of}")
-            else:
-                if part != 0:
-                    raise IndexCorrupt(0, f"inode {ino}: record starts with part {part}")
-                if len(inos) >= LOAD_BATCH_RECORDS:
-                    yield inos, blobs
-                    inos, blobs = [], []
-                inos.append(ino)
-            part_of = part
-            blobs.append(value)
-        if inos:
-            yield inos, blobs
-
     def inodes_pass(self) -> None:
         state = self.state
         dirty = state.dirty
         assert dirty is not None
-        for inos, blobs in self._tree_records():
+        index = self.rec.index
+        assert index is not None
+        for inos, blobs in index.record_batches():
             scratch = State(state.block_size, state.zone_size)
             scratch.zone_seals = state.zone_seals
             # A changed inode's record is as old as the tree (its zone may have been
@@ -334,14 +310,7 @@ class BoundedCheck:
             if live != self.counted.get(zone, 0):
                 report.add("INV-6", f"zone {zone}: live count {live} but extents hold "
                            f"{self.counted.get(zone, 0)} blocks")
-        for zone, streams in sorted(self.streams.items()):
-            zone_stream = state.zone_info.get(zone, (Stream.DEFAULT, 0, 0))[0]
-            if zone_stream == Stream.CLEANER:
-                continue
-            if len(streams) > 1 or (streams and zone_stream not in streams):
-                names = sorted(_stream_name(s) for s in streams)
-                report.add("INV-9", f"zone {zone} ({_stream_name(zone_stream)}) holds data "
-                           f"of streams {names}")
+        report_mixed_streams(state, dict(sorted(self.streams.items())), report)
         shown = 0
         dirty = state.dirty
         reader = self.rec.index.reader if self.rec.index is not None else None

@@ -139,7 +139,13 @@ def check_inv9_streams_apart(state: State, report: Report) -> None:
             continue
         for e in inode.extents:
             owners.setdefault(e.dev // state.zone_size, set()).add(inode.stream)
-    for zone, streams in owners.items():
+    report_mixed_streams(state, owners, report)
+
+
+def report_mixed_streams(state: State, streams_of: dict[int, set[int]],
+                         report: Report) -> None:
+    """INV-9 findings from zone -> streams of the files with data there."""
+    for zone, streams in streams_of.items():
         zone_stream = state.zone_info.get(zone, (Stream.DEFAULT, 0, 0))[0]
         if zone_stream == Stream.CLEANER:
             continue

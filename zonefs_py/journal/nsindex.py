@@ -283,25 +283,8 @@ class NamespaceIndex:
 
     def _load_into(self, state: State) -> int:
         count = 0
-        inos: list[int] = []
-        blobs: list[bytes] = []
-        part_of = -1
         parents: list[Op] = []
-        for key, value in self.tree.scan(INODE_PREFIX, DIRENT_PREFIX):
-            ino, part = _inode_key(key)
-            if inos and ino == inos[-1]:
-                if part != part_of + 1:
-                    raise IndexCorrupt(0, f"inode {ino}: record part {part} after {part_of}")
-            else:
-                if part != 0:
-                    raise IndexCorrupt(0, f"inode {ino}: record starts with part {part}")
-                if len(inos) >= LOAD_BATCH_RECORDS:
-                    count += self._apply_records(state, inos, blobs, parents)
-                    inos, blobs = [], []
-                inos.append(ino)
-            part_of = part
-            blobs.append(value)
-        if inos:
+        for inos, blobs in self.record_batches():
             count += self._apply_records(state, inos, blobs, parents)
         for key, value in self.tree.scan(DIRENT_PREFIX, _END_OF_DIRENTS):
             try:
@@ -315,6 +298,30 @@ class NamespaceIndex:
         # parent (the names above gave it the last one in key order).
         state.apply_all(parents)
         return count
+
+    def record_batches(self) -> Iterator[tuple[list[int], list[bytes]]]:
+        """The tree's inode records in key order, LOAD_BATCH_RECORDS at a time:
+        (inos, their parts' bytes), for `checked_records`. Raises IndexCorrupt
+        for parts out of order."""
+        inos: list[int] = []
+        blobs: list[bytes] = []
+        part_of = -1
+        for key, value in self.tree.scan(INODE_PREFIX, DIRENT_PREFIX):
+            ino, part = _inode_key(key)
+            if inos and ino == inos[-1]:
+                if part != part_of + 1:
+                    raise IndexCorrupt(0, f"inode {ino}: record part {part} after {part_of}")
+            else:
+                if part != 0:
+                    raise IndexCorrupt(0, f"inode {ino}: record starts with part {part}")
+                if len(inos) >= LOAD_BATCH_RECORDS:
+                    yield inos, blobs
+                    inos, blobs = [], []
+                inos.append(ino)
+            part_of = part
+            blobs.append(value)
+        if inos:
+            yield inos, blobs
 
     @staticmethod
     def _apply_records(state: State, inos: list[int], blobs: list[bytes],
