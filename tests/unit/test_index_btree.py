@@ -11,6 +11,7 @@ among 100,000 keys reads at most 4 pages. Seeds are in the test ids.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -26,6 +27,7 @@ from zonefs_py.index.page import (
     LeafPage,
     Page,
     PageLimits,
+    body_bytes,
     decode,
     encode,
     page_checksum,
@@ -34,12 +36,18 @@ from zonefs_py.index.store import MemoryPageStore, PageStore, ZonePageStore
 
 P = 512  # page size of most tests: small pages make deep trees from few keys
 LIMITS = PageLimits.for_page_size(P)
+LIMITS_4K = PageLimits.for_page_size(4096)
 
 
 def tree_on(store: PageStore, root: int | None = None, cache_pages: int = 3,
-            page_size_bytes: int = P) -> BTree:
+            page_size_bytes: int = P, key_group: Callable[[bytes], int] | None = None) -> BTree:
     return BTree(store, PageCache(capacity_pages=cache_pages), root=root,
-                 page_size_bytes=page_size_bytes)
+                 page_size_bytes=page_size_bytes, key_group=key_group)
+
+
+def first_byte(key: bytes) -> int:
+    """A key group: keys with the same first byte."""
+    return 1
 
 
 def reopen_contents(store: PageStore, root: int) -> list[tuple[bytes, bytes]]:
@@ -86,11 +94,12 @@ OPS = st.lists(st.one_of(
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=OPS, cache_pages=st.integers(2, 4))
+@given(ops=OPS, cache_pages=st.integers(2, 4), grouped=st.booleans())
 def test_random_ops_match_a_dict_at_every_committed_root(
-        ops: list[tuple[str, bytes, int]], cache_pages: int) -> None:
+        ops: list[tuple[str, bytes, int]], cache_pages: int, grouped: bool) -> None:
     store = MemoryPageStore(P)
-    tree = tree_on(store, cache_pages=cache_pages)
+    # grouped: leaves are also cut at the end of a key group (the first byte)
+    tree = tree_on(store, cache_pages=cache_pages, key_group=first_byte if grouped else None)
     model: dict[bytes, bytes] = {}
     snapshots: list[tuple[int, dict[bytes, bytes]]] = []
     root: int | None = None
@@ -445,6 +454,38 @@ def test_a_cold_lookup_among_100k_keys_reads_at_most_4_pages() -> None:
         assert cold.get(key) == (key[:12] if key != b"absent" else None)
         assert store.reads - before <= 4
         assert cold.cache.misses == store.reads - before
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_groups_growing_in_ascending_order_pack_their_leaves(grouped: bool) -> None:
+    """Two key groups (first byte 1: like the namespace index's inodes; 2: one
+    directory's names) grow in ascending order, a batch of each per commit.
+    Group 1's last leaf also holds group 2's first keys, so its inserts are
+    never at a leaf's end: without `key_group` each of its leaves is split in
+    half and stays so (the index's inode leaves were 50% full); with it the
+    leaf is cut after the new key and group 1 packs its leaves too."""
+    store = MemoryPageStore(4096)
+    tree = tree_on(store, cache_pages=64, page_size_bytes=4096,
+                   key_group=first_byte if grouped else None)
+    for batch in range(40):
+        for i in range(batch * 100, batch * 100 + 100):
+            tree.put(b"\x01" + b"%08d" % i, bytes(90))
+        for i in range(batch * 100, batch * 100 + 100):
+            tree.put(b"\x02" + b"%08d" % i, bytes(20))
+        tree.commit()
+    fills = {1: [], 2: []}  # type: dict[int, list[float]]
+    leaves = [p for p in (tree.load_page(a) for a in tree.page_addresses())
+              if isinstance(p, LeafPage)]
+    for leaf in leaves:
+        fills[leaf.keys[0][0]].append(body_bytes(leaf) / LIMITS_4K.body_bytes)
+    mean1 = sum(fills[1]) / len(fills[1])
+    assert sum(fills[2]) / len(fills[2]) > 0.9
+    if grouped:
+        assert mean1 > 0.9
+    else:
+        assert mean1 < 0.6
+    assert [k for k, _ in tree.scan()] == sorted(
+        [b"\x01" + b"%08d" % i for i in range(4000)] + [b"\x02" + b"%08d" % i for i in range(4000)])
 
 
 def test_scan_order_and_range_bounds() -> None:

@@ -48,6 +48,14 @@ class IndexRecordError(Exception):
     """A CHECKPOINT_INDEX payload or an index key/value does not decode."""
 
 
+def key_group(key: bytes) -> int:
+    """Length of the prefix a key shares with the keys it grows beside: one
+    directory's names (prefix and parent), or all inodes, or all owner lists
+    (the prefix). The tree packs a leaf when a group grows at its end
+    (index/btree.py, "Balance"); not part of the format."""
+    return 1 + _INO.size if key[:1] == DIRENT_PREFIX else 1
+
+
 def inode_key(ino: int, part: int) -> bytes:
     return _INODE_KEY.pack(INODE_PREFIX, ino, part)
 

@@ -16,7 +16,12 @@ Balance: a page that overflows splits in two by bytes (page.py's limits make
 two always enough); when the put inserted at the leaf's end, the left page is
 left full instead (all but the last entry; of an internal page, all but the
 last two children: `_rebalance(tail=True)`), so keys put in ascending order
-pack pages. Puts never merge. After a delete, a page whose body falls under
+pack pages. With `key_group` (the length of a key's group prefix: the
+namespace index's inodes, or one directory's names), a put that inserted
+after the last key of its group in the leaf counts as at the end too: the
+leaf is cut right after the new key (when that half fits), so a group
+growing in ascending order packs its pages although the next group's keys
+share its last leaf (they halved every inode leaf before). Puts never merge. After a delete, a page whose body falls under
 a quarter of the page (an empty leaf, an internal page with one child
 included) is merged with a sibling when the two fit in one page, else the
 two are repacked evenly (a borrow). A root with one child is replaced by
@@ -32,7 +37,7 @@ are unreferenced until then; keys are stored whole (no prefix compression).
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from zonefs_py.errors import ValueTooLarge
@@ -117,8 +122,11 @@ class BTree:
     """
 
     def __init__(self, store: PageStore, cache: PageCache[Page], root: int | None = None,
-                 page_size_bytes: int = DEFAULT_PAGE_SIZE_BYTES) -> None:
+                 page_size_bytes: int = DEFAULT_PAGE_SIZE_BYTES,
+                 key_group: Callable[[bytes], int] | None = None) -> None:
         self.store = store
+        #: Length of a key's group prefix (module docstring, "Balance"); None: one group.
+        self.key_group = key_group
         self.cache = cache
         self.limits = PageLimits.for_page_size(page_size_bytes)
         self.page_size_bytes = page_size_bytes
@@ -270,13 +278,18 @@ class BTree:
         leaf = frames[-1].page
         assert isinstance(leaf, LeafPage)
         i = bisect_left(leaf.keys, key)
-        tail = False
+        tail: bool | int = False
         if i < len(leaf.keys) and leaf.keys[i] == key:
             leaf.values[i] = value
         else:
             leaf.keys.insert(i, key)
             leaf.values.insert(i, value)
-            tail = i == len(leaf.keys) - 1
+            if i == len(leaf.keys) - 1:
+                tail = True
+            elif self.key_group is not None:
+                g = self.key_group(key)
+                if leaf.keys[i + 1][:g] != key[:g]:
+                    tail = i + 1  # the end of its group: cut after it
         self._mutations += 1
         # Puts never merge: an underfull page only comes from a tail split, and
         # merging it back would borrow half of its full left sibling each time.
@@ -341,7 +354,7 @@ class BTree:
             return True
         return body_bytes(page) < self.limits.body_bytes // 4
 
-    def _rebalance(self, frames: list[_Frame], *, tail: bool = False,
+    def _rebalance(self, frames: list[_Frame], *, tail: bool | int = False,
                    merge: bool = True) -> None:
         """Split or merge the changed pages of `frames`, bottom up, then fix the root.
 
@@ -349,7 +362,9 @@ class BTree:
         then overflows at its end is split leaving the left page full (all but
         its last entry; of an internal page, all but two children), so keys
         inserted in ascending order (new inodes, a directory filled in name
-        order) pack pages instead of leaving them half full."""
+        order) pack pages instead of leaving them half full. An int: the leaf
+        entry its group ends before (`key_group`); the leaf is cut there.
+        Above the leaves only the end of a page counts."""
         for depth in range(len(frames) - 1, 0, -1):
             parent = frames[depth - 1].page
             assert isinstance(parent, InternalPage)
@@ -358,7 +373,7 @@ class BTree:
                 self._split_child(parent, frame.idx_in_parent, tail)
                 # The separator went in at the split child's place: the parent's
                 # end only if that child was its last.
-                tail = tail and frame.idx_in_parent == len(parent.children) - 2
+                tail = tail is True and frame.idx_in_parent == len(parent.children) - 2
             else:
                 tail = False
                 if merge and self._underfull(frame.page):
@@ -367,20 +382,27 @@ class BTree:
         root = self._load(self._root)
         if body_bytes(root) > self.limits.body_bytes:
             new_root = InternalPage(root.level + 1, [], [self._root])
-            self._split_child(new_root, 0, tail)
+            self._split_child(new_root, 0, tail)  # (an int only if the root is a leaf)
             self._root = self.cache.add_dirty(new_root)
         while isinstance(root, InternalPage) and len(root.children) == 1:
             self._forget(self._root)
             self._root = root.children[0]
             root = self._load(self._root)
 
-    def _split_child(self, parent: InternalPage, idx: int, tail: bool = False) -> None:
+    def _split_child(self, parent: InternalPage, idx: int, tail: bool | int = False) -> None:
         """Cut the dirty child `idx` of `parent` in two; the right half is a new dirty page
-        (at the end of the left one's entries when `tail`, see `_rebalance`)."""
+        (at the end of the left one's entries when `tail`, or of its group's: see
+        `_rebalance`)."""
         page = self.cache.dirty(parent.children[idx])
         right: Page
         if isinstance(page, LeafPage):
-            m = len(page.keys) - 1 if tail else _leaf_split_point(page)
+            if tail is True:
+                m = len(page.keys) - 1
+            elif tail is not False and 0 < tail < len(page.keys) and body_bytes(
+                    LeafPage(page.keys[:tail], page.values[:tail])) <= self.limits.body_bytes:
+                m = tail
+            else:
+                m = _leaf_split_point(page)
             right = LeafPage(page.keys[m:], page.values[m:])
             del page.keys[m:], page.values[m:]
             separator = right.keys[0]

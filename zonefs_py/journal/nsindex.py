@@ -46,6 +46,7 @@ from zonefs_py.format.nsindex import (
     encode_owners,
     inode_key,
     inode_key_range,
+    key_group,
     owners_key,
     owners_key_range,
     split_dirent_key,
@@ -249,7 +250,8 @@ class NamespaceIndex:
         self.store = MetaPageStore(dev, mlog, page_size, root)
         self.tree = BTree(self.store, PageCache[Page](
             capacity_pages=CACHE_PAGES if cache_pages is None else cache_pages),
-                          None if root is None else root.root_address, page_size)
+                          None if root is None else root.root_address, page_size,
+                          key_group=key_group)
         limits = PageLimits.for_page_size(page_size)
         #: Bytes of an inode record per tree entry (the key is 11 bytes).
         self.part_bytes = limits.max_entry_bytes - 16
