@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from zonefs_py.device.emulated import EmulatedZonedDevice
-from zonefs_py.format.constants import DISK_VERSION, INDEX_DISK_VERSION, MIN_INDEX_META_ZONES
+from zonefs_py.format.constants import INDEX_DISK_VERSION, MIN_INDEX_META_ZONES, MKFS_DISK_VERSION
 from zonefs_py.fs.mkfs import make_filesystem
 from zonefs_py.fsck import Report, check_filesystem
 from zonefs_py.journal.recovery import read_superblock
@@ -24,9 +24,9 @@ from zonefs_py.journal.recovery import read_superblock
 MiB = 1 << 20
 
 
-#: On-disk format of the images the tests make: ZONEFS_TEST_FORMAT=5 runs a suite
-#: on format 5 (the namespace index, issue 32) instead of the default.
-TEST_DISK_VERSION = int(os.environ.get("ZONEFS_TEST_FORMAT", DISK_VERSION))
+#: On-disk format of the images the tests make: ZONEFS_TEST_FORMAT=4 runs a suite
+#: on format 4 (the whole namespace in memory) instead of the default, format 5.
+TEST_DISK_VERSION = int(os.environ.get("ZONEFS_TEST_FORMAT", MKFS_DISK_VERSION))
 
 
 def new_image(path: Path, *, size_bytes: int = 64 * MiB, zone_size_bytes: int = 2 * MiB,

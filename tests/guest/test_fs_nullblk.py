@@ -81,7 +81,7 @@ async def test_mkfs_write_remount_fsck_on_nullblk(
         zdev_factory: Callable[..., ZonedDevice]) -> None:
     dev = zdev_factory(nr_zones=32, zone_size_mb=8, zone_capacity_mb=6, nr_conv=2,
                        max_open=14, max_active=14)
-    make_filesystem(dev, meta_zones=4)
+    make_filesystem(dev)  # mkfs's default: format 5
     # ZoneFS.mount: the io_uring reader needs the mount's tasks (ZoneFS.load has none).
     async with ZoneFS.mount(dev, FsOptions(commit_interval_s=3600)) as fs:
         ckdir = (await fs.mkdir(1, b"checkpoints", 0o755, CTX)).ino
@@ -104,7 +104,7 @@ async def test_mkfs_write_remount_fsck_on_nullblk(
 async def test_recovery_after_crash_on_nullblk(
         zdev_factory: Callable[..., ZonedDevice]) -> None:
     dev = zdev_factory(nr_zones=24, zone_size_mb=4, max_active=14)
-    make_filesystem(dev, meta_zones=4)
+    make_filesystem(dev)  # mkfs's default: format 5
     fs = await ZoneFS.load(dev, FsOptions(commit_interval_s=3600))
     await _write(fs, b"durable", _blob(3, 3 * MiB))
     # Acknowledged by fsync above; the next file is written but never synced.

@@ -102,7 +102,7 @@ class Mount:
         self.started = True
         cmd = [*ZONEFS, "mount", "-f", str(self.image), str(self.path),
                "--log-file", str(self.log), "--log-level", "INFO"]
-        for opt in options:
+        for opt in keep_test_format(options):
             cmd += ["-o", opt]
         self.proc = subprocess.Popen(cmd, env=env(), stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -196,11 +196,13 @@ def in_mount_table(path: Path) -> bool:
         return any(line.split()[1] == target for line in f)
 
 
-def make_image(directory: Path, size: str = IMAGE_SIZE, zone_size: str = ZONE_SIZE) -> Path:
+def make_image(directory: Path, size: str = IMAGE_SIZE, zone_size: str = ZONE_SIZE,
+               meta_zones: int | None = None) -> Path:
     """Create and format an emulator image."""
     image = directory / "dev.img"
     zonefs("emu", "create", str(image), "--size", size, "--zone-size", zone_size)
-    zonefs("mkfs", str(image), "--format", str(TEST_DISK_VERSION))
+    more = [] if meta_zones is None else ["--meta-zones", str(meta_zones)]
+    zonefs("mkfs", str(image), "--format", str(TEST_DISK_VERSION), *more)
     return image
 
 
@@ -264,6 +266,14 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def keep_test_format(options: tuple[str, ...]) -> tuple[str, ...]:
+    """The mount options, with format=4 added on a format 4 run (ZONEFS_TEST_FORMAT=4):
+    a mount converts a format 4 image to 5 by default, and that run tests format 4."""
+    if TEST_DISK_VERSION == 4 and not any(o.startswith("format=") for o in options):
+        return (*options, "format=4")
+    return options
+
+
 # -- the daemonized path (what users run: `zonefs-py mount` without -f) ----------------------
 
 def daemon_mount(image: Path, mountpoint: Path, *options: str, log: Path | None = None,
@@ -273,7 +283,7 @@ def daemon_mount(image: Path, mountpoint: Path, *options: str, log: Path | None 
     cmd = [*ZONEFS, "mount", str(image), str(mountpoint)]
     if log is not None:
         cmd += ["--log-file", str(log)]
-    for opt in options:
+    for opt in keep_test_format(options):
         cmd += ["-o", opt]
     proc = subprocess.run(cmd, env={**env(), **(extra_env or {})}, capture_output=True,
                           text=True, timeout=MOUNT_DEADLINE_S * 2, stdin=subprocess.DEVNULL)

@@ -19,7 +19,7 @@ clean unmount). Each iteration is one of:
     blocks of sealed zones;
   * (3/8) bytes changed inside one record whose checksum is then recomputed,
     so the garbage reaches the op decoders and the replay;
-    With ZONEFS_TEST_FORMAT=5 the image is format 5: half of these re-sign
+    On format 5 (the default; ZONEFS_TEST_FORMAT=4 makes it 4): half of these re-sign
     one index page instead (bytes of its header or body changed, its xxh3
     fixed), so the garbage reaches the page's structure checks and the
     inode records; and the random mutations above hit index pages too;
@@ -73,7 +73,7 @@ import xxhash
 from zonefs_py import errors
 from zonefs_py.device.emulated import EmulatedZonedDevice
 from zonefs_py.format import zonesum
-from zonefs_py.format.constants import DISK_VERSION, RECORD_HEADER_SIZE, OpType, RecordType
+from zonefs_py.format.constants import MKFS_DISK_VERSION, RECORD_HEADER_SIZE, OpType, RecordType
 from zonefs_py.format.ops import decode_ops, record_body
 from zonefs_py.format.records import FLAG_ZLIB, decode_record, padded_size, peek_header
 from zonefs_py.fs.api import ROOT_INO, Ctx, SetAttrRequest
@@ -87,9 +87,9 @@ from zonefs_py.journal import journal as journal_mod
 from zonefs_py.journal.recovery import read_superblock
 
 KiB, MiB = 1 << 10, 1 << 20
-#: On-disk format of the base image: ZONEFS_TEST_FORMAT (5: the namespace index,
-#: whose pages are then fuzzed too), else the default.
-DISK_FORMAT = int(os.environ.get("ZONEFS_TEST_FORMAT", DISK_VERSION))
+#: On-disk format of the base image: ZONEFS_TEST_FORMAT, else mkfs's default
+#: (5: the namespace index, whose pages are then fuzzed too).
+DISK_FORMAT = int(os.environ.get("ZONEFS_TEST_FORMAT", MKFS_DISK_VERSION))
 REFUSALS = (errors.NotAFilesystem, errors.CorruptionError, errors.DeviceRefused)
 OPTIONS = FsOptions(commit_interval_s=3600.0, read_only=True, cleaner_rate_mb_s=0.0)
 CTX = Ctx()

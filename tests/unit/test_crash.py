@@ -750,8 +750,8 @@ async def sweep(tmp_path: Path, name: str, mode: str,
 
 
 #: Scenarios swept by the default suite: index_churn is for format 5's index
-#: (ZONEFS_TEST_FORMAT=5, .ci/run's format 5 step); on format 4 it would only
-#: repeat the other checkpoint scenarios at ~45 s a mode.
+#: (the default format; ZONEFS_TEST_FORMAT=4 runs .ci/run's format 4 step); on
+#: format 4 it would only repeat the other checkpoint scenarios at ~45 s a mode.
 SWEPT = [n for n in SCENARIOS if n != "index_churn" or TEST_DISK_VERSION != 4]
 
 

@@ -411,14 +411,15 @@ async def test_files_that_do_not_compress_after_files_that_do(tmp_path: Path,
 async def test_recovered_checkpoint_size_is_the_size_written(tmp_path: Path) -> None:
     """A mount starts from the figures of the checkpoint it loads: the same
     device bytes (zone tails and headers included: this one spans zones whose
-    capacity is below their size) as when it was written."""
+    capacity is below their size) as when it was written. (Format 4: its
+    whole-namespace checkpoint spans zones.)"""
     image = tmp_path / "fs.img"
     emu = EmulatedZonedDevice.create(image, size_bytes=8 * MiB, zone_size_bytes=64 * KiB,
                                      zone_capacity_bytes=48 * KiB)
     try:
         from zonefs_py.fs.mkfs import make_filesystem
 
-        make_filesystem(emu, meta_zones=16)
+        make_filesystem(emu, meta_zones=16, disk_version=4)
     finally:
         emu.close()
     rng = random.Random(5)

@@ -7,6 +7,7 @@ index page refuses the mount (fsck named), never yields a wrong name.
 
 from __future__ import annotations
 
+import logging
 import random
 import shutil
 from pathlib import Path
@@ -29,8 +30,10 @@ from engine_helpers import (
 from zonefs_py import errors
 from zonefs_py.device.emulated import EmulatedZonedDevice
 from zonefs_py.format.constants import INDEX_DISK_VERSION
+from zonefs_py.fs.after_recovery import estimated_index_bytes
 from zonefs_py.fs.api import ROOT_INO, RenameFlags, XattrFlags
 from zonefs_py.fs.filesystem import ZoneFS
+from zonefs_py.fs.options import AUTO_FORMAT, FsOptions
 from zonefs_py.journal.nsindex import NamespaceIndex
 from zonefs_py.journal.recovery import read_superblock, recover
 from zonefs_py.model.dirty import IndexSnapshot, inode_record
@@ -338,14 +341,108 @@ async def test_index_snapshot_is_the_state_of_its_first_instant(tmp_path: Path) 
         assert len(now) == taken
 
 
-async def test_a_conversion_needs_six_meta_zones(tmp_path: Path) -> None:
+async def test_a_conversion_needs_six_meta_zones(tmp_path: Path,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
     image = tmp_path / "a.img"
     new_image(image, Geometry(meta_zones=4, disk_version=4))
     with pytest.raises(errors.InvalidArgument, match="at least 6"):
         async with mounted(image, options=TEST_OPTIONS.replace(convert_format=5)):
             pass
-    async with mounted(image) as fs:  # still format 4, and intact
+    caplog.set_level(logging.INFO, "zonefs_py")
+    # The mount command's default: stays format 4, said at INFO (nothing to be done).
+    async with mounted(image, options=TEST_OPTIONS.replace(convert_format=AUTO_FORMAT)) as fs:
         assert fs.sb.disk_version == 4
+        assert fs.journal.index is None
+    assert any("not converted to on-disk format 5: this image has 4 meta zones" in r.message
+               and r.levelno == logging.INFO for r in caplog.records)
+
+
+def test_mount_options_convert_by_default() -> None:
+    """`zonefs-py mount` converts unless told format=4; the engine's own default
+    (fsck --repair, tools) keeps the format."""
+    assert FsOptions().convert_format == 4
+    assert FsOptions.from_mount_options({})[0].convert_format is AUTO_FORMAT
+    assert FsOptions.from_mount_options({"format": "4"})[0].convert_format == 4
+    assert FsOptions.from_mount_options({"format": "5"})[0].convert_format == 5
+    with pytest.raises(ValueError, match="4 keeps a format 4 image"):
+        FsOptions.from_mount_options({"format": "3"})
+
+
+async def test_a_mount_converts_a_filled_format4_image_byte_exact(tmp_path: Path) -> None:
+    """The default mount converts a format 4 image holding sealed zones, hard
+    links, xattrs, symlinks, inline and sparse files: the same tree, bytes and
+    attributes after, the estimate of its index within 25% of what it took,
+    fsck clean; the next mount is lazy; format=4 would have kept it."""
+    image = tmp_path / "a.img"
+    new_image(image, Geometry(size_bytes=96 * MiB, zone_size_bytes=1 * MiB, meta_zones=8,
+                              disk_version=4))
+    rng = random.Random(7)
+    async with mounted(image) as fs:
+        await populate(fs, rng, dirs=6, files=60)
+        for i in range(20):  # big files: several sealed zones
+            await write_file(fs, f"/d1/big{i}", pattern(900 + i, (1 << 20) + 4096 * i),
+                             fsync=False)
+        f0 = (await fs.lookup(ROOT_INO, b"d0")).ino
+        target = (await fs.lookup(f0, b"f1")).ino
+        await fs.link(target, ROOT_INO, b"hard")
+        await fs.unlink((await fs.lookup(ROOT_INO, b"d2")).ino, b"f3")
+        await fs.sync()
+        assert fs.state.zone_seals  # checksums in zone summaries, not in EXTENT ops
+        before = await read_tree(fs)
+        attrs = {name: fs.attr(fs.state.inodes[ino])
+                 for name, ino in [(b"hard", target), (b"d0", f0)]}
+        estimate = estimated_index_bytes(fs.state)
+    async with mounted(image, options=TEST_OPTIONS.replace(convert_format=4)) as fs:
+        assert fs.sb.disk_version == 4  # format=4 keeps it
+    async with mounted(image, options=TEST_OPTIONS.replace(convert_format=AUTO_FORMAT)) as fs:
+        assert fs.sb.disk_version == INDEX_DISK_VERSION
+        assert fs.journal.index is not None
+        live = fs.journal.index.live_bytes()
+        assert 0.75 * live <= estimate <= 1.25 * live, (estimate, live)
+        assert await read_tree(fs) == before
+        for name, ino in [(b"hard", target), (b"d0", f0)]:
+            assert fs.attr(fs.state.inodes[ino]) == attrs[name]
+    assert read_superblock_version(image) == INDEX_DISK_VERSION
+    async with mounted(image, options=TEST_OPTIONS.replace(convert_format=AUTO_FORMAT)) as fs:
+        assert fs.state.lazy
+        assert await read_tree(fs) == before
+
+
+@pytest.mark.expect_log("zonefs_py.fs.filesystem", "WARNING", "not converted to on-disk format 5")
+async def test_a_meta_area_without_room_for_the_index_stays_format4(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """6 meta zones of 256 KiB: format 4 holds 2,000 files there, their index would
+    take more than half of format 5's bound: the default mount keeps format 4 and
+    says why (a WARNING), format=5 refuses, and the image is intact."""
+    image = tmp_path / "a.img"
+    new_image(image, Geometry(size_bytes=32 * MiB, zone_size_bytes=256 << 10, meta_zones=6,
+                              disk_version=4))
+    async with mounted(image) as fs:
+        d = (await fs.mkdir(ROOT_INO, b"many", 0o755, CTX)).ino
+        for i in range(2000):
+            fh, _ = await fs.create(d, b"file-%05d" % i, 0o644, 0, CTX)
+            await fs.release(fh)
+        await fs.sync()
+        before = await read_tree(fs)
+    with pytest.raises(errors.InvalidArgument, match="format=5: its 2002 files and "
+                       "directories would take"):
+        async with mounted(image, options=TEST_OPTIONS.replace(convert_format=5)):
+            pass
+    with caplog.at_level(logging.WARNING, "zonefs_py"):
+        async with mounted(image, options=TEST_OPTIONS.replace(
+                convert_format=AUTO_FORMAT)) as fs:
+            assert fs.sb.disk_version == 4
+            assert await read_tree(fs) == before
+    assert [r.message for r in caplog.records if r.levelno == logging.WARNING
+            and "not converted" in r.message], caplog.records
+
+
+def read_superblock_version(image: Path) -> int:
+    dev = EmulatedZonedDevice.open(image, read_only=True)
+    try:
+        return read_superblock(dev)[0].disk_version
+    finally:
+        dev.close()
 
 
 class _ReadCounter:
@@ -399,5 +496,43 @@ async def test_a_cold_stat_from_the_index_reads_two_leaves(tmp_path: Path) -> No
         print(f"height {height}; warm stat: {counted.reads} device reads")
         assert counted.reads <= 2
         assert cold.lookup(d2, b"no-such-name") is None
+    finally:
+        dev.close()
+
+
+async def test_a_long_scan_reads_the_leaves_under_an_internal_page_at_once(
+        tmp_path: Path) -> None:
+    """fsck --no-data and a whole-namespace mount scan the tree in key order; with
+    `prefetch` the leaves under each internal page are read in device order,
+    several per read: the same entries, far fewer reads than leaves."""
+    image = tmp_path / "a.img"
+    new_image5(image, Geometry(size_bytes=256 * MiB, zone_size_bytes=1 * MiB, meta_zones=32))
+    async with mounted(image) as fs:
+        for d in range(3):
+            dino = (await fs.mkdir(ROOT_INO, b"d%d" % d, 0o755, CTX)).ino
+            fs.forget([(dino, 1)])
+            for i in range(1200):
+                await write_file(fs, f"/d{d}/s-{i:06d}", b"j" * 100, fsync=False)
+            await fs.checkpoint()
+    dev = EmulatedZonedDevice.open(image, read_only=True)
+    try:
+        rec = recover(dev)
+        assert rec.index is not None
+        assert rec.index.root_record is not None
+        counted = _ReadCounter(dev)
+        plain = NamespaceIndex(counted, rec.log, rec.index.root_record)  # type: ignore[arg-type]
+        entries = list(plain.tree.scan())
+        page_reads = counted.reads
+        counted.reads = 0
+        fast = NamespaceIndex(counted, rec.log, rec.index.root_record)  # type: ignore[arg-type]
+        assert list(fast.tree.scan(prefetch=True)) == entries
+        print(f"{len(entries)} entries: {page_reads} page reads, {counted.reads} with prefetch")
+        assert counted.reads * 4 < page_reads
+        # A zone reset drops what was read ahead of it (its pages may be rewritten).
+        zone = next(iter(fast.store.live))
+        fast.store.prefetch(list(fast.store.page_addresses(zone))[:4])
+        assert fast.store._prefetched
+        fast.store.forget_zone(zone)
+        assert not fast.store._prefetched
     finally:
         dev.close()

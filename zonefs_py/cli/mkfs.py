@@ -22,12 +22,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true",
                    help="overwrite a device that already holds data or a filesystem")
     p.add_argument("--meta-zones", type=int, default=None,
-                   help="zones for the metadata log (default: 3%% of zones, at least 4)")
+                   help="zones for the metadata log and the namespace index (default: 3%% "
+                        "of zones, at least 6 for format 5, 4 for format 4)")
     p.add_argument("--reserve", type=float, default=5.0, metavar="PERCENT",
                    help="over-provisioning kept free for the cleaner (default 5%%)")
-    p.add_argument("--format", type=int, choices=(4, 5), default=4, dest="disk_version",
-                   help="on-disk format: 4 (default), or 5: the namespace in an on-device "
-                        "index, checkpoints that write only what changed (new, opt-in)")
+    p.add_argument("--format", type=int, choices=(4, 5), default=None, dest="disk_version",
+                   help="on-disk format: 5 (the default where the device has room for 6 meta "
+                        "zones): the namespace in an on-device index, memory and checkpoints "
+                        "that do not grow with the number of files; 4: the whole namespace in "
+                        "memory and in every checkpoint (the default on smaller devices)")
     p.add_argument("--root-owner", metavar="UID:GID", type=parse_owner, default=None,
                    help="owner of the root directory (default: the user running mkfs, "
                         "as mke2fs does)")

@@ -59,7 +59,10 @@ OPTIONS_HELP = textwrap.dedent("""\
                 data block; 0 off, at most 2048, default 512),
               zone_append=auto|on|off (NVMe Zone Append through /dev/ngXnY when the
                 device has it, default auto; off: writes at the write pointer; on an
-                emulator image only "on" turns on its out-of-order append model).
+                emulator image only "on" turns on its out-of-order append model),
+              format=4|5 (a read-write mount converts a format 2-4 image to format 5,
+                the namespace index, when its meta area has room, else keeps it and logs
+                why; format=5 fails the mount instead, format=4 keeps format 4).
       daemon: {daemon}
       ignored (fstab): rw, defaults, auto, noauto, _netdev, user, users, nofail, x-*, comment=*.
       mount(8) helper only: log_file=PATH.

@@ -26,13 +26,16 @@ import enum
 DISK_VERSION = 4
 #: The oldest version this build reads (and converts at a read-write mount).
 OLDEST_DISK_VERSION = 2
-#: 5 (issue 32, opt-in: `mkfs --format 5`): the namespace (inodes with their
-#: extents, xattrs and inline bytes; directory entries) lives in a copy-on-write
-#: B+tree of pages in meta zones (zonefs_py/index, format/nsindex.py); a
-#: checkpoint writes the entries changed since the previous one and records the
-#: tree's root in a CHECKPOINT_INDEX record. Not the default yet, and not
-#: converted to: version 4 images stay version 4.
+#: 5 (issue 32): the namespace (inodes with their extents, xattrs and inline
+#: bytes; directory entries) lives in a copy-on-write B+tree of pages in meta
+#: zones (zonefs_py/index, format/nsindex.py); a checkpoint writes the entries
+#: changed since the previous one and records the tree's root in a
+#: CHECKPOINT_INDEX record. What mkfs writes where the device has room for
+#: its meta zones; a read-write mount converts a version 2-4 image to it when
+#: its meta area has room (fs/after_recovery.py), else the image stays 4.
 INDEX_DISK_VERSION = 5
+#: What mkfs writes by default (MIN_INDEX_META_ZONES permitting, else DISK_VERSION).
+MKFS_DISK_VERSION = INDEX_DISK_VERSION
 #: The newest version this build reads.
 NEWEST_DISK_VERSION = INDEX_DISK_VERSION
 #: Format 5's fewest meta zones: the log (its zone, a fresh one per checkpoint,

@@ -28,9 +28,10 @@ from zonefs_py.format.superblock import Superblock
 from zonefs_py.fs.api import ROOT_INO
 from zonefs_py.fs.reclaim import SpaceReclaim
 from zonefs_py.journal.journal import Journal
+from zonefs_py.journal.metaroom import index_budget_bytes
 from zonefs_py.journal.nsindex import NamespaceIndex
 from zonefs_py.journal.recovery import Recovered
-from zonefs_py.model.dirty import DirtySet
+from zonefs_py.model.dirty import DirtySet, inode_record
 from zonefs_py.model.lazy import InodeTable
 from zonefs_py.model.state import State
 
@@ -110,28 +111,86 @@ def _refuse_replayed_non_tree(state: State, path: str) -> None:
             cur = d.parent
 
 
+#: Index bytes per inode beyond its record (key, entry header) and per name
+#: beyond its bytes (key prefix and parent, child value, entry header), and
+#: per zone owner (format/nsindex.py, index/page.py).
+_INODE_ENTRY_BYTES = 15
+_NAME_ENTRY_BYTES = 21
+_OWNER_BYTES = 8
+#: Inode records encoded to measure a namespace's average (`estimated_index_bytes`).
+_RECORD_SAMPLE = 1024
+#: A conversion leaves at least half of format 5's file bound free.
+CONVERT_HEADROOM = 2
+
+
+def estimated_index_bytes(state: State) -> int:
+    """The page bytes a format 5 index of this (whole, eager) namespace takes:
+    every name and owner counted, the inode records from a sample of
+    _RECORD_SAMPLE encoded, pages 95% full (leaves are cut at their key
+    group's end, index/btree.py). O(inodes) over memory, no encoding beyond
+    the sample."""
+    inodes = state.inodes
+    step = max(1, len(inodes) // _RECORD_SAMPLE)
+    names = name_bytes = sampled = sample_bytes = 0
+    for n, inode in enumerate(inodes.values()):
+        if inode.entries:
+            names += len(inode.entries)
+            name_bytes += sum(map(len, inode.entries))
+        if n % step == 0:
+            sampled += 1
+            sample_bytes += len(inode_record(state, inode))
+    owners = sum(len(o) for o in state.zone_owners.values())
+    records = sample_bytes * len(inodes) // max(1, sampled)
+    total = (records + _INODE_ENTRY_BYTES * len(inodes) + name_bytes
+             + _NAME_ENTRY_BYTES * names + _OWNER_BYTES * owners)
+    return total * 20 // 19
+
+
+def index_conversion_refusal(state: State, journal: Journal) -> str | None:
+    """Why this format 2-4 image cannot become format 5 now, or None if it can.
+
+    It can when it has MIN_INDEX_META_ZONES meta zones, its index would take
+    at most 1 / CONVERT_HEADROOM of format 5's file bound (`index_budget_bytes`:
+    a meta area sized for format 4's compressed checkpoints holds fewer files
+    as format 5 pages), and the conversion's checkpoint fits beside the
+    format 4 checkpoint it replaces (which stays until the superblock moves).
+    """
+    sb = journal.sb
+    meta = sb.meta_zone_count
+    if meta < MIN_INDEX_META_ZONES:
+        return (f"this image has {meta} meta zones, format {INDEX_DISK_VERSION} needs at "
+                f"least {MIN_INDEX_META_ZONES} (its log and index share them)")
+    cap = journal.log.zone_capacity_bytes
+    need = estimated_index_bytes(state)
+    budget = index_budget_bytes(meta, cap)
+    zones = (-(-need // cap) + -(-journal.last_checkpoint_disk_bytes // cap)
+             + MIN_INDEX_META_ZONES - 3)
+    if need * CONVERT_HEADROOM > budget or zones > meta:
+        return (f"its {state.inode_count} files and directories would take "
+                f"~{need / (1 << 20):.1f} MiB of index pages, and its {meta} meta zones hold "
+                f"{budget / (1 << 20):.1f} MiB of them (a conversion leaves half of that free)")
+    return None
+
+
 async def convert_to_index(state: State, journal: Journal) -> Superblock:
-    """Convert a format 2-4 image to format 5 (mount option format=5; DESIGN.md 3.14).
+    """Convert a format 2-4 image to format 5 (DESIGN.md 3.14, "Conversion").
 
     Every inode and name is marked changed and the next checkpoint, written
     now, builds the index from them; its superblock write makes the image
     format 5. A crash before that leaves the image at its format: a torn
     checkpoint is ignored (its index zones are garbage), a complete one is
     loaded by the next mount, which then writes the format-5 superblock.
+    The caller checked `index_conversion_refusal`.
     """
-    meta = journal.sb.meta_zone_count
-    if meta < MIN_INDEX_META_ZONES:
-        raise errors.InvalidArgument(
-            f"format=5: this image has {meta} meta zones, format {INDEX_DISK_VERSION} needs "
-            f"at least {MIN_INDEX_META_ZONES} (its log and index share them); the image "
-            f"stays format {journal.sb.disk_version}")
     dirty = DirtySet()
     dirty.mark_all(state.inodes, ((d.ino, name) for d in state.inodes.values()
                                   for name in (d.entries or ())), state.zone_owners)
     journal.start_index(NamespaceIndex(journal.dev, journal.log, None), dirty)
     await journal.checkpoint()
-    log.info("converted on-disk format %d to %d: %d inodes, %d names in the index",
-             DISK_VERSION, INDEX_DISK_VERSION, len(dirty.inos), len(dirty.dirents))
+    assert journal.index is not None
+    log.info("converted on-disk format %d to %d: %d inodes, %d names in the index "
+             "(%.1f MiB of pages)", DISK_VERSION, INDEX_DISK_VERSION, len(dirty.inos),
+             len(dirty.dirents), journal.index.live_bytes() / (1 << 20))
     return journal.sb
 
 

@@ -41,9 +41,20 @@ from zonefs_py.alloc.allocator import Allocator
 from zonefs_py.cleaner.cleaner import Cleaner
 from zonefs_py.device.aread import AsyncReader
 from zonefs_py.device.base import ZonedDevice
-from zonefs_py.format.constants import C_META_BYTES, OpType
+from zonefs_py.format.constants import (
+    C_META_BYTES,
+    DISK_VERSION,
+    INDEX_DISK_VERSION,
+    MIN_INDEX_META_ZONES,
+    OpType,
+)
 from zonefs_py.format.ops import Op
-from zonefs_py.fs.after_recovery import convert_to_index, finish_recovery, refuse_non_tree
+from zonefs_py.fs.after_recovery import (
+    convert_to_index,
+    finish_recovery,
+    index_conversion_refusal,
+    refuse_non_tree,
+)
 from zonefs_py.fs.api import (
     ROOT_INO,
     Attr,
@@ -225,8 +236,24 @@ class ZoneFS(NamespaceOps, HandleOps, AttrOps, FileSystemAPI):
                                    self._txn, self.options.checkpoint_journal_bytes)
         if sb is not None:
             self.sb = sb
-        if self.options.convert_format and self.journal.index is None:
-            self.sb = await convert_to_index(self.state, self.journal)
+        target = self.options.convert_format
+        if self.journal.index is None and target != DISK_VERSION:
+            # A format 2-4 image: to format 5 unless format=4 (DESIGN.md 3.14,
+            # "Conversion"); format=5 refuses the mount when it cannot be.
+            why = index_conversion_refusal(self.state, self.journal)
+            if why is None:
+                self.sb = await convert_to_index(self.state, self.journal)
+            elif target == INDEX_DISK_VERSION:
+                raise errors.InvalidArgument(
+                    f"format=5: {why}; the image stays format {self.sb.disk_version}")
+            else:
+                # INFO when the image can never hold format 5 (its meta zones are
+                # set at mkfs), a WARNING when its namespace is what is too large.
+                level = logging.INFO if self.sb.meta_zone_count < MIN_INDEX_META_ZONES \
+                    else logging.WARNING
+                log.log(level, "%s: not converted to on-disk format %d: %s; it stays format %d "
+                        "(-o format=4 keeps it so without this message)",
+                        self.dev.info.path, INDEX_DISK_VERSION, why, self.sb.disk_version)
 
     async def serve_background(self) -> None:
         """Run periodic commits, checkpoints and zone resets until `close()`.

@@ -21,6 +21,7 @@ from zonefs_py.format.constants import (
     DISK_VERSION,
     INDEX_DISK_VERSION,
     MIN_INDEX_META_ZONES,
+    MKFS_DISK_VERSION,
     OpType,
 )
 from zonefs_py.format.ops import encode_op
@@ -43,16 +44,31 @@ def default_meta_zones(nr_seq_zones: int) -> int:
     return min(256, max(4, math.ceil(nr_seq_zones * 0.03)))
 
 
+def choose_disk_version(dev: ZonedDevice, meta_zones: int | None = None) -> int:
+    """mkfs's default format for `dev`: MKFS_DISK_VERSION (5) when the device
+    has room for its meta zones (at least MIN_INDEX_META_ZONES, besides the
+    superblock's 2 and MIN_DATA_ZONES) and `meta_zones` (if given) is no fewer,
+    else DISK_VERSION (4, whose minimum is 3 meta zones)."""
+    seq = sum(1 for z in dev.report_zones() if z.is_sequential)
+    m = meta_zones if meta_zones is not None else max(default_meta_zones(seq),
+                                                      MIN_INDEX_META_ZONES)
+    if m >= MIN_INDEX_META_ZONES and seq >= 2 + m + MIN_DATA_ZONES:
+        return MKFS_DISK_VERSION
+    return DISK_VERSION
+
+
 def make_filesystem(dev: ZonedDevice, label: bytes = b"", *, meta_zones: int | None = None,
                     reserve_percent: float = DEFAULT_RESERVE_PERCENT, force: bool = False,
                     progress: Callable[[int, int], None] | None = None,
                     root_uid: int = 0, root_gid: int = 0,
-                    disk_version: int = DISK_VERSION) -> Superblock:
+                    disk_version: int | None = None) -> Superblock:
     """Write a new empty filesystem; return its superblock.
 
-    `disk_version` is DISK_VERSION (4), or INDEX_DISK_VERSION (5): the
-    namespace in an on-device index, checkpoints that cost what changed
-    (issue 32; opt-in while it matures).
+    `disk_version` is INDEX_DISK_VERSION (5): the namespace in an on-device
+    index, checkpoints that cost what changed (issue 32); or DISK_VERSION (4):
+    the namespace in memory, whole in every checkpoint. None: 5 where the
+    device has room for its MIN_INDEX_META_ZONES meta zones (and `meta_zones`
+    asks for no fewer), else 4.
 
     The root directory (mode 755) belongs to `root_uid`:`root_gid` (the CLI
     passes the invoking user's, as mke2fs does).
@@ -60,6 +76,8 @@ def make_filesystem(dev: ZonedDevice, label: bytes = b"", *, meta_zones: int | N
     Raises errors.Exists if the device holds data and `force` is False, and
     errors.InvalidArgument if the device is too small or unsuitable.
     """
+    if disk_version is None:
+        disk_version = choose_disk_version(dev, meta_zones)
     if disk_version not in (DISK_VERSION, INDEX_DISK_VERSION):
         raise errors.InvalidArgument(
             f"mkfs writes on-disk format {DISK_VERSION} or {INDEX_DISK_VERSION}, "

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
-from zonefs_py.format.constants import INDEX_DISK_VERSION, INLINE_MAX_BYTES
+from zonefs_py.format.constants import DISK_VERSION, INDEX_DISK_VERSION, INLINE_MAX_BYTES
 
 
 def _flag(value: str) -> bool:
@@ -20,6 +20,10 @@ def _flag(value: str) -> bool:
     if value in ("0", "off", "no", "false"):
         return False
     raise ValueError(value)
+
+
+#: FsOptions.convert_format: convert to format 5 where the meta area has room.
+AUTO_FORMAT = None
 
 
 @dataclass(slots=True)
@@ -93,10 +97,15 @@ class FsOptions:
     #: Seconds a queued file waits before its upload starts (a rename into place
     #: right after the fsync+close then names the object).
     drain_delay_s: float = 1.0
-    #: On-disk format to convert the image to at this read-write mount: 5 turns a
-    #: format 2-4 image into format 5 (the namespace index, DESIGN.md 3.14); 0 (the
-    #: default) keeps the image's format. There is no conversion back to 4.
-    convert_format: int = 0
+    #: On-disk format a read-write mount converts a format 2-4 image to
+    #: (DESIGN.md 3.14, "Conversion"): 4 keeps it at format 4 (versions 2 and 3
+    #: are still brought to 4; the default of this API, for tools such as fsck
+    #: --repair); 5 converts it to format 5 (the namespace index) or refuses the
+    #: mount when it cannot; None (AUTO_FORMAT, the mount command's default):
+    #: converts to 5 when the image's meta area can hold the index with room to
+    #: grow, else keeps format 4 and logs why. No effect on a format 5 image:
+    #: there is no conversion back.
+    convert_format: int | None = 4
 
     _MOUNT_NAMES: ClassVar[dict[str, tuple[str, Callable[[str], object]]]] = {
         "commit": ("commit_interval_s", float),
@@ -138,7 +147,7 @@ class FsOptions:
 
         Raises ValueError with a one-line message for a bad value.
         """
-        result = cls()
+        result = cls(convert_format=AUTO_FORMAT)
         rest: dict[str, str | None] = {}
         for name, value in opts.items():
             if name == "ro":
@@ -177,9 +186,10 @@ class FsOptions:
                 or not 1 <= result.drain_parallel <= 64:
             raise ValueError("drain_part_mb must be 5..5120 (S3's part sizes), "
                              "drain_parts and drain_parallel 1..64")
-        if result.convert_format not in (0, INDEX_DISK_VERSION):
-            raise ValueError(f"format={result.convert_format}: an image is converted to "
-                             f"format {INDEX_DISK_VERSION} only (format=5)")
+        if result.convert_format not in (AUTO_FORMAT, DISK_VERSION, INDEX_DISK_VERSION):
+            raise ValueError(f"format={result.convert_format}: 4 keeps a format 4 image as it "
+                             f"is, 5 converts it to format {INDEX_DISK_VERSION} (the default "
+                             f"does so when its meta area has room)")
         if not result.drain_rate_reads_mb_s >= 0 or not result.drain_rate_mb_s >= 0:
             raise ValueError("drain_rate and drain_rate_reads must be 0 (no limit) or MB/s")
         return result, rest

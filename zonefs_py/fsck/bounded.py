@@ -195,7 +195,7 @@ class BoundedCheck:
         dirty = state.dirty
         assert index is not None
         assert dirty is not None
-        for key, value in index.tree.scan(DIRENT_PREFIX, OWNERS_PREFIX):
+        for key, value in index.tree.scan(DIRENT_PREFIX, OWNERS_PREFIX, prefetch=True):
             try:
                 parent, name = split_dirent_key(key)
                 child = decode_child(value)

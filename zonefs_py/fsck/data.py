@@ -197,7 +197,7 @@ def check_inv26_lazy_records(rec: Recovered, report: Report) -> None:
                    f"{missing[:_INV26_SHOWN]}")
     recorded: dict[int, set[int]] = {}
     try:
-        for key, value in index.tree.scan(OWNERS_PREFIX, END_PREFIX):
+        for key, value in index.tree.scan(OWNERS_PREFIX, END_PREFIX, prefetch=True):
             zone, _ = split_owners_key(key)
             recorded.setdefault(zone, set()).update(decode_owners(value))
     except (IndexRecordError, IndexCorrupt, CorruptionError) as exc:

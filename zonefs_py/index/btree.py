@@ -21,11 +21,11 @@ namespace index's inodes, or one directory's names), a put that inserted
 after the last key of its group in the leaf counts as at the end too: the
 leaf is cut right after the new key (when that half fits), so a group
 growing in ascending order packs its pages although the next group's keys
-share its last leaf (they halved every inode leaf before). Puts never merge. After a delete, a page whose body falls under
-a quarter of the page (an empty leaf, an internal page with one child
-included) is merged with a sibling when the two fit in one page, else the
-two are repacked evenly (a borrow). A root with one child is replaced by
-that child.
+share its last leaf (they halved every inode leaf before). Puts never
+merge. After a delete, a page whose body falls under a quarter of the page
+(an empty leaf, an internal page with one child included) is merged with a
+sibling when the two fit in one page, else the two are repacked evenly (a
+borrow). A root with one child is replaced by that child.
 
 Caveats: single-threaded and synchronous (no `await` anywhere; to be run in
 `trio.to_thread` or in small steps once wired in); a `scan` raises
@@ -177,11 +177,14 @@ class BTree:
             return page.values[i]
         return None
 
-    def scan(self, start: bytes = b"", end: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
+    def scan(self, start: bytes = b"", end: bytes | None = None, *,
+             prefetch: bool = False) -> Iterator[tuple[bytes, bytes]]:
         """Yield (key, value) for start <= key < end in key order, one leaf at a time.
 
         Holds one page per level (not the tree); raises RuntimeError if the
-        tree is changed before the scan ends.
+        tree is changed before the scan ends. `prefetch` (a long scan: mount,
+        fsck): on reaching the leaves under an internal page, a store that can
+        reads them all at once (`_prefetch`).
         """
         if self._root is None:
             return
@@ -191,6 +194,8 @@ class BTree:
         while isinstance(page, InternalPage):
             idx = bisect_right(page.keys, start)
             stack.append((page, idx))
+            if prefetch and page.level == 1:
+                self._prefetch(page.children[idx:])
             page = self._load_child(page, idx)
         i = bisect_left(page.keys, start)
         while True:
@@ -211,8 +216,17 @@ class BTree:
             page = self._load_child(parent, idx + 1)
             while isinstance(page, InternalPage):
                 stack.append((page, 0))
+                if prefetch and page.level == 1:
+                    self._prefetch(page.children)
                 page = self._load_child(page, 0)
             i = 0
+
+    def _prefetch(self, refs: list[Ref]) -> None:
+        """A scan reaches the leaves under one internal page: a store that can
+        (`prefetch`) reads those not cached at once, in device order."""
+        prefetch = getattr(self.store, "prefetch", None)
+        if prefetch is not None:
+            prefetch([r for r in refs if r >= 0 and not self.cache.holds(r)])
 
     def page_addresses(self) -> Iterator[int]:
         """Yield the address of every written page the current tree references, root first.

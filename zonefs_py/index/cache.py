@@ -54,6 +54,10 @@ class PageCache(Generic[T]):
         self._clean.move_to_end(address)
         return entry[0]
 
+    def holds(self, address: int) -> bool:
+        """Whether the clean page at `address` is cached (no hit, miss or LRU change)."""
+        return address in self._clean
+
     def put(self, address: int, page: T, size_bytes: int) -> None:
         """Insert a clean page, then evict least recently used pages down to the budget."""
         old = self._clean.pop(address, None)

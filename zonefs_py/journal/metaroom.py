@@ -52,6 +52,16 @@ DIRENT_ALLOWANCE_BYTES = 64
 DIRTY_ENTRY_BYTES = 512
 
 
+def index_budget_bytes(meta_zones: int, zone_capacity_bytes: int) -> int:
+    """Format 5's file bound: the index page bytes a meta area of `meta_zones`
+    zones holds (`MetaRoom.checkpoint_budget_bytes` in index mode): the index
+    may take SPACE_FACTOR x its live pages' zones + 2 before cleaning
+    (journal/nsindex.py), beside the log's current zone, a checkpoint's fresh
+    one and a spare; 80% of that, as admission compares an estimate."""
+    cap = zone_capacity_bytes
+    return max(cap // 4, int((meta_zones - 5) * cap / INDEX_SPACE_FACTOR)) * 4 // 5
+
+
 class MetaRoom:
     """The meta area's figures and the estimates made from them (module docstring)."""
 
@@ -139,11 +149,7 @@ class MetaRoom:
         """
         cap = self.log.zone_capacity_bytes
         if self.index_mode:
-            # Format 5: the index's live pages, with the room cleaning may leave
-            # (SPACE_FACTOR x what they fill + 2 zones, journal/nsindex.py), beside
-            # the log's current zone, a checkpoint's fresh one and a spare.
-            zones = len(self.log.zones) - 5
-            return max(cap // 4, int(zones * cap / INDEX_SPACE_FACTOR)) * 4 // 5
+            return index_budget_bytes(len(self.log.zones), cap)
         return max(1, (len(self.log.zones) - 2) // 2) * cap * 4 // 5
 
     def estimated_checkpoint_bytes(self, inodes: int) -> int:

@@ -73,6 +73,9 @@ LOAD_BATCH_RECORDS = 1024
 WRITE_BATCH_BYTES = 1 << 20
 #: Bytes read at a time while mount loads the tree (pages lie mostly in order).
 LOAD_READ_AHEAD_BYTES = 1 << 20
+#: A scan's prefetch reads pages at most this many pages apart in one read
+#: (the pages between are read and dropped).
+PREFETCH_GAP_PAGES = 8
 #: Internal pages an IndexReader pins at most (~12 KiB each decoded: ~100 MiB; a
 #: tree of 10 million small files has more than 4,096, bench/namespace_scale).
 PINNED_PAGES = 8192
@@ -121,6 +124,9 @@ class MetaPageStore:
         #: (address, bytes) read ahead last.
         self.read_ahead_bytes = 0
         self._ahead: tuple[int, bytes] = (0, b"")
+        #: Pages `prefetch` read, each served once; device reads it made.
+        self._prefetched: dict[int, bytes] = {}
+        self.prefetch_reads = 0
         #: Pages appended but not yet written, from address `_pending_at` on.
         self._pending: list[bytes] = []
         self._pending_at = 0
@@ -185,6 +191,9 @@ class MetaPageStore:
         if self._pending and address >= self._pending_at \
                 and address // self.zone_size == self._pending_at // self.zone_size:
             return self._pending[(address - self._pending_at) // ps]
+        page = self._prefetched.pop(address, None)
+        if page is not None:
+            return page
         start, ahead = self._ahead
         if start <= address and address + ps <= start + len(ahead):
             return ahead[address - start:address - start + ps]
@@ -195,6 +204,33 @@ class MetaPageStore:
         length = min(self.read_ahead_bytes, self._wp[zone] - address)
         self._ahead = (address, self.dev.read(address, length))
         return self._ahead[1][:ps]
+
+    def prefetch(self, addresses: list[int]) -> None:
+        """A scan is about to read these pages (the leaves under one internal page,
+        BTree.scan): read them now in device order, pages at most PREFETCH_GAP
+        apart in one read of at most LOAD_READ_AHEAD_BYTES, and serve `read` of
+        each once from memory. Replaces the previous prefetch; addresses outside
+        the written index are left to `read` (which refuses them)."""
+        self._write_pending()
+        ps = self.page_size_bytes
+        wanted = sorted({a for a in addresses if a % ps == 0 and a // self.zone_size in self._wp
+                         and a + ps <= self._wp[a // self.zone_size]})
+        got: dict[int, bytes] = {}
+        i = 0
+        while i < len(wanted):
+            first = last = wanted[i]
+            j = i + 1
+            while j < len(wanted) and wanted[j] - last <= PREFETCH_GAP_PAGES * ps \
+                    and wanted[j] // self.zone_size == first // self.zone_size \
+                    and wanted[j] + ps - first <= LOAD_READ_AHEAD_BYTES:
+                last = wanted[j]
+                j += 1
+            data = self.dev.read(first, last + ps - first)
+            for a in wanted[i:j]:
+                got[a] = data[a - first:a - first + ps]
+            self.prefetch_reads += 1
+            i = j
+        self._prefetched = got
 
     def preload(self, address: int, pages: int) -> None:
         """Read `pages` pages from `address` at once; reads of them are then served
@@ -207,6 +243,7 @@ class MetaPageStore:
         was read ahead."""
         self.read_ahead_bytes = nbytes
         self._ahead = (0, b"")
+        self._prefetched = {}
 
     def flush(self) -> None:
         self._write_pending()
@@ -229,9 +266,11 @@ class MetaPageStore:
         return [z for z, n in self.live.items() if n == 0 and z != self.current]
 
     def forget_zone(self, zone: int) -> None:
-        """`zone` was reset: it is no index zone any more."""
+        """`zone` was reset: it is no index zone any more (nothing read of it stays)."""
         del self.live[zone]
         del self._wp[zone]
+        self._ahead = (0, b"")
+        self._prefetched = {}
         self.zones_reset += 1
 
     def live_pages(self) -> int:
@@ -288,7 +327,7 @@ class NamespaceIndex:
         parents: list[Op] = []
         for inos, blobs in self.record_batches():
             count += self._apply_records(state, inos, blobs, parents)
-        for key, value in self.tree.scan(DIRENT_PREFIX, _END_OF_DIRENTS):
+        for key, value in self.tree.scan(DIRENT_PREFIX, _END_OF_DIRENTS, prefetch=True):
             try:
                 parent, name = split_dirent_key(key)
                 child = decode_child(value)
@@ -308,7 +347,7 @@ class NamespaceIndex:
         inos: list[int] = []
         blobs: list[bytes] = []
         part_of = -1
-        for key, value in self.tree.scan(INODE_PREFIX, DIRENT_PREFIX):
+        for key, value in self.tree.scan(INODE_PREFIX, DIRENT_PREFIX, prefetch=True):
             ino, part = _inode_key(key)
             if inos and ino == inos[-1]:
                 if part != part_of + 1:
@@ -682,6 +721,9 @@ class _PinningCache(PageCache[Page]):
             self.hits += 1
             return page
         return super().get(address)
+
+    def holds(self, address: int) -> bool:
+        return address in self.pinned or super().holds(address)
 
     def pin(self, address: int, page: Page) -> None:
         self.pinned[address] = page
