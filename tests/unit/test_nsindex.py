@@ -372,7 +372,8 @@ async def test_a_mount_converts_a_filled_format4_image_byte_exact(tmp_path: Path
     """The default mount converts a format 4 image holding sealed zones, hard
     links, xattrs, symlinks, inline and sparse files: the same tree, bytes and
     attributes after, the estimate of its index within 25% of what it took,
-    fsck clean; the next mount is lazy; format=4 would have kept it."""
+    fsck clean; the converting mount serves lazily (it mounts the converted
+    image again), and so does the next; format=4 would have kept it."""
     image = tmp_path / "a.img"
     new_image(image, Geometry(size_bytes=96 * MiB, zone_size_bytes=1 * MiB, meta_zones=8,
                               disk_version=4))
@@ -397,6 +398,8 @@ async def test_a_mount_converts_a_filled_format4_image_byte_exact(tmp_path: Path
     async with mounted(image, options=TEST_OPTIONS.replace(convert_format=AUTO_FORMAT)) as fs:
         assert fs.sb.disk_version == INDEX_DISK_VERSION
         assert fs.journal.index is not None
+        # After converting, the mount mounted the format 5 image again: lazily.
+        assert fs.state.lazy
         live = fs.journal.index.live_bytes()
         assert 0.75 * live <= estimate <= 1.25 * live, (estimate, live)
         assert await read_tree(fs) == before

@@ -202,14 +202,27 @@ class ZoneFS(NamespaceOps, HandleOps, AttrOps, FileSystemAPI):
         messages) when the device cannot be mounted.
         """
         options = options or FsOptions()
+        tasks = tasks or MountTasks()
         rec = await trio.to_thread.run_sync(functools.partial(
             recover, dev, progress=progress, inode_cache=options.inode_cache))
         refuse_non_tree(rec.state, dev.info.path)
-        fs = cls(dev, rec, options, tasks or MountTasks())
+        fs = cls(dev, rec, options, tasks)
         log.info("recovered %s: %d records, %d ops in %.2f s (torn tail: %s; journal "
                  "replayed after the checkpoint: %d bytes)", dev.info.path, rec.records,
                  rec.ops, rec.seconds, rec.scan.torn_tail, rec.journal_bytes)
-        if not options.read_only:
+        if not options.read_only and await fs.after_recovery() and options.inode_cache > 0:
+            # Converted to format 5: its format 4 replay loaded the namespace whole.
+            # Close (nothing served yet) and mount the image it now is: lazily,
+            # in bounded memory (DESIGN.md 3.14, "Conversion").
+            await fs.close()
+            if fs.data.reader is not None:
+                fs.data.reader.close()
+            del fs, rec
+            log.info("mounting the converted image again: format 5, lazily")
+            rec = await trio.to_thread.run_sync(functools.partial(
+                recover, dev, progress=progress, inode_cache=options.inode_cache))
+            refuse_non_tree(rec.state, dev.info.path)
+            fs = cls(dev, rec, options, tasks)
             await fs.after_recovery()
         if rec.index is not None and rec.index.reader is not None and fs.tasks.is_open:
             fs.tasks.start_soon(fs._pin_index_pages, rec.index.reader,
@@ -230,8 +243,9 @@ class ZoneFS(NamespaceOps, HandleOps, AttrOps, FileSystemAPI):
         log.info("namespace index: %d internal pages cached in %.2f s", pinned,
                  time.monotonic() - t0)
 
-    async def after_recovery(self) -> None:
-        """Put a recovered image in order before serving (fs/after_recovery.py)."""
+    async def after_recovery(self) -> bool:
+        """Put a recovered image in order before serving (fs/after_recovery.py);
+        return whether it converted the image to format 5."""
         sb = await finish_recovery(self.recovered, self.journal, self.alloc, self.reclaim,
                                    self._txn, self.options.checkpoint_journal_bytes)
         if sb is not None:
@@ -243,17 +257,18 @@ class ZoneFS(NamespaceOps, HandleOps, AttrOps, FileSystemAPI):
             why = index_conversion_refusal(self.state, self.journal)
             if why is None:
                 self.sb = await convert_to_index(self.state, self.journal)
-            elif target == INDEX_DISK_VERSION:
+                return True
+            if target == INDEX_DISK_VERSION:
                 raise errors.InvalidArgument(
                     f"format=5: {why}; the image stays format {self.sb.disk_version}")
-            else:
-                # INFO when the image can never hold format 5 (its meta zones are
-                # set at mkfs), a WARNING when its namespace is what is too large.
-                level = logging.INFO if self.sb.meta_zone_count < MIN_INDEX_META_ZONES \
-                    else logging.WARNING
-                log.log(level, "%s: not converted to on-disk format %d: %s; it stays format %d "
-                        "(-o format=4 keeps it so without this message)",
-                        self.dev.info.path, INDEX_DISK_VERSION, why, self.sb.disk_version)
+            # INFO when the image can never hold format 5 (its meta zones are
+            # set at mkfs), a WARNING when its namespace is what is too large.
+            level = logging.INFO if self.sb.meta_zone_count < MIN_INDEX_META_ZONES \
+                else logging.WARNING
+            log.log(level, "%s: not converted to on-disk format %d: %s; it stays format %d "
+                    "(-o format=4 keeps it so without this message)",
+                    self.dev.info.path, INDEX_DISK_VERSION, why, self.sb.disk_version)
+        return False
 
     async def serve_background(self) -> None:
         """Run periodic commits, checkpoints and zone resets until `close()`.
