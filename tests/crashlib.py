@@ -47,15 +47,15 @@ def new_image(path: Path, *, size_bytes: int = 64 * MiB, zone_size_bytes: int = 
 
 
 def fsck_report(path: Path, *, check_data: bool = True) -> Report:
-    """Run check_filesystem on a closed image, opened read-only. A format-5 image
-    found clean is also checked in bounded memory (fsck/bounded.py, what
-    `fsck --no-data` runs on it), which must find it clean too."""
+    """Run check_filesystem on a closed image, opened read-only, with the whole
+    namespace loaded. A format-5 image found clean is also checked in bounded
+    memory (fsck/bounded.py, what `zonefs-py fsck` runs on it, with the same
+    data checks), which must find it clean too."""
     dev = EmulatedZonedDevice.open(path, read_only=True)
     try:
-        report = check_filesystem(dev, check_data=check_data)
-        if report.clean and not report.fatal and check_data \
-                and read_superblock(dev)[0].has_index:
-            bounded = check_filesystem(dev, check_data=False, bounded=True)
+        report = check_filesystem(dev, check_data=check_data, bounded=False)
+        if report.clean and not report.fatal and read_superblock(dev)[0].has_index:
+            bounded = check_filesystem(dev, check_data=check_data, bounded=True)
             if not bounded.clean:
                 report.findings.extend(bounded.findings)
                 report.add("fsck", "the bounded fsck (--no-data, format 5) disagrees")

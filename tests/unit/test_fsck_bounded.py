@@ -1,6 +1,7 @@
-"""fsck --no-data of format 5 in bounded memory (fsck/bounded.py) against the
+"""fsck of format 5 in bounded memory (fsck/bounded.py) against the
 whole-namespace fsck: the same invariants broken on the same images, clean
-ones clean, with and without a journal tail, a crash and forged damage."""
+ones clean, with and without a journal tail, a crash, forged damage and
+damaged data."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from engine_helpers import (
     TEST_OPTIONS,
     Geometry,
     MiB,
+    corrupt_image,
     new_image5,
     pattern,
     resolve,
@@ -22,7 +24,7 @@ from zonefs_py.device.emulated import EmulatedZonedDevice
 from zonefs_py.format.constants import OpType
 from zonefs_py.fs.api import ROOT_INO, FallocFlags, XattrFlags
 from zonefs_py.fs.filesystem import ZoneFS
-from zonefs_py.fsck import check_filesystem
+from zonefs_py.fsck import Report, check_filesystem
 
 GEO5 = Geometry(size_bytes=64 * MiB, zone_size_bytes=512 << 10, meta_zones=24)
 
@@ -121,3 +123,53 @@ async def test_forged_damage_is_found_both_ways(tmp_path: Path) -> None:
         assert "INV-11" in whole
         assert sorted(set(whole)) == sorted(set(bounded)), (where, whole, bounded)
         assert sorted(whole) == sorted(bounded), (where, whole, bounded)
+
+
+async def test_data_checks_stream_too_and_find_what_the_whole_fsck_finds(
+        tmp_path: Path) -> None:
+    """`zonefs-py fsck` (data checked) on format 5 streams the index and checks each
+    batch's extents then: a flipped block of an unsealed zone (checksums in its
+    extent), one of a sealed zone (checksums in the summary) and a flipped
+    summary block are found, with the same findings as with the namespace
+    loaded whole; the bounded walk checked as many blocks."""
+    image = tmp_path / "a.img"
+    new_image5(image, GEO5)
+    dev = EmulatedZonedDevice.open(image)
+    try:
+        async with ZoneFS.mount(dev, TEST_OPTIONS) as fs:
+            await populate(fs)
+            await write_file(fs, "/big", pattern(9, 3 << 20))  # fills and seals zones
+            await write_file(fs, "/small", pattern(10, 40000))
+            await fs.data.sealer.wait_idle()
+            await fs.journal.checkpoint()
+            big = fs.state.inodes[await resolve(fs, "/big")].extents
+            small = fs.state.inodes[await resolve(fs, "/small")].extents
+            assert big is not None
+            assert small is not None
+            sealed = [e for e in big if e.csums is None]
+            assert len(sealed) >= 2
+            unsealed = next(e for e in small if e.csums is not None)
+            seals = dict(fs.state.zone_seals)
+    finally:
+        dev.close()
+    clean_whole = check(image, bounded=False)
+    clean_bounded = check(image, bounded=True)
+    assert clean_whole.findings == clean_bounded.findings == []
+    assert clean_whole.data_blocks_checked == clean_bounded.data_blocks_checked > 0
+    corrupt_image(image, unsealed.dev + 4096 + 3)
+    corrupt_image(image, sealed[0].dev + 7)
+    zone = sealed[1].dev // GEO5.zone_size_bytes
+    corrupt_image(image, zone * GEO5.zone_size_bytes + seals[zone][1] * 4096 + 40)
+    whole = check(image, bounded=False)
+    bounded = check(image, bounded=True)
+    found = sorted(f"{f.invariant}: {f.message}" for f in whole.findings)
+    assert {f.invariant for f in whole.findings} == {"INV-12", "INV-23"}, found
+    assert sorted(f"{f.invariant}: {f.message}" for f in bounded.findings) == found
+
+
+def check(image: Path, *, bounded: bool) -> Report:
+    dev = EmulatedZonedDevice.open(image, read_only=True)
+    try:
+        return check_filesystem(dev, check_data=True, bounded=bounded)
+    finally:
+        dev.close()

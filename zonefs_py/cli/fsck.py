@@ -22,9 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("device", help="zoned block device or emulator image (not mounted)")
     p.add_argument("--repair", action="store_true", help="fix what can be fixed safely")
     p.add_argument("--no-data", action="store_true",
-                   help="skip reading every data block to verify its checksum (on a "
-                   "format 5 image, also streams the namespace index in bounded memory "
-                   "instead of loading it)")
+                   help="skip reading every data block to verify its checksum (a format 5 "
+                   "image's namespace index is streamed in bounded memory either way)")
     p.add_argument("--quiet", "-q", action="store_true", help="print only problems")
     p.set_defaults(func=run)
 

@@ -52,9 +52,9 @@ def check_filesystem(dev: ZonedDevice, *, check_data: bool = True,
     """Run every check; never raises for damage (it becomes a Finding).
 
     `bounded`: stream a format-5 image's namespace index instead of loading
-    it (fsck/bounded.py: memory no longer grows ~1 KiB per file); None
-    (default): when the image is format 5 and data is not checked (--no-data).
-    Data checks (INV-12) load the namespace."""
+    it (fsck/bounded.py: memory no longer grows ~1 KiB per file), data checks
+    (INV-12) a batch of inodes at a time; None (default): when the image is
+    format 5. False: load it whole (the tests compare the two)."""
     report = Report()
     try:
         sb, _store = read_superblock(dev)
@@ -67,11 +67,11 @@ def check_filesystem(dev: ZonedDevice, *, check_data: bool = True,
         report.fatal = True
         return report
     if bounded is None:
-        bounded = sb.has_index and not check_data
+        bounded = sb.has_index
     try:
         rec = recover(dev, progress=(lambda done, total: progress("replaying the log", done,
                                                                    total)) if progress else None,
-                      inode_cache=BOUNDED_INODE_CACHE if bounded and not check_data else 0)
+                      inode_cache=BOUNDED_INODE_CACHE if bounded else 0)
     except errors.CorruptionError as exc:
         report.add("INV-3", str(exc), repairable=True)
         report.fatal = True
@@ -80,10 +80,10 @@ def check_filesystem(dev: ZonedDevice, *, check_data: bool = True,
     state = rec.state
     if state.lazy:
         check_inv2_layout(sb, zones, report)
-        check_bounded(sb, rec, zones, report, progress)
+        check_bounded(sb, rec, zones, report, progress, dev if check_data else None)
         check_inv21_drain_records(state, report)
         check_inv24_reservations(sb, state, zones, report)
-        check_inv23_zone_summaries(dev, state, zones, report, read=True)
+        check_inv23_zone_summaries(dev, state, zones, report, read=not check_data)
         check_inv25_namespace_index(range(sb.meta_first_zone, sb.meta_first_zone
                                           + sb.meta_zone_count), rec, report)
         return report

@@ -1,9 +1,9 @@
-"""fsck --no-data of a format-5 image in bounded memory (issue 32, DESIGN.md 3.15).
+"""fsck of a format-5 image in bounded memory (issue 32, DESIGN.md 3.15).
 
 The checks of fsck/metadata.py walk a State holding the whole namespace:
 ~1 KiB per file, 10 GiB at ten million. For a SELF_CONTAINED format-5 image
-`check_filesystem(check_data=False)` mounts lazily instead (the head, the
-root, the journal tail) and streams the namespace index:
+`check_filesystem` mounts lazily instead (the head, the root, the journal
+tail) and streams the namespace index:
 
 1. inode records in key order (1 MiB device reads), decoded a batch of
    1,024 at a time into a scratch State and checked per inode (INV-4, 5,
@@ -12,7 +12,9 @@ root, the journal tail) and streams the namespace index:
    by inode number, 5 bytes an inode), the stream and extents per data zone
    (INV-6 live counts, INV-9, the zone owner lists of INV-26), directories'
    parent fields. Inodes the journal tail changed are taken from memory
-   instead of their records;
+   instead of their records. With data checks, each batch's extents are
+   read and verified then (INV-12, `DataCheck`: zone by zone in device
+   order within the batch, the last 16 zone summaries kept);
 2. directory entries in key order (the changed ones from memory): names
    per inode, subdirectories per directory, the directory tree (INV-11);
 3. per data zone: extents overlapping only as the shared-block map says
@@ -29,7 +31,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterator
 
-from zonefs_py.device.base import Zone
+from zonefs_py.device.base import Zone, ZonedDevice
 from zonefs_py.format.constants import ROOT_INO
 from zonefs_py.format.nsindex import (
     DIRENT_PREFIX,
@@ -39,6 +41,7 @@ from zonefs_py.format.nsindex import (
     split_dirent_key,
 )
 from zonefs_py.format.superblock import Superblock
+from zonefs_py.fsck.data import DataCheck, extents_by_zone
 from zonefs_py.fsck.metadata import (
     _merged,
     _shared_spans,
@@ -79,8 +82,11 @@ class BoundedCheck:
     """The streaming checks of one lazily recovered format-5 image (module docstring)."""
 
     def __init__(self, sb: Superblock, rec: Recovered, zones: dict[int, Zone],
-                 report: Report, progress: Progress | None = None) -> None:
+                 report: Report, progress: Progress | None = None,
+                 data: DataCheck | None = None) -> None:
         self.sb = sb
+        #: INV-12 per batch (fsck with data checks), or None (--no-data).
+        self.data = data
         self.rec = rec
         self.state = rec.state
         self.zones = zones
@@ -114,6 +120,8 @@ class BoundedCheck:
         check_inv5_extents_sorted(proxy, report)  # type: ignore[arg-type]
         check_inv13_file_types(proxy, report)  # type: ignore[arg-type]
         check_inv22_inline_data(proxy, report)  # type: ignore[arg-type]
+        if self.data is not None:
+            self.data.check(extents_by_zone(inodes.values(), state.zone_size))
         zsize = state.zone_size
         bs = state.block_size
         pinning = state.resident_xattrs
@@ -163,7 +171,7 @@ class BoundedCheck:
             scratch.install([op for op in checked_records(inos, blobs)
                              if not dirty.changed_ino(op[1])])
             self._batch(scratch.inodes)
-            if self.progress:
+            if self.progress and self.data is None:
                 self.progress("inodes", self.inodes, state.inode_count)
         # What the journal tail changed is in memory (a changed inode absent: freed).
         self._batch({ino: inode for ino, inode in dict.items(state.inodes)
@@ -337,10 +345,13 @@ class BoundedCheck:
 
 
 def check_bounded(sb: Superblock, rec: Recovered, zones: dict[int, Zone], report: Report,
-                  progress: Progress | None = None) -> None:
-    """Run the streaming checks (module docstring); damage met in the tree is an
-    INV-25 finding (the walk stops there)."""
-    check = BoundedCheck(sb, rec, zones, report, progress)
+                  progress: Progress | None = None, dev: ZonedDevice | None = None) -> None:
+    """Run the streaming checks (module docstring), with `dev` the data checks
+    too; damage met in the tree is an INV-25 finding (the walk stops there)."""
+    state = rec.state
+    data = None if dev is None else DataCheck(dev, state, report, progress,
+                                              state.live_blocks_total)
+    check = BoundedCheck(sb, rec, zones, report, progress, data)
     index = rec.index
     assert index is not None
     index.store.set_read_ahead(LOAD_READ_AHEAD_BYTES)

@@ -3,7 +3,8 @@ the namespace index of format 5 (INV-25)."""
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
 
 from zonefs_py.device.base import Zone, ZonedDevice
 from zonefs_py.errors import CorruptionError
@@ -20,6 +21,7 @@ from zonefs_py.fsck.report import Progress, Report
 from zonefs_py.index.errors import IndexCorrupt
 from zonefs_py.journal.recovery import Recovered
 from zonefs_py.model.extents import Extent
+from zonefs_py.model.inode import Inode
 from zonefs_py.model.state import State
 
 
@@ -83,50 +85,97 @@ def check_inv12_data_checksums(dev: ZonedDevice, rec: Recovered, report: Report,
     """INV-12: every stored data block matches its checksum (from the extent, or
     from the zone's summary for a sealed zone: INV-23 findings for damaged ones)."""
     state = rec.state
-    bs = state.block_size
-    zsize = state.zone_size
+    by_zone = extents_by_zone(state.inodes.values(), state.zone_size)
+    total = sum(e.nblocks for exts in by_zone.values() for _, e in exts)
+    DataCheck(dev, state, report, progress, total).check(by_zone)
+
+
+def extents_by_zone(inodes: Iterable[Inode], zone_size: int
+                    ) -> dict[int, list[tuple[int, Extent]]]:
+    """(inode, extent) pairs of `inodes` per data zone."""
     by_zone: dict[int, list[tuple[int, Extent]]] = {}
-    for inode in state.inodes.values():
+    for inode in inodes:
         if inode.extents is not None:
             for e in inode.extents:
-                by_zone.setdefault(e.dev // zsize, []).append((inode.ino, e))
-    total = sum(e.nblocks for exts in by_zone.values() for _, e in exts)
-    done = 0
-    step = 1 << 24
-    for zone in sorted(by_zone):
-        summary: list[bytes | None] | None = None
-        if zone in state.zone_seals:
-            summary = _check_summary_blocks(dev, state, zone, report)
-        for ino, e in sorted(by_zone[zone], key=lambda x: x[1].dev):
-            for off in range(0, e.nblocks * bs, step):
-                n = min(step, e.nblocks * bs - off)
-                first = off // bs
-                nb = n // bs
-                if e.csums is not None:
-                    csums: bytes | None = e.csums[first * 4:(first + nb) * 4]
-                else:
-                    rel = (e.dev - zone * zsize) // bs + first
-                    csums = _summary_checksums(summary, bs, rel, nb)
-                if csums is None:
-                    report.add("INV-12", f"inode {ino}: no intact summary checksums for "
-                               f"file offsets {(e.fblock + first) * bs} to "
-                               f"{(e.fblock + first + nb) * bs}")
-                    done += nb
-                    continue
-                try:
-                    data = dev.read(e.dev + off, n)
-                except OSError as exc:
-                    report.add("INV-12", f"inode {ino}: read error at file offset "
-                               f"{e.fblock * bs + off}: {exc}")
-                    continue
-                bad = first_bad_block(data, bs, csums)
-                if bad is not None:
-                    report.add("INV-12", f"inode {ino}: checksum mismatch at file offset "
-                               f"{(e.fblock + first + bad) * bs}")
-                done += nb
-                report.data_blocks_checked += nb
-                if progress:
-                    progress("data", done, total)
+                by_zone.setdefault(e.dev // zone_size, []).append((inode.ino, e))
+    return by_zone
+
+
+class DataCheck:
+    """INV-12 over extents given a zone's worth at a time (`check`): all of them at
+    once (a loaded namespace), or a batch of inodes at a time (fsck/bounded.py).
+    A sealed zone's summary is read once for its first extents, its INV-23
+    findings reported then; SUMMARIES_KEPT summaries stay for later batches."""
+
+    SUMMARIES_KEPT = 16
+
+    def __init__(self, dev: ZonedDevice, state: State, report: Report,
+                 progress: Progress | None, total_blocks: int) -> None:
+        self.dev = dev
+        self.state = state
+        self.report = report
+        self.progress = progress
+        self.total = total_blocks
+        self.done = 0
+        self._summaries: OrderedDict[int, list[bytes | None] | None] = OrderedDict()
+        self._summaries_read: set[int] = set()
+
+    def _summary(self, zone: int) -> list[bytes | None] | None:
+        if zone in self._summaries:
+            self._summaries.move_to_end(zone)
+            return self._summaries[zone]
+        if zone in self._summaries_read:  # reported once already
+            summary = read_zone_summary(self.dev, self.state, zone)
+        else:
+            self._summaries_read.add(zone)
+            summary = _check_summary_blocks(self.dev, self.state, zone, self.report)
+        self._summaries[zone] = summary
+        while len(self._summaries) > self.SUMMARIES_KEPT:
+            self._summaries.popitem(last=False)
+        return summary
+
+    def check(self, by_zone: dict[int, list[tuple[int, Extent]]]) -> None:
+        """Read and verify these extents, zone by zone in device order."""
+        state = self.state
+        report = self.report
+        dev = self.dev
+        bs = state.block_size
+        zsize = state.zone_size
+        step = 1 << 24
+        for zone in sorted(by_zone):
+            summary: list[bytes | None] | None = None
+            if zone in state.zone_seals:
+                summary = self._summary(zone)
+            for ino, e in sorted(by_zone[zone], key=lambda x: x[1].dev):
+                for off in range(0, e.nblocks * bs, step):
+                    n = min(step, e.nblocks * bs - off)
+                    first = off // bs
+                    nb = n // bs
+                    if e.csums is not None:
+                        csums: bytes | None = e.csums[first * 4:(first + nb) * 4]
+                    else:
+                        rel = (e.dev - zone * zsize) // bs + first
+                        csums = _summary_checksums(summary, bs, rel, nb)
+                    if csums is None:
+                        report.add("INV-12", f"inode {ino}: no intact summary checksums for "
+                                   f"file offsets {(e.fblock + first) * bs} to "
+                                   f"{(e.fblock + first + nb) * bs}")
+                        self.done += nb
+                        continue
+                    try:
+                        data = dev.read(e.dev + off, n)
+                    except OSError as exc:
+                        report.add("INV-12", f"inode {ino}: read error at file offset "
+                                   f"{e.fblock * bs + off}: {exc}")
+                        continue
+                    bad = first_bad_block(data, bs, csums)
+                    if bad is not None:
+                        report.add("INV-12", f"inode {ino}: checksum mismatch at file offset "
+                                   f"{(e.fblock + first + bad) * bs}")
+                    self.done += nb
+                    report.data_blocks_checked += nb
+                    if self.progress:
+                        self.progress("data", self.done, max(self.total, self.done))
 
 
 def _summary_checksums(summary: list[bytes | None] | None, block_size: int, rel: int,
