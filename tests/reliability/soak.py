@@ -167,6 +167,7 @@ def reader(idx: int, root: Path, stop: threading.Event, fig: Figures) -> None:
 
 def zones_summary(st: dict[str, object]) -> dict[str, object]:
     return {"zones_by_condition": st.get("zones_by_condition"),
+            "data_zones_by_condition": st.get("data_zones_by_condition"),
             "space": {k: v for k, v in (st.get("space") or {}).items()  # type: ignore[union-attr]
                       if k in ("live_bytes", "dead_bytes", "free_bytes", "dead_zones")}}
 

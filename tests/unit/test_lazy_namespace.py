@@ -288,3 +288,47 @@ async def test_trim_waits_while_every_inode_must_stay(tmp_path: Path) -> None:
         assert t._next_trim_at > len(t)
         await fs.journal.checkpoint()  # publishes them: evictable, and trimmed
         assert len(t) <= 50
+
+
+@pytest.mark.expect_log("zonefs_py", "ERROR", "")
+async def test_a_zone_owner_list_that_cannot_be_read_fails_the_write_not_the_mount(
+        tmp_path: Path) -> None:
+    """An EXTENT applied on a lazy mount reads its zone's owner list from the index
+    if it is not in memory. CI's slow crash stress met a power cut there: the
+    read's IOFailure left `State.apply` half done and ended the mount's task
+    group. Now the owners are read before anything changes, and the write
+    pipeline takes a failed read as the chunk's error: the file's fsync gets
+    EIO, the State is as it was, the mount goes on."""
+    image = tmp_path / "a.img"
+    new_image5(image, GEO5)
+    async with mounted(image) as fs:
+        await write_file(fs, "/a", pattern(1, 300_000))
+    async with mounted(image, options=TINY_CACHE, fsck_after=False) as fs:
+        ino = await resolve(fs, "/a")
+        inode = fs.state.inodes[ino]
+        extents = list(inode.extents or ())
+        zone = extents[0].dev // fs.state.zone_size
+        live = dict(fs.state.zone_live_blocks)
+        owners = fs.state.zone_owners
+        assert dict.get(owners, zone) is None  # cold: in the index only
+
+        def unreadable(zone: int) -> list[int]:
+            raise errors.IOFailure(f"owners of zone {zone}: simulated read error")
+
+        reader = owners.reader
+        real = reader.zone_owners
+        reader.zone_owners = unreadable
+        try:
+            op = (nsindex.OpType.EXTENT, ino, 1000, 1, extents[0].dev, bytes(4))
+            with pytest.raises(errors.IOFailure):
+                fs.state.apply(op)
+            assert list(inode.extents or ()) == extents
+            assert fs.state.zone_live_blocks == live
+            with pytest.raises(errors.IOFailure):
+                await write_file(fs, "/b", pattern(2, 200_000))
+        finally:
+            reader.zone_owners = real
+        assert fs.failsafe is None
+        await write_file(fs, "/c", pattern(3, 200_000))
+        assert await read_file(fs, "/c") == pattern(3, 200_000)
+        assert await read_file(fs, "/a") == pattern(1, 300_000)

@@ -215,7 +215,8 @@ def last_daemon_lines(mountpoint: str) -> list[str]:
 # -- rendering ----------------------------------------------------------------------------
 
 #: Sections shown first, in this order; the rest follow alphabetically.
-SECTION_ORDER = ("device", "filesystem", "zones_by_condition", "zones_by_role", "zones",
+SECTION_ORDER = ("device", "filesystem", "zones_by_condition", "data_zones_by_condition",
+                 "zones_by_role", "zones",
                  "space", "streams", "journal", "cleaner", "wear", "daemon")
 #: Legend of the engine's one-character-per-zone map.
 ZONE_MAP_LEGEND = ("S superblock, M/m metadata (used/empty), . empty data, d/D data "

@@ -45,6 +45,33 @@ async def fault_in(state: State, entries: LazyEntries, name: bytes) -> None:
         log.debug("reading ahead %r in directory %d: %s", name, entries.ino, exc)
 
 
+async def warm_zone_owners(state: State, zones: set[int]) -> None:
+    """Read into the index cache, in a worker thread, the owner lists of the data
+    zones an EXTENT op is about to be applied to whose lists are not in memory
+    (a write into a zone written before the mount; `State._apply_extent`)."""
+    table = state.inodes
+    if not isinstance(table, InodeTable):
+        return
+    owners = state.zone_owners
+    dirty = state.dirty
+    cold = [z for z in zones if dict.get(owners, z) is None
+            and not (dirty is not None and dirty.changed_zone(z))]
+    if not cold:
+        return
+    table.thread_reads += 1
+    reader = table.reader
+
+    def read() -> None:
+        for zone in cold:
+            reader.zone_owners(zone)
+
+    try:
+        await trio.to_thread.run_sync(read)
+    except (errors.IOFailure, errors.CorruptionError) as exc:
+        # Only a read-ahead: the apply's own read meets the error (apply_placed).
+        log.debug("reading ahead the owners of zones %s: %s", cold, exc)
+
+
 async def warm_zone(state: State, zone: int) -> None:
     """Read into the index cache, in a worker thread, the owner list of data zone
     `zone` and its owners' records (the cleaner's `live_pieces`, a zone's seal)."""

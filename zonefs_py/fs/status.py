@@ -122,6 +122,9 @@ def build_status(fs: StatusSource) -> dict[str, object]:
                        "disk_version": fs.sb.disk_version},
         "namespace": _namespace(fs),
         "zones_by_condition": dict(sorted(by_cond.items())),
+        # Data zones only (meta zones fill too: the log, format 5's index pages).
+        "data_zones_by_condition": dict(sorted(Counter(
+            z.cond.name for z in zones if roles[z.index] is ZoneRole.DATA).items())),
         "zones_by_role": dict(Counter(r.name.lower() for r in roles.values())),
         "space": {"capacity_bytes": total, "reserve_bytes": fs.alloc.reserve_bytes,
                   "live_bytes": live, "free_bytes": fs.alloc.free_bytes(),

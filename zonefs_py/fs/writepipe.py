@@ -42,6 +42,7 @@ from zonefs_py.format.checksum import block_checksums
 from zonefs_py.format.constants import C_DATA_BYTES, C_STREAM_BASE, FLAG_STREAM_SET, OpType, Stream
 from zonefs_py.format.ops import Op
 from zonefs_py.fs.append_order import AppendOrder
+from zonefs_py.fs.lazyio import warm_zone_owners
 from zonefs_py.fs.tasks import MountTasks
 from zonefs_py.fs.writestate import Chunk, FileWrites
 from zonefs_py.fs.zonesums import ZoneSealer
@@ -163,12 +164,17 @@ class WritePipeline:
             placed = []
         if self._landing_hook is not None:
             await self._landing_hook()
+        if placed and self.state.lazy:
+            await warm_zone_owners(self.state, {z for _op, z in placed if z != NO_ZONE})
         if chunk.prev is not None:
             await chunk.prev.applied.wait()
         try:
             # Always account the placed pieces (their zones' in-flight marks), even
             # when the file was deleted meanwhile: then they are garbage, not leaks.
-            ops = self.apply_placed(inode, placed)
+            try:
+                ops = self.apply_placed(inode, placed)
+            except (errors.IOFailure, errors.CorruptionError) as exc:
+                error = exc  # nothing was applied; the pieces were given back
             if error is None and inode.ino in self.state.inodes:
                 times = {"mtime": chunk.mtime, "ctime": chunk.mtime} if chunk.mtime else {}
                 op = inode.op(size=max(inode.size, chunk.logical_end), flags=inode.flags,
@@ -395,7 +401,21 @@ class WritePipeline:
                 self.alloc.append_done(zone, ok=True)
 
     def apply_placed(self, inode: Inode, placed: list[tuple[Op, int]]) -> list[Op]:
-        """Apply placed EXTENT ops (never awaits) and release their zones' in-flight marks."""
+        """Apply placed EXTENT ops (never awaits) and release their zones' in-flight marks.
+
+        On a lazy mount (format 5) each zone's owner list must be in memory before
+        an EXTENT into it applies: they are faulted in first (`warm_placed` read
+        them ahead in a worker thread), and one that cannot be read raises
+        IOFailure or CorruptionError before anything is applied; the pieces are
+        given back then (garbage), as for a failed write.
+        """
+        try:
+            for _op, zone in placed:
+                if zone != NO_ZONE:
+                    self.state.zone_owners.get(zone)
+        except (errors.IOFailure, errors.CorruptionError):
+            self.discard_placed(placed)
+            raise
         ops: list[Op] = []
         for op, zone in placed:
             if inode.ino in self.state.inodes:

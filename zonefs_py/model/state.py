@@ -419,6 +419,9 @@ class State:
         elif csums is None:
             raise StateError(f"EXTENT of inode {ino} at {dev} without checksums in "
                              f"zone {zone}, which is not sealed")
+        # A lazy State may read the zone's owners from the index: before anything
+        # changes, so that a read that fails leaves the State as it was.
+        owners = None if self._installing else self.zone_owners.get(zone)
         if inode.extents is EMPTY_EXTENTS:
             inode.extents = ExtentMap()
         # A file's bytes are inline or in blocks, never both: the writer that
@@ -435,7 +438,6 @@ class State:
                                      self.zone_size)
         self.zone_live_blocks[zone] = self.zone_live_blocks.get(zone, 0) + nblocks
         self.live_blocks_total += nblocks
-        owners = self.zone_owners.get(zone)
         if owners is None:
             owners = self.zone_owners[zone] = set()
         if inode.ino not in owners:
