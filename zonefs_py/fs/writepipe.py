@@ -404,10 +404,11 @@ class WritePipeline:
         """Apply placed EXTENT ops (never awaits) and release their zones' in-flight marks.
 
         On a lazy mount (format 5) each zone's owner list must be in memory before
-        an EXTENT into it applies: they are faulted in first (`warm_placed` read
-        them ahead in a worker thread), and one that cannot be read raises
-        IOFailure or CorruptionError before anything is applied; the pieces are
-        given back then (garbage), as for a failed write.
+        an EXTENT into it applies: they are faulted in first (`_write_chunk_now`
+        read them ahead in a worker thread, `lazyio.warm_zone_owners`), and one
+        that cannot be read raises IOFailure or CorruptionError before anything
+        is applied; the pieces are given back then (garbage), as for a failed
+        write.
         """
         try:
             for _op, zone in placed:
