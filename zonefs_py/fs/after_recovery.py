@@ -185,12 +185,13 @@ async def convert_to_index(state: State, journal: Journal) -> Superblock:
     dirty = DirtySet()
     dirty.mark_all(state.inodes, ((d.ino, name) for d in state.inodes.values()
                                   for name in (d.entries or ())), state.zone_owners)
+    inodes, names = len(dirty.inos), len(dirty.dirents)  # (the checkpoint takes them)
     journal.start_index(NamespaceIndex(journal.dev, journal.log, None), dirty)
     await journal.checkpoint()
     assert journal.index is not None
     log.info("converted on-disk format %d to %d: %d inodes, %d names in the index "
-             "(%.1f MiB of pages)", DISK_VERSION, INDEX_DISK_VERSION, len(dirty.inos),
-             len(dirty.dirents), journal.index.live_bytes() / (1 << 20))
+             "(%.1f MiB of pages)", DISK_VERSION, INDEX_DISK_VERSION, inodes, names,
+             journal.index.live_bytes() / (1 << 20))
     return journal.sb
 
 
