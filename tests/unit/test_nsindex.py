@@ -30,6 +30,7 @@ from engine_helpers import (
 from zonefs_py import errors
 from zonefs_py.device.emulated import EmulatedZonedDevice
 from zonefs_py.format.constants import INDEX_DISK_VERSION
+from zonefs_py.fs import after_recovery
 from zonefs_py.fs.after_recovery import estimated_index_bytes
 from zonefs_py.fs.api import ROOT_INO, RenameFlags, XattrFlags
 from zonefs_py.fs.filesystem import ZoneFS
@@ -539,3 +540,25 @@ async def test_a_long_scan_reads_the_leaves_under_an_internal_page_at_once(
         assert not fast.store._prefetched
     finally:
         dev.close()
+
+
+@pytest.mark.expect_log("zonefs_py.fs.filesystem", "WARNING", "not converted to on-disk format 5")
+async def test_a_conversion_that_would_not_fit_in_memory_is_not_started(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The conversion holds its pages until its commit (~2.5 x the index): with
+    less memory available the default mount keeps format 4 and says why, and
+    format=5 refuses, rather than be killed half way."""
+    image = tmp_path / "a.img"
+    new_image(image, Geometry(meta_zones=8, disk_version=4))
+    async with mounted(image) as fs:
+        await populate(fs, random.Random(8), dirs=2, files=10)
+    monkeypatch.setattr(after_recovery, "memory_available_bytes", lambda: 1024)
+    with pytest.raises(errors.InvalidArgument, match="MiB of memory more, and 0 MiB"):
+        async with mounted(image, options=TEST_OPTIONS.replace(convert_format=5)):
+            pass
+    async with mounted(image, options=TEST_OPTIONS.replace(convert_format=AUTO_FORMAT)) as fs:
+        assert fs.sb.disk_version == 4
+    monkeypatch.undo()
+    assert after_recovery.memory_available_bytes() is not None  # this machine has /proc
+    async with mounted(image, options=TEST_OPTIONS.replace(convert_format=AUTO_FORMAT)) as fs:
+        assert fs.sb.disk_version == INDEX_DISK_VERSION

@@ -121,6 +121,23 @@ _OWNER_BYTES = 8
 _RECORD_SAMPLE = 1024
 #: A conversion leaves at least half of format 5's file bound free.
 CONVERT_HEADROOM = 2
+#: Memory a conversion takes beyond the namespace already loaded, per byte of
+#: index pages: the checkpoint holds every page it writes, decoded and encoded,
+#: until its commit (measured: 1.7 GiB peak with 767 MiB loaded for 422 MiB of
+#: pages at a million files, bench/results/2026-12-05-issue32-default).
+CONVERT_MEMORY_PER_PAGE_BYTE = 2.5
+
+
+def memory_available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (None where there is none)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def estimated_index_bytes(state: State) -> int:
@@ -152,8 +169,11 @@ def index_conversion_refusal(state: State, journal: Journal) -> str | None:
     It can when it has MIN_INDEX_META_ZONES meta zones, its index would take
     at most 1 / CONVERT_HEADROOM of format 5's file bound (`index_budget_bytes`:
     a meta area sized for format 4's compressed checkpoints holds fewer files
-    as format 5 pages), and the conversion's checkpoint fits beside the
-    format 4 checkpoint it replaces (which stays until the superblock moves).
+    as format 5 pages), the conversion's checkpoint fits beside the format 4
+    checkpoint it replaces (which stays until the superblock moves), and the
+    memory it takes (CONVERT_MEMORY_PER_PAGE_BYTE) is available: a mount that
+    ran out of memory half way would leave the image at format 4 (a crash of
+    the conversion loses nothing) but not mounted.
     """
     sb = journal.sb
     meta = sb.meta_zone_count
@@ -169,6 +189,11 @@ def index_conversion_refusal(state: State, journal: Journal) -> str | None:
         return (f"its {state.inode_count} files and directories would take "
                 f"~{need / (1 << 20):.1f} MiB of index pages, and its {meta} meta zones hold "
                 f"{budget / (1 << 20):.1f} MiB of them (a conversion leaves half of that free)")
+    memory = int(need * CONVERT_MEMORY_PER_PAGE_BYTE)
+    available = memory_available_bytes()
+    if available is not None and memory > available:
+        return (f"converting its {state.inode_count} files and directories takes ~"
+                f"{memory >> 20} MiB of memory more, and {available >> 20} MiB are available")
     return None
 
 
