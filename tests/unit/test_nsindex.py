@@ -464,18 +464,28 @@ class _ReadCounter:
         return self.dev.read(offset_bytes, length_bytes)
 
 
+async def dirs_of_files(tmp_path: Path, dirs: int, files: int, name: str, size: int, *,
+                        checkpoint: bool = False) -> Path:
+    """A format-5 image of `dirs` directories of `files` files of `size` bytes
+    named by `name` (a format string), each directory checkpointed with `checkpoint`."""
+    image = tmp_path / "a.img"
+    new_image5(image, Geometry(size_bytes=256 * MiB, zone_size_bytes=1 * MiB, meta_zones=32))
+    async with mounted(image) as fs:
+        for d in range(dirs):
+            dino = (await fs.mkdir(ROOT_INO, b"d%d" % d, 0o755, CTX)).ino
+            fs.forget([(dino, 1)])
+            for i in range(files):
+                await write_file(fs, f"/d{d}/{name.format(i)}", b"j" * size, fsync=False)
+            if checkpoint:
+                await fs.checkpoint()
+    return image
+
+
 async def test_a_cold_stat_from_the_index_reads_two_leaves(tmp_path: Path) -> None:
     """What lazy loading will ask of the tree: a name and an inode's record, from
     a cold cache: one page per level; with the internal pages cached (a few
     pages even at millions of files), one leaf each."""
-    image = tmp_path / "a.img"
-    new_image5(image, Geometry(size_bytes=256 * MiB, zone_size_bytes=1 * MiB, meta_zones=32))
-    async with mounted(image) as fs:
-        for d in range(4):
-            dino = (await fs.mkdir(ROOT_INO, b"d%d" % d, 0o755, CTX)).ino
-            fs.forget([(dino, 1)])
-            for i in range(1500):
-                await write_file(fs, f"/d{d}/sample-{i:06d}.jpg", b"j" * 300, fsync=False)
+    image = await dirs_of_files(tmp_path, 4, 1500, "sample-{:06d}.jpg", 300)
     dev = EmulatedZonedDevice.open(image, read_only=True)
     try:
         rec = recover(dev)
@@ -509,15 +519,7 @@ async def test_a_long_scan_reads_the_leaves_under_an_internal_page_at_once(
     """fsck --no-data and a whole-namespace mount scan the tree in key order; with
     `prefetch` the leaves under each internal page are read in device order,
     several per read: the same entries, far fewer reads than leaves."""
-    image = tmp_path / "a.img"
-    new_image5(image, Geometry(size_bytes=256 * MiB, zone_size_bytes=1 * MiB, meta_zones=32))
-    async with mounted(image) as fs:
-        for d in range(3):
-            dino = (await fs.mkdir(ROOT_INO, b"d%d" % d, 0o755, CTX)).ino
-            fs.forget([(dino, 1)])
-            for i in range(1200):
-                await write_file(fs, f"/d{d}/s-{i:06d}", b"j" * 100, fsync=False)
-            await fs.checkpoint()
+    image = await dirs_of_files(tmp_path, 3, 1200, "s-{:06d}", 100, checkpoint=True)
     dev = EmulatedZonedDevice.open(image, read_only=True)
     try:
         rec = recover(dev)

@@ -203,27 +203,25 @@ class ZoneFS(NamespaceOps, HandleOps, AttrOps, FileSystemAPI):
         """
         options = options or FsOptions()
         tasks = tasks or MountTasks()
-        rec = await trio.to_thread.run_sync(functools.partial(
-            recover, dev, progress=progress, inode_cache=options.inode_cache))
-        refuse_non_tree(rec.state, dev.info.path)
-        fs = cls(dev, rec, options, tasks)
-        log.info("recovered %s: %d records, %d ops in %.2f s (torn tail: %s; journal "
-                 "replayed after the checkpoint: %d bytes)", dev.info.path, rec.records,
-                 rec.ops, rec.seconds, rec.scan.torn_tail, rec.journal_bytes)
-        if not options.read_only and await fs.after_recovery() and options.inode_cache > 0:
+        while True:
+            rec = await trio.to_thread.run_sync(functools.partial(
+                recover, dev, progress=progress, inode_cache=options.inode_cache))
+            refuse_non_tree(rec.state, dev.info.path)
+            fs = cls(dev, rec, options, tasks)
+            log.info("recovered %s: %d records, %d ops in %.2f s (torn tail: %s; journal "
+                     "replayed after the checkpoint: %d bytes)", dev.info.path, rec.records,
+                     rec.ops, rec.seconds, rec.scan.torn_tail, rec.journal_bytes)
+            if options.read_only or not await fs.after_recovery() \
+                    or options.inode_cache == 0:
+                break
             # Converted to format 5: its format 4 replay loaded the namespace whole.
-            # Close (nothing served yet) and mount the image it now is: lazily,
-            # in bounded memory (DESIGN.md 3.14, "Conversion").
+            # Close (nothing served yet) and mount the image it now is: lazily, in
+            # bounded memory (DESIGN.md 3.14, "Conversion"); it converts no more.
             await fs.close()
             if fs.data.reader is not None:
                 fs.data.reader.close()
             del fs, rec
             log.info("mounting the converted image again: format 5, lazily")
-            rec = await trio.to_thread.run_sync(functools.partial(
-                recover, dev, progress=progress, inode_cache=options.inode_cache))
-            refuse_non_tree(rec.state, dev.info.path)
-            fs = cls(dev, rec, options, tasks)
-            await fs.after_recovery()
         if rec.index is not None and rec.index.reader is not None and fs.tasks.is_open:
             fs.tasks.start_soon(fs._pin_index_pages, rec.index.reader,
                                 name="zonefs-index-pin")

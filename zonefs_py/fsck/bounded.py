@@ -34,11 +34,7 @@ from collections.abc import Iterator
 from zonefs_py.device.base import Zone, ZonedDevice
 from zonefs_py.format.constants import ROOT_INO
 from zonefs_py.format.nsindex import (
-    DIRENT_PREFIX,
-    OWNERS_PREFIX,
     IndexRecordError,
-    decode_child,
-    split_dirent_key,
 )
 from zonefs_py.format.superblock import Superblock
 from zonefs_py.fsck.data import DataCheck, extents_by_zone
@@ -203,12 +199,7 @@ class BoundedCheck:
         dirty = state.dirty
         assert index is not None
         assert dirty is not None
-        for key, value in index.tree.scan(DIRENT_PREFIX, OWNERS_PREFIX, prefetch=True):
-            try:
-                parent, name = split_dirent_key(key)
-                child = decode_child(value)
-            except IndexRecordError as exc:
-                raise IndexCorrupt(0, str(exc)) from None
+        for parent, name, child in index.dirents():
             if not dirty.changed_dirent((parent, name)):
                 self._name(parent, child, name)
         changed = dirty.dirents | dirty.inflight_dirents

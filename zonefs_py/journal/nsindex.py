@@ -327,18 +327,25 @@ class NamespaceIndex:
         parents: list[Op] = []
         for inos, blobs in self.record_batches():
             count += self._apply_records(state, inos, blobs, parents)
-        for key, value in self.tree.scan(DIRENT_PREFIX, _END_OF_DIRENTS, prefetch=True):
-            try:
-                parent, name = split_dirent_key(key)
-                child = decode_child(value)
-            except IndexRecordError as exc:
-                raise IndexCorrupt(0, str(exc)) from None
+        for parent, name, child in self.dirents():
             state.apply((OpType.DIRENT_ADD, parent, child, name))
             count += 1
         # A file of several names: its record says which directory is its primary
         # parent (the names above gave it the last one in key order).
         state.apply_all(parents)
         return count
+
+    def dirents(self) -> Iterator[tuple[int, bytes, int]]:
+        """The tree's directory entries in key order: (parent, name, child), for the
+        mount's load and the bounded fsck. Raises IndexCorrupt for one that does
+        not decode."""
+        for key, value in self.tree.scan(DIRENT_PREFIX, _END_OF_DIRENTS, prefetch=True):
+            try:
+                parent, name = split_dirent_key(key)
+                child = decode_child(value)
+            except IndexRecordError as exc:
+                raise IndexCorrupt(0, str(exc)) from None
+            yield parent, name, child
 
     def record_batches(self) -> Iterator[tuple[list[int], list[bytes]]]:
         """The tree's inode records in key order, LOAD_BATCH_RECORDS at a time:
