@@ -46,9 +46,10 @@ async def fault_in(state: State, entries: LazyEntries, name: bytes) -> None:
 
 
 async def warm_zone_owners(state: State, zones: set[int]) -> None:
-    """Read into the index cache, in a worker thread, the owner lists of the data
-    zones an EXTENT op is about to be applied to whose lists are not in memory
-    (a write into a zone written before the mount; `State._apply_extent`)."""
+    """Bring into memory the owner lists of the data zones an EXTENT op is about to
+    be applied to (`State._apply_extent`; a zone the tree holds as it is, after
+    a checkpoint published it): from the index's cached pages at once, else
+    their pages read in a worker thread."""
     table = state.inodes
     if not isinstance(table, InodeTable):
         return
@@ -58,8 +59,17 @@ async def warm_zone_owners(state: State, zones: set[int]) -> None:
             and not (dirty is not None and dirty.changed_zone(z))]
     if not cold:
         return
-    table.thread_reads += 1
     reader = table.reader
+    try:
+        with reader.cached_only():  # type: ignore[attr-defined]
+            for zone in cold:
+                owners.get(zone)  # in memory from the cached pages: no thread
+        return
+    except NotCached:
+        pass
+    except (errors.IOFailure, errors.CorruptionError):
+        return  # the apply's own read meets the error (apply_placed)
+    table.thread_reads += 1
 
     def read() -> None:
         for zone in cold:
