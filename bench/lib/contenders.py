@@ -44,6 +44,8 @@ class Contender:
     is_filesystem = True
     #: Workloads this contender cannot run, with the reason.
     unsupported: dict[str, str] = {}
+    #: External programs it runs to set up and tear down (bench/lib/tools.py).
+    tools: tuple[str, ...] = ()
 
     def __init__(self, work_dir: Path) -> None:
         self.work_dir = work_dir / self.key
@@ -183,6 +185,8 @@ class FuseServer:
 class _Served(Contender):
     """A contender served by FuseServer processes: their CPU is counted."""
 
+    tools = ("fusermount3",)
+
     def __init__(self, work_dir: Path) -> None:
         super().__init__(work_dir)
         self._server: FuseServer | None = None
@@ -249,9 +253,10 @@ class Ext4Loop(Contender):
 
     key = "ext4"
     label = "ext4 on loop device"
+    tools = ("losetup", "mkfs.ext4", "mount", "umount")
 
     def unavailable_reason(self) -> str | None:
-        for tool in ("losetup", "mkfs.ext4", "mount", "umount"):
+        for tool in self.tools:
             if shutil.which(tool) is None:
                 return f"{tool} not installed"
         if os.geteuid() != 0:
@@ -293,6 +298,7 @@ class PassthroughPeer(_Served, Ext4Loop):
 
     key = "peer"
     label = "Python FUSE peer (pyfuse3 passthrough over ext4/loop)"
+    tools = _Served.tools + Ext4Loop.tools
 
     @contextmanager
     def mounted(self, size_bytes: int) -> Iterator[None]:

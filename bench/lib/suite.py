@@ -9,6 +9,7 @@ contender whose setup fails in the first repetition is dropped for the rest.
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
 import traceback
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import profile, torch_jobs, workloads
+from . import profile, torch_jobs, tree, workloads
 from .contenders import Contender
 from .util import BenchError, summarize
 from .workloads import Config, SkipWorkload
@@ -33,26 +34,30 @@ class Workload:
     func: Callable[[Contender, Config], dict[str, object]]
     primary: str
     higher_is_better: bool = True
+    #: External programs it runs (bench/lib/tools.py checks them before a run).
+    tools: tuple[str, ...] = ()
 
+
+_FIO = ("fio",)
 
 WORKLOADS: tuple[Workload, ...] = (
     Workload("seq_write", "checkpoint write: fio seq write 1 MiB + fsync", workloads.seq_write,
-             "MiB/s"),
+             "MiB/s", tools=_FIO),
     Workload("seq_read", "checkpoint restore: fio seq read 1 MiB, cold", workloads.seq_read,
-             "MiB/s"),
+             "MiB/s", tools=_FIO),
     Workload("randread_4k_qd1", "dataset: 4 KiB random read QD1", workloads.make_randread(
-        "4k", 1), "IOPS"),
+        "4k", 1), "IOPS", tools=_FIO),
     Workload("randread_4k_qd16", "dataset: 4 KiB random read QD16",
-             workloads.make_randread("4k", 16), "IOPS"),
+             workloads.make_randread("4k", 16), "IOPS", tools=_FIO),
     Workload("randread_128k_qd1", "dataset: 128 KiB random read QD1",
-             workloads.make_randread("128k", 1), "MiB/s"),
+             workloads.make_randread("128k", 1), "MiB/s", tools=_FIO),
     Workload("randread_128k_qd16", "dataset: 128 KiB random read QD16",
-             workloads.make_randread("128k", 16), "MiB/s"),
+             workloads.make_randread("128k", 16), "MiB/s", tools=_FIO),
     Workload("contention", "contention: 4 KiB QD16 read p99 during checkpoint write",
-             workloads.contention, "busy_p99_us", higher_is_better=False),
+             workloads.contention, "busy_p99_us", higher_is_better=False, tools=_FIO),
     Workload("contention_paced", "contention: paced 4 KiB reader (half of zonefs-py's QD16 "
              "IOPS), p99 during checkpoint write", workloads.contention_paced, "busy_p99_us",
-             higher_is_better=False),
+             higher_is_better=False, tools=_FIO),
     Workload("torch_save", "checkpoint write: torch.save via temp + fsync + rename",
              torch_jobs.torch_save, "MiB/s"),
     Workload("torch_load", "checkpoint restore: torch.load, cold", torch_jobs.torch_load,
@@ -65,7 +70,7 @@ WORKLOADS: tuple[Workload, ...] = (
     Workload("meta_stat", "metadata: stat small files, cold", workloads.meta_stat, "ops/s"),
     Workload("meta_unlink", "metadata: unlink small files", workloads.meta_unlink, "ops/s"),
     *(Workload(f"tree_{step}", f"dataset tree: {title}", workloads.make_tree_workload(step),
-               "files/s") for step, title in (
+               "files/s", tools=tree.STEP_TOOLS[step]) for step, title in (
         ("untar", "tar -xf of the tree (+ sync)"), ("cp_a", "cp -a of the tree (+ sync)"),
         ("find_stat", "find | xargs stat, warm"), ("du", "du -s, warm"),
         ("rsync", "rsync -a from local disk (+ sync)"),
@@ -122,7 +127,9 @@ def _run_one(workload: Workload, contender: Contender, cfg: Config) -> dict[str,
             figures["_profiles"] = [str(g) for g in graphs]
     except SkipWorkload as exc:
         return {"_skipped": str(exc)}
-    except (BenchError, OSError, RuntimeError, ValueError) as exc:
+    except (BenchError, OSError, RuntimeError, ValueError, subprocess.SubprocessError) as exc:
+        # (a tree_* step's shell command failing is a CalledProcessError: this
+        # workload's error, not the end of the run)
         log(f"  {workload.name} on {contender.key} FAILED: {exc}")
         return {"_error": f"{type(exc).__name__}: {exc}"[:500],
                 "_traceback": traceback.format_exc(limit=4)[-1500:]}

@@ -135,6 +135,17 @@ def steps(root: Path, archive: Path, source: Path) -> list[tuple[str, str, int]]
     ]
 
 
+#: Programs each step runs. make_source unpacks the source tree with tar, a step run
+#: alone unpacks the tree it works on first, rm_rf makes the copies it removes.
+STEP_TOOLS: dict[str, tuple[str, ...]] = {
+    "untar": ("tar", "mkdir"),
+    "cp_a": ("tar", "mkdir", "cp"),
+    "find_stat": ("tar", "mkdir", "find", "xargs", "stat"),
+    "du": ("tar", "mkdir", "du"),
+    "rsync": ("tar", "rsync"),
+    "rm_rf": ("tar", "mkdir", "cp", "rsync", "rm"),
+}
+
 #: Workloads that write and so end with a sync; warm ones get an untimed pass first.
 SYNCED = {"untar", "cp_a", "rsync", "rm_rf"}
 WARMED = {"find_stat", "du"}

@@ -1,4 +1,4 @@
-"""Fixtures for tests on real zoned devices (inside ../shared/run-in-guest.sh): null_blk,
+"""Fixtures for tests on real zoned devices (in the QEMU guest of tests/guest/run): null_blk,
 and QEMU's zoned NVMe namespaces through the nvme driver (`nvme_factory`, below).
 
 `zdev_factory` has the signature of the emulator's fixture in
@@ -31,7 +31,7 @@ import pytest
 from zonefs_py.device.base import ZonedDevice
 
 HELPER_PATH = Path(__file__).resolve().parents[2] / "mount_helpers" / "nullblk"
-SKIP_REASON = "needs a zoned block device: run in the guest (../shared/run-in-guest.sh)"
+SKIP_REASON = "needs a zoned block device: run in the QEMU guest (bash tests/guest/run)"
 _names = itertools.count()
 
 
@@ -145,7 +145,7 @@ def zdev_factory(nullblk_factory: NullBlkFactory) -> Callable[..., ZonedDevice]:
 # ---------------------------------------------------------------- NVMe ZNS (QEMU)
 #
 # tests/guest/run attaches QEMU zoned NVMe namespaces (the kernel's nvme driver):
-#   serial zonefs0 (../shared/run-in-guest.sh's GUEST_NVME_ZNS), namespace 1:
+#   serial zonefs0 (tests/guest/qemu-run's GUEST_NVME_ZNS), namespace 1:
 #       64 x 16 MiB zones, capacity 12 MiB, max open / active 14 -- the filesystem tests;
 #   serial zonefs-contract, namespace 1: 16 x 4 MiB zones, capacity 3 MiB, max open 2,
 #       max active 3 (the contract suite's `dev`); namespace 2: 16 x 4 MiB, no limits.

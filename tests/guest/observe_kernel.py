@@ -6,8 +6,7 @@ mmap-aligned buffers) so that its findings do not depend on zonefs-py's own
 code. The output is a Markdown table for docs/kernel-zoned-behaviour.md.
 
 usage (from the checkout root, on the host):
-  ../shared/run-in-guest.sh -- /root/.pyenv/versions/3.11.7/bin/python3 \
-      tests/guest/observe_kernel.py
+  GUEST_MEM=2G tests/guest/qemu-run -- .venv/bin/python tests/guest/observe_kernel.py
 """
 
 from __future__ import annotations
