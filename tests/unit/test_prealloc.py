@@ -11,6 +11,7 @@ import random
 from pathlib import Path
 
 import pytest
+import trio
 from engine_helpers import CTX, MiB, mounted, pattern
 
 from zonefs_py import errors
@@ -159,6 +160,36 @@ async def test_writes_into_a_full_reservation_in_any_order(tmp_path: Path) -> No
             await fs.write(other, 0, pattern(5, 2 * BS))
         await fs.release(fh)
         await fs.release(other)
+
+
+async def test_concurrent_writes_cannot_together_take_more_than_is_free(
+        tmp_path: Path) -> None:
+    """Issue 42 item 6: two write requests of one file, each fitting the free space
+    alone but not together. The second passed its space check while the first sat
+    on the file's lock with its bytes not yet buffered, and both were taken (how
+    much the device was overcommitted depended on the interleaving: bench/fallocate
+    got ENOSPC under load and none on reruns). Now the second is refused."""
+    async with mounted(tmp_path / "a.img", create=True) as fs:
+        fh, _ = await new_file(fs, b"a")
+        free = fs.alloc.user_capacity_bytes() - fs.falloc.used_bytes()
+        half = (free // 2 // BS + 1) * BS  # one fits, two do not
+        outcomes: list[str] = []
+
+        async def write_at(offset: int) -> None:
+            try:
+                await fs.write(fh, offset, pattern(offset, half))
+                outcomes.append("ok")
+            except errors.NoSpace:
+                outcomes.append("ENOSPC")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(write_at, 0)
+            nursery.start_soon(write_at, half)
+        assert sorted(outcomes) == ["ENOSPC", "ok"]
+        assert fs.data.writes.admitted_bytes == 0
+        await fs.fsync(fh, False)
+        assert fs.falloc.used_bytes() <= fs.alloc.user_capacity_bytes()
+        await fs.release(fh)
 
 
 async def test_punch_hole_makes_holes_dead_at_once_and_zeroes_the_edges(

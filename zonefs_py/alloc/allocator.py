@@ -111,7 +111,8 @@ class Allocator:
     """Hands out space in data zones; see the module docstring."""
 
     def __init__(self, info: DeviceInfo, sb: Superblock, state: State, zones: list[Zone],
-                 journal: AppendJournal, private_head_bytes: int | None = None) -> None:
+                 journal: AppendJournal, private_head_bytes: int | None = None,
+                 lent_zones: set[int] | frozenset[int] = frozenset()) -> None:
         self.info = info
         self.journal = journal
         self.state = state
@@ -122,8 +123,19 @@ class Allocator:
         #: older format) but that are not FULL on the device: finished at mount so
         #: they give back their active-zone tokens (`finish_at_mount`).
         self.finish_at_mount: list[int] = []
+        #: Data zones lent to the namespace index (format 6): out of the data zones'
+        #: use (capacity, heads, cleaning) until given back (`zone_returned`).
+        #: At mount: the zones the loaded index lists with live pages.
+        self.lent: dict[int, DataZone] = {}
+        #: Space taken from users (the engine's `Fallocator.used_bytes`): lending
+        #: never takes what users were promised. None: live data only.
+        self.used_bytes_fn: Callable[[], int] | None = None
         for z in zones:
             if not (sb.data_first_zone <= z.index < sb.data_first_zone + sb.data_zone_count):
+                continue
+            if z.index in lent_zones:
+                self.lent[z.index] = DataZone(z.index, z.start_bytes, 0, 0,
+                                              zone_capacity=z.capacity_bytes)
                 continue
             stream, _flags, resets = state.zone_info.get(z.index, (Stream.DEFAULT, 0, 0))
             cap_blocks = z.capacity_bytes // bs
@@ -494,6 +506,57 @@ class Allocator:
         op = (OpType.ZONE_STATE, zone_idx, Stream.DEFAULT, 0, dz.resets)
         self.state.apply(op)
         journal_ops.append(op)
+
+    # -- zones lent to the namespace index (format 6; journal.metaroom.ZoneLender) ----
+    def lendable_zones(self) -> int:
+        """Empty zones the index may borrow: beyond the cleaner's reserve and one
+        spare, and no more than the free space users were promised allows (a
+        lent zone's capacity leaves `user_capacity_bytes`)."""
+        cap = max((z.capacity for z in self.zones.values()), default=0)
+        if not cap:
+            return 0
+        used = self.used_bytes_fn() if self.used_bytes_fn is not None \
+            else self.live_total_bytes()
+        spare = (self.user_capacity_bytes() - used) // cap
+        return max(0, min(len(self.empty_zones()) - self.reserve_zones - 1, spare))
+
+    def lend_zones(self, count: int) -> list[int]:
+        """Take up to `count` empty zones out of data use for the index (the most
+        worn last); memory only: they become index zones once a durable
+        CHECKPOINT_INDEX lists them, and a lent zone left empty is given back."""
+        n = min(count, self.lendable_zones())
+        if n <= 0:
+            return []
+        chosen = sorted(self.empty_zones(), key=lambda z: (z.resets, -z.idx))[:n]
+        for dz in chosen:
+            self.lent[dz.idx] = self.zones.pop(dz.idx)
+        self._total_capacity = None
+        return [dz.idx for dz in chosen]
+
+    def take_back_zones(self, zones: list[int]) -> None:
+        """Lent zones the index did not write (still empty) are data zones again."""
+        for zone in zones:
+            self.zones[zone] = self.lent.pop(zone)
+        self._total_capacity = None
+
+    def zone_returned(self, zone: int) -> None:
+        """A lent zone was reset (the index no longer uses it): a data zone again."""
+        dz = self.lent.pop(zone)
+        dz.reserved = 0
+        dz.sealed = False
+        dz.resets += 1
+        dz.capacity = self._data_capacity(dz.zone_capacity)
+        self.zones[zone] = dz
+        self._total_capacity = None
+
+    def _data_capacity(self, zone_capacity: int) -> int:
+        bs = self.block_size
+        cap_blocks = zone_capacity // bs
+        return (cap_blocks - room_blocks(cap_blocks, bs)) * bs
+
+    def lent_bytes(self) -> int:
+        """Capacity of the data zones lent to the index (stat: the meta area's share)."""
+        return sum(dz.zone_capacity for dz in self.lent.values())
 
     def wear(self) -> dict[str, float]:
         counts = [z.resets for z in self.zones.values()]

@@ -36,8 +36,16 @@ OLDEST_DISK_VERSION = 2
 INDEX_DISK_VERSION = 5
 #: What mkfs writes by default (MIN_INDEX_META_ZONES permitting, else DISK_VERSION).
 MKFS_DISK_VERSION = INDEX_DISK_VERSION
+#: 6 (issue 42): the namespace index may keep its pages in data zones lent to it
+#: when the meta zones run short (a CHECKPOINT_INDEX may list zones of the data
+#: range; such a zone is no data zone while it is listed with live pages, and goes
+#: back to the data zones by a reset). No other byte changes: a version 5 image is
+#: a valid version 6 image, and the journal rewrites the superblock as 6 before it
+#: first lends a data zone to the index (`Journal._lend_index_zones`), so that a
+#: build reading only 5 never sees index pages in what it takes for data zones.
+LENDING_DISK_VERSION = 6
 #: The newest version this build reads.
-NEWEST_DISK_VERSION = INDEX_DISK_VERSION
+NEWEST_DISK_VERSION = LENDING_DISK_VERSION
 #: Format 5's fewest meta zones: the log (its zone, a fresh one per checkpoint,
 #: one kept for a mount after a crash) and the index (its zone, one it may move
 #: to, cleaning room) share them.

@@ -280,7 +280,12 @@ async def finish_recovery(rec: Recovered, journal: Journal, alloc: Allocator,
         unused = sorted(((rec.index_zones_seen - set(store.live)) | set(store.empty_zones()))
                         - chain)
         if unused:
-            await trio.to_thread.run_sync(journal.log.reset_zones, unused)
+            # A data zone lent to the index (format 6) and no longer used by it is
+            # not reset here: the allocator, which no longer counts it lent, finds
+            # it written with no live data and resets it as a dead data zone below.
+            meta = set(journal.log.zones)
+            await trio.to_thread.run_sync(journal.log.reset_zones,
+                                          [z for z in unused if z in meta])
             for zone in unused:
                 if zone in store.live:
                     store.forget_zone(zone)

@@ -45,7 +45,7 @@ from zonefs_py.fs.qos import ReadLatencyController
 from zonefs_py.fs.readpath import ReadPath
 from zonefs_py.fs.tasks import MountTasks
 from zonefs_py.fs.writepipe import WritePipeline
-from zonefs_py.fs.writestate import Chunk, FileWrites, WriteBuffer
+from zonefs_py.fs.writestate import Admitted, Chunk, FileWrites, WriteBuffer
 from zonefs_py.fs.zonesums import SumCache, ZoneSealer
 from zonefs_py.journal.journal import Journal
 from zonefs_py.model.state import Inode, State
@@ -163,7 +163,11 @@ class DataPath:
         self.counters[key] = self.counters.get(key, 0) + n
 
     # -- write -----------------------------------------------------------------------
-    async def write(self, inode: Inode, offset: int, data: bytes) -> int:
+    async def write(self, inode: Inode, offset: int, data: bytes,
+                    admitted: Admitted | None = None) -> int:
+        """Buffer (or send as a chunk) `data` at `offset`; `admitted`, the space
+        the caller's check counted for it, is settled where the bytes join
+        `pending_bytes`, with no await between (FileWrites.admit)."""
         async with self.lock(inode.ino):
             buf = self.buffers.get(inode.ino)
             if buf is not None and not buf.start <= offset <= buf.end:
@@ -177,6 +181,8 @@ class DataPath:
                 # buffer (2 MiB of memcpy per MiB, on the trio thread).
                 if buf is not None:
                     self.writes.drop_buffer(inode.ino)
+                if admitted is not None:
+                    admitted.settle()  # queue_chunk counts the chunk before any await
                 self._count(C_USER_BYTES, len(data))
                 await self.pipe.queue_chunk(inode, offset // self.bs,
                                         data if isinstance(data, bytes) else bytes(data),
@@ -193,6 +199,8 @@ class DataPath:
                     buf.data += await self.reads.read_locked(inode, start, offset - start)
                 self.buffers[inode.ino] = buf
                 self.writes.buffered_delta(len(buf.data))
+            if admitted is not None:
+                admitted.settle()
             rel = offset - buf.start
             before = len(buf.data)
             if rel == before:

@@ -117,7 +117,14 @@ class ZoneFS(NamespaceOps, HandleOps, AttrOps, FileSystemAPI):
                                checkpoint_disk_bytes=rec.checkpoint_disk_bytes,
                                index=rec.index)
         # The allocator tells the journal of every append it accounts (INV-7).
-        self.alloc = Allocator(dev.info, rec.sb, self.state, dev.report_zones(), self.journal)
+        lent = frozenset(rec.index.store.data_zones()) if rec.index is not None else frozenset()
+        self.alloc = Allocator(dev.info, rec.sb, self.state, dev.report_zones(), self.journal,
+                               lent_zones=lent)
+        # Format 6: the index borrows empty data zones when the meta zones run short
+        # (DESIGN.md 3.14 "Meta area"); never space users were promised.
+        self.alloc.used_bytes_fn = lambda: self.falloc.used_bytes()
+        if rec.index is not None and not options.read_only:
+            self.journal.zone_lender = self.alloc
         self.state.subscribe(zone_emptied=self.alloc.zone_emptied)
         reader = (AsyncReader(dev, tasks, self.read_limiter, options.sqpoll_ms)
                   if options.io_uring and tasks.is_open else None)

@@ -178,11 +178,17 @@ class HandleOps:
             over = self.falloc.used_bytes() + grow - self.alloc.user_capacity_bytes()
             if over > 0 and not await self.drain.relieve_space(over):
                 raise errors.NoSpace("the live data would not fit on the device")
-        self.drain.on_write(inode)
-        if inode.inline:
-            await self.inline.convert(inode)
-        t0 = time.perf_counter_ns()
-        n = await self.data.write(inode, offset, data)
+        # From the check (no await since) until the bytes are pending: counted as
+        # used, so that a concurrent request's check sees them (FileWrites.admit).
+        admitted = self.data.writes.admit(max(0, grow))
+        try:
+            self.drain.on_write(inode)
+            if inode.inline:
+                await self.inline.convert(inode)
+            t0 = time.perf_counter_ns()
+            n = await self.data.write(inode, offset, data, admitted)
+        finally:
+            admitted.settle()
         self.write_latency.record(time.perf_counter_ns() - t0)
         self.quota.count_written(inode, n)
         if self.journal.pending_bytes > (4 << 20):

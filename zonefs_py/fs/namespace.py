@@ -109,6 +109,13 @@ class NamespaceOps:
             n = self.state.inode_count + 1
         if j.estimated_checkpoint_bytes(n) <= budget:
             return
+        if not self._meta_full_logged and j.zone_lender is not None:
+            self._meta_full_logged = True
+            log.warning("the metadata area is full: %d files and directories, index ~%d "
+                        "bytes of the %d its %d meta zones and %d data zones (lent to it "
+                        "or free) hold; new names get ENOSPC until files are deleted",
+                        n - 1, j.estimated_checkpoint_bytes(n - 1), budget,
+                        len(j.log.zones), j.lent_zone_room())
         if not self._meta_full_logged:
             self._meta_full_logged = True
             log.warning("the metadata area is full: %d files and directories, checkpoint "

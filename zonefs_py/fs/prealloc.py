@@ -103,14 +103,15 @@ class Fallocator:
         """Space taken from users (statfs, every admission check): live data, bytes
         accepted and not yet placed, and held blocks, each byte once.
 
-        A write into held blocks is pending until its chunk lands and maps them
-        (then their charge moves from held to live): until then its bytes are
-        both pending and held, and are counted once. Without this, a file being
+        Write requests admitted and not yet buffered count too
+        (`FileWrites.admit`). A write into held blocks is pending until its chunk
+        lands and maps them (then their charge moves from held to live): until
+        then its bytes are both pending and held, and are counted once. Without this, a file being
         written into its reservation made the device look fuller by what it
         had buffered, and near full its own writes got ENOSPC (INV-24).
         """
         used = (self.fs.alloc.live_total_bytes() + self.data.pending_bytes()
-                + self.held_total_bytes())
+                + self.data.writes.admitted_bytes + self.held_total_bytes())
         pre = self.state.prealloc
         if not pre.ranges:
             return used

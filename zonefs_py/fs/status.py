@@ -162,6 +162,14 @@ def build_status(fs: StatusSource) -> dict[str, object]:
                     "durable_txn": fs.journal.durable_txn, "added_txn": fs.journal.added_txn,
                     "meta_zones_free": fs.journal.log.free_zone_count(),
                     "meta_zones": fs.sb.meta_zone_count,
+                    # Format 6: data zones lent to the namespace index, and the
+                    # metadata area's share of the device (meta zones + lent).
+                    "data_zones_lent_to_index": len(fs.alloc.lent),
+                    "meta_area_bytes": (fs.sb.meta_zone_count * fs.sb.zone_size
+                                        + fs.alloc.lent_bytes()),
+                    "meta_area_share": round((fs.sb.meta_zone_count * fs.sb.zone_size
+                                              + fs.alloc.lent_bytes())
+                                             / max(1, fs.sb.nr_zones * fs.sb.zone_size), 4),
                     "broken": fs.journal.broken},
         "latency": {"read": fs.read_latency.summary(), "write": fs.write_latency.summary()},
         "read_qos": fs.data.qos.status(),

@@ -67,6 +67,22 @@ class Chunk:
         self.applied = trio.Event()
 
 
+class Admitted:
+    """Bytes of one write request counted in `FileWrites.admitted_bytes` until
+    `settle` (called, without an await before it, where the request's bytes join
+    the buffer or the chunks in flight; and again, harmlessly, when it ends)."""
+
+    __slots__ = ("_writes", "_nbytes")
+
+    def __init__(self, writes: FileWrites, nbytes: int) -> None:
+        self._writes = writes
+        self._nbytes = nbytes
+
+    def settle(self) -> None:
+        self._writes.admitted_bytes -= self._nbytes
+        self._nbytes = 0
+
+
 class FileWrites:
     """The write state of every file (see the module docstring)."""
 
@@ -79,6 +95,10 @@ class FileWrites:
         #: Bytes in `buffers` and in the chunks of `inflight` (pending_bytes).
         self._buffered = 0
         self._inflight_bytes = 0
+        #: Bytes of write requests admitted (the space check passed) that are not in
+        #: `buffers` or `inflight` yet: the request is parked on the file's lock, a
+        #: flush, or an inline conversion (`Admitted`; counted by `used_bytes`).
+        self.admitted_bytes = 0
         #: Unfinished write requests per file: arrival number -> None, and the
         #: event set (and replaced) whenever one of them finishes.
         self._arrivals: dict[int, tuple[dict[int, None], list[trio.Event]]] = {}
@@ -148,6 +168,19 @@ class FileWrites:
     def has_state(self, ino: int) -> bool:
         """Whether the file has buffered or in-flight data (then reads take its lock)."""
         return ino in self.buffers or ino in self.inflight
+
+    def admit(self, nbytes: int) -> Admitted:
+        """Count `nbytes` of a write request as taken from the free space from its
+        space check until its bytes are counted in `pending_bytes` (`Admitted.settle`).
+
+        Without it, concurrent write requests (the kernel sends up to its
+        background limit of WRITEs at once, and a file's are served one at a
+        time under its lock) each passed the check against the same free space
+        while the others waited on the lock, and together took more than there
+        was; how much more depended on the interleaving (issue 42, item 6).
+        """
+        self.admitted_bytes += nbytes
+        return Admitted(self, nbytes)
 
     def pending_bytes(self) -> int:
         """File bytes accepted but not yet placed on the device (O(1))."""

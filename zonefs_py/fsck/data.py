@@ -10,6 +10,7 @@ from zonefs_py.device.base import Zone, ZonedDevice
 from zonefs_py.errors import CorruptionError
 from zonefs_py.format import zonesum
 from zonefs_py.format.checksum import first_bad_block
+from zonefs_py.format.constants import LENDING_DISK_VERSION
 from zonefs_py.format.nsindex import (
     END_PREFIX,
     OWNERS_PREFIX,
@@ -209,9 +210,17 @@ def check_inv25_namespace_index(sb_meta: range, rec: Recovered, report: Report) 
     except CorruptionError as exc:
         report.add("INV-25", f"namespace index: {exc}")
         return
+    sb = rec.sb
+    # Format 6: data zones lent to the index hold its pages too, and no live data.
+    lending = sb.disk_version >= LENDING_DISK_VERSION
+    data_zones = range(sb.data_first_zone, sb.data_first_zone + sb.data_zone_count)
     for zone in sorted(counts):
-        if zone not in sb_meta or zone not in index.store.live:
+        if (zone not in sb_meta and not (lending and zone in data_zones)) \
+                or zone not in index.store.live:
             report.add("INV-25", f"index pages in zone {zone}, which is no index zone")
+        elif zone in data_zones and rec.state.zone_live_blocks.get(zone):
+            report.add("INV-25", f"data zone {zone} lent to the index holds live data "
+                       f"({rec.state.zone_live_blocks[zone]} blocks)")
     for zone, recorded in sorted(index.store.live.items()):
         if counts.get(zone, 0) != recorded:
             report.add("INV-25", f"index zone {zone}: the checkpoint records {recorded} live "

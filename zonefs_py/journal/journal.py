@@ -39,14 +39,19 @@ from typing import Generic, NoReturn, Protocol, TypeVar
 import trio
 
 from zonefs_py.errors import CorruptionError
-from zonefs_py.format.constants import INDEX_DISK_VERSION, RecordType
+from zonefs_py.format.constants import INDEX_DISK_VERSION, LENDING_DISK_VERSION, RecordType
 from zonefs_py.format.nsindex import IndexRoot
 from zonefs_py.format.ops import encode_op
 from zonefs_py.format.records import padded_size
 from zonefs_py.format.superblock import Superblock
 from zonefs_py.journal.commit import GroupCommit, _pack, _pack_iter
 from zonefs_py.journal.log import LogFull, LogPosition
-from zonefs_py.journal.nsindex import NamespaceIndex
+from zonefs_py.journal.metaroom import DIRTY_ENTRY_BYTES
+from zonefs_py.journal.nsindex import (
+    CLEAN_ZONES_PER_CHECKPOINT,
+    LOG_KEEP_ZONES,
+    NamespaceIndex,
+)
 from zonefs_py.model.dirty import DirtySet, IndexSnapshot
 from zonefs_py.model.state import Snapshot, State
 
@@ -254,7 +259,11 @@ class Journal(GroupCommit):
         total = 0
         with trio.CancelScope(shield=True):
             try:
-                root = await self._run(self._commit_index, index, snap)
+                await self._lend_index_zones(index, entries)
+                try:
+                    root = await self._run(self._commit_index, index, snap)
+                finally:
+                    self._take_back_lent(index)
                 assert isinstance(root, IndexRoot)
                 records, total = index_checkpoint_tail(snap.head, root, self._payload_target())
                 disk += await self._end_checkpoint(records, first)
@@ -263,6 +272,7 @@ class Journal(GroupCommit):
                 reset = index.take_empty_zones()
                 if reset:
                     await self._run(self.reset_index_zones, reset)
+                    self._data_zones_returned(reset)
             except (OSError, LogFull, CorruptionError) as exc:
                 self._failed("checkpoint write", exc)
         page_bytes = (index.store.pages_written - pages_before) * index.store.page_size_bytes
@@ -329,11 +339,67 @@ class Journal(GroupCommit):
         index.clean(index.store.mlog.zone_capacity_bytes)
         return index.commit()
 
+    async def _lend_index_zones(self, index: NamespaceIndex, entries: int) -> None:
+        """Step 3's zones (format 6, DESIGN.md 3.14 "Meta area"): when the empty meta
+        zones beyond the log's LOG_KEEP_ZONES may not hold the pages this commit
+        writes (each changed entry at most DIRTY_ENTRY_BYTES, plus the zones
+        cleaning relocates, plus the current zone's tail), borrow empty data zones
+        from `zone_lender` for the store to take once the meta zones are down to
+        LOG_KEEP_ZONES. Memory only, but for the first lend of an image of
+        version 5: its superblock is rewritten as version 6 first (same
+        checkpoint), so that no build reading only version 5 ever finds index
+        pages in its data zones."""
+        lender = self.zone_lender
+        if lender is None:
+            return
+        cap = max(1, self.log.zone_capacity_bytes)
+        need_bytes = entries * DIRTY_ENTRY_BYTES + CLEAN_ZONES_PER_CHECKPOINT * cap
+        need = -(-need_bytes // cap) + 1
+        short = need - max(0, self.log.free_zone_count() - LOG_KEEP_ZONES)
+        if short <= 0:
+            return
+        lent = lender.lend_zones(short)
+        if not lent:
+            return
+        if self.sb.disk_version < LENDING_DISK_VERSION:
+            sb = self.sb.as_version(LENDING_DISK_VERSION)
+            try:
+                await self._run(self.sbstore.write, sb)
+            except BaseException:
+                lender.take_back_zones(lent)
+                raise
+            self.sb = sb
+            log.info("on-disk format %d: the namespace index may borrow data zones",
+                     LENDING_DISK_VERSION)
+        index.store.lent = lent
+
+    def _take_back_lent(self, index: NamespaceIndex) -> None:
+        """After the commit: lent zones it did not take are data zones again."""
+        unused, index.store.lent = index.store.lent, []
+        if unused and self.zone_lender is not None:
+            self.zone_lender.take_back_zones(unused)
+
+    def _data_zones_returned(self, zones: list[int]) -> None:
+        """Lent zones among `zones` (reset by `reset_index_zones`) go back to data."""
+        lender = self.zone_lender
+        if lender is None:
+            return
+        meta = set(self.log.zones)
+        for zone in zones:
+            if zone not in meta:
+                lender.zone_returned(zone)
+
     def reset_index_zones(self, zones: list[int]) -> None:
         """Worker thread: reset index zones the current checkpoint no longer uses
-        (the superblock points at it) and give them back to the log's pool."""
+        (the superblock points at it) and give them back to the log's pool, or,
+        for data zones lent to the index, reset them only (the caller gives them
+        back to the allocator: `_data_zones_returned`)."""
         assert self.index is not None
-        self.log.reset_zones(zones)
+        meta = set(self.log.zones)
+        self.log.reset_zones([z for z in zones if z in meta])
+        for zone in zones:
+            if zone not in meta:
+                self.dev.reset_zone(zone)
         for zone in zones:
             self.index.store.forget_zone(zone)
         if self.index.reader is not None:

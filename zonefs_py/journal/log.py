@@ -125,8 +125,13 @@ class MetaLog:
         self._cur_room = next((z.remaining_bytes for z in report if z.index == cur), 0)
 
     def capacity_bytes(self, zone: int) -> int:
-        """Bytes meta zone `zone` can hold (its capacity, as reported at open)."""
-        return self._capacity[zone]
+        """Bytes meta zone `zone` can hold (its capacity, as reported at open); a
+        data zone lent to the namespace index (format 6) is asked of the device
+        once."""
+        cap = self._capacity.get(zone)
+        if cap is None:
+            cap = self._capacity[zone] = self.dev.report_zones(zone, 1)[0].capacity_bytes
+        return cap
 
     # -- writing ------------------------------------------------------------------
     def _zone(self, idx: int) -> Zone:

@@ -13,6 +13,8 @@ thread.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from zonefs_py.format.constants import OpType
 from zonefs_py.journal.log import MetaLog
 from zonefs_py.journal.nsindex import SPACE_FACTOR as INDEX_SPACE_FACTOR
@@ -47,6 +49,36 @@ _NEW_INODE_CONTENT = {OpType.INLINE: 1, OpType.SYMLINK: 1, OpType.XATTR_SET: 1,
 DIRENT_ALLOWANCE_BYTES = 64
 
 
+#: Format 5: device bytes per inode assumed before a checkpoint measured
+#: SAMPLE_MIN_INODES: a file of 256 inline bytes in a directory of 500-1,000
+#: measures 443-445 (bench/namespace_scale, test_meta_lending). What `df -i`
+#: divides the room by on an empty filesystem, so that it predicts how many such
+#: files fit (issue 42 item 5; format 4's figure, 256, made it say 1.8x too many).
+NOMINAL_INDEX_BYTES_PER_INODE = 450
+
+
+class ZoneLender(Protocol):
+    """Where the namespace index borrows data zones when the meta zones run short
+    (format 6; the filesystem's allocator, `fs/filesystem.py`). Trio thread."""
+
+    def lendable_zones(self) -> int:
+        """Empty data zones the index could borrow now (the cleaner's reserve and
+        the space users were promised left out)."""
+        ...
+
+    def lend_zones(self, count: int) -> list[int]:
+        """Take up to `count` empty data zones out of the data zones' use."""
+        ...
+
+    def take_back_zones(self, zones: list[int]) -> None:
+        """Lent zones still empty (the commit did not need them) are data zones again."""
+        ...
+
+    def zone_returned(self, zone: int) -> None:
+        """A lent zone the index no longer uses was reset: a data zone again."""
+        ...
+
+
 #: Format 5: index page bytes one changed entry may cost a checkpoint, at most
 #: (an entry of ~100-250 bytes in a page half full; `_meta_short`).
 DIRTY_ENTRY_BYTES = 512
@@ -67,6 +99,8 @@ class MetaRoom:
 
     log: MetaLog
     state: State
+    #: Format 6: where the index borrows data zones (None: the meta zones alone).
+    zone_lender: ZoneLender | None = None
 
     def __init__(self, state: State, checkpoint_bytes: int, checkpoint_disk_bytes: int,
                  index_live_bytes: int | None = None) -> None:
@@ -124,7 +158,8 @@ class MetaRoom:
             dirty = self.state.dirty
             pending = 0 if dirty is None else len(dirty) * DIRTY_ENTRY_BYTES
             needed = (2 * (self.last_checkpoint_disk_bytes + pending)) // max(cap, 1) + 3
-            return self.log.free_zone_count() < needed
+            lendable = 0 if self.zone_lender is None else self.zone_lender.lendable_zones()
+            return self.log.free_zone_count() + lendable < needed
         # Twice the newest checkpoint as stored: the next one, grown by what the
         # journal meanwhile added (since `checkpoint_needed` lets the journal
         # reach the checkpoint's own size, it may be up to twice as large); +3:
@@ -149,8 +184,19 @@ class MetaRoom:
         """
         cap = self.log.zone_capacity_bytes
         if self.index_mode:
-            return index_budget_bytes(len(self.log.zones), cap)
+            return index_budget_bytes(len(self.log.zones) + self.lent_zone_room(), cap)
         return max(1, (len(self.log.zones) - 2) // 2) * cap * 4 // 5
+
+    def lent_zone_room(self) -> int:
+        """Format 6: the data zones the index holds (lent to it) and those it could
+        borrow now: what the index's share of the device may grow by beyond the
+        meta zones (`checkpoint_budget_bytes`, so `df -i`)."""
+        lender = self.zone_lender
+        if lender is None:
+            return 0
+        index = getattr(self, "index", None)
+        held = len(index.store.data_zones()) if index is not None else 0
+        return held + lender.lendable_zones()
 
     def estimated_checkpoint_bytes(self, inodes: int) -> int:
         """The device bytes of a checkpoint of a namespace of `inodes` inodes: the
@@ -174,11 +220,20 @@ class MetaRoom:
         (each at the bytes per inode measured, with GROWTH_MARGIN: what `df -i`
         shows)."""
         spare = self.checkpoint_budget_bytes() - self.estimated_checkpoint_bytes(inodes)
+        if self.index_mode:
+            # The files to come at what a file measured (no GROWTH_MARGIN: that is
+            # the estimate's margin for the files since the newest checkpoint, and
+            # a fill checkpoints as it goes), so that `df -i` says what fits.
+            c, n = self.checkpoint_sample
+            per_inode = (NOMINAL_INDEX_BYTES_PER_INODE if n < SAMPLE_MIN_INODES
+                         else max(1, -(-c // n)))
+            return max(0, spare // per_inode)
         return max(0, spare // self._checkpoint_bytes_per_inode())
 
     def _checkpoint_bytes_per_inode(self) -> int:
         c, n = self.checkpoint_sample
         if n < SAMPLE_MIN_INODES:
-            return NOMINAL_CHECKPOINT_BYTES_PER_INODE
+            return (NOMINAL_INDEX_BYTES_PER_INODE * GROWTH_MARGIN[0] // GROWTH_MARGIN[1]
+                    if self.index_mode else NOMINAL_CHECKPOINT_BYTES_PER_INODE)
         num, den = GROWTH_MARGIN
         return max(1, -(-c * num // (n * den)))

@@ -83,6 +83,10 @@ PINNED_PAGES = 8192
 RESULTS_KEPT = 256
 #: Zones one checkpoint cleans at most.
 CLEAN_ZONES_PER_CHECKPOINT = 2
+#: Empty meta zones the index leaves to the log when data zones are lent to it
+#: (format 6): the log's next zone, a checkpoint's fresh one, and the one kept
+#: for a mount after a crash (DESIGN.md 3.3).
+LOG_KEEP_ZONES = 3
 _END_OF_DIRENTS = bytes([DIRENT_PREFIX[0] + 1])
 
 
@@ -133,6 +137,11 @@ class MetaPageStore:
         self.pages_written = 0
         #: Index zones reset (given back to the log's pool) since this store was made.
         self.zones_reset = 0
+        #: Empty data zones lent for the commit under way (format 6): taken once the
+        #: meta zones are down to LOG_KEEP_ZONES empty (`_next_zone`); the journal
+        #: gives them (trio thread, before the commit's worker thread) and takes
+        #: back those left unused.
+        self.lent: list[int] = []
 
     def _zone_end(self, zone: int) -> int:
         return zone * self.zone_size + self.mlog.capacity_bytes(zone)
@@ -177,7 +186,10 @@ class MetaPageStore:
         if old is not None and self._wp[old] < self._zone_end(old):
             self.dev.finish_zone(old)  # its active token back; nothing more goes there
             self._wp[old] = self._zone_end(old)
-        zone = self.mlog.take_zone()
+        if self.lent and self.mlog.free_zone_count() <= LOG_KEEP_ZONES:
+            zone = self.lent.pop(0)
+        else:
+            zone = self.mlog.take_zone()
         self.live[zone] = 0
         self._wp[zone] = zone * self.zone_size
         self.current = zone
@@ -275,6 +287,12 @@ class MetaPageStore:
 
     def live_pages(self) -> int:
         return sum(self.live.values())
+
+    def data_zones(self) -> list[int]:
+        """Index zones outside the meta zones: data zones lent to the index (format 6)."""
+        meta = self.mlog.zones
+        lo, hi = meta[0], meta[-1]
+        return [z for z in self.live if not lo <= z <= hi]
 
 
 class NamespaceIndex:
