@@ -16,6 +16,7 @@ import signal
 from pathlib import Path
 
 import pytest
+
 from .conftest import Mount, zonefs
 
 BS = 4096

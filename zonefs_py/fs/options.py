@@ -58,7 +58,7 @@ class FsOptions:
     #: READs of settled files answered in C by the data plane's dispatcher, without
     #: the trio thread (zonefs_py/dataplane, DESIGN 4.10); False: every request goes
     #: through pyfuse3 as before (`-o c_reads=off`).
-    c_reads: bool = False
+    c_reads: bool = True
     #: Read QoS: p90 latency (ms) reads may see in the engine before file-data appends
     #: are slowed down (fs/qos.py); 0 disables the controller.
     read_latency_ms: float = 2.0
