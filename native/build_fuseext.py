@@ -16,6 +16,9 @@ from cffi import FFI
 
 NATIVE_DIR = Path(__file__).resolve().parent
 SOURCE = NATIVE_DIR / "zonefs_fuseext.c"
+#: The data plane's dispatcher and read map (issue 43), compiled into the same
+#: module so that its libfuse stand-ins are in the global scope with the others.
+DISPATCH_SOURCE = NATIVE_DIR / "zonefs_dispatch.c"
 
 CDEF = """
 extern "Python" void zfx_py_fallocate(void *req, uint64_t ino, int mode, int64_t offset,
@@ -37,6 +40,33 @@ void zfx_set_no_system_ns(int on);
 uint64_t zfx_caps_answered_count(void);
 """
 
+#: native/zonefs_dispatch.c's API (zonefs_py/dataplane/ is its Python side).
+DISPATCH_CDEF = """
+struct zdp_piece {
+    uint64_t file_off;
+    uint64_t length;
+    uint64_t dev_off;
+    uint32_t zone;
+    uint32_t flags;
+    uint64_t csum_idx;
+    int32_t fd;
+    uint32_t reserved;
+};
+int zdp_configure(uint32_t nzones, uint32_t block_size);
+int zdp_publish(uint64_t ino, uint64_t size, const struct zdp_piece *pieces,
+                uint32_t npieces, const uint8_t *csums, uint64_t ncsums);
+void zdp_revoke(uint64_t ino);
+void zdp_revoke_all(void);
+int zdp_published(uint64_t ino);
+uint32_t zdp_zone_pins(uint32_t zone);
+void zdp_arm(int on);
+int zdp_running_flag(void);
+const char *zdp_why_not(void);
+uint64_t zdp_handed_seq(void);
+int zdp_stats(uint64_t *out, int max);
+void zdp_shutdown(void);
+"""
+
 
 def _pkg_config(*args: str) -> list[str]:
     """Return pkg-config's answer for fuse3, or [] if pkg-config is missing."""
@@ -50,15 +80,15 @@ def _pkg_config(*args: str) -> list[str]:
 
 def _make_builder() -> FFI:
     builder = FFI()
-    builder.cdef(CDEF)
+    builder.cdef(CDEF + DISPATCH_CDEF)
     cflags = _pkg_config("--cflags") or ["-I/usr/include/fuse3"]
     libs = [flag[2:] for flag in _pkg_config("--libs") if flag.startswith("-l")] or ["fuse3"]
     # The C text goes into the generated module itself (not a separate source),
     # so that it sees cffi's declaration of the extern "Python" callback.
     builder.set_source(
         "zonefs_py._fuseext",
-        SOURCE.read_text(),
-        libraries=[*libs, "dl"],
+        SOURCE.read_text() + "\n" + DISPATCH_SOURCE.read_text(),
+        libraries=[*libs, "dl", "pthread"],
         extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter",
                             *cflags],
     )

@@ -56,6 +56,7 @@ import pyfuse3
 import trio
 
 from zonefs_py import control, errors, fuseext
+from zonefs_py.dataplane import wiring as dataplane_wiring
 from zonefs_py.fs.api import (
     CAPABILITY_XATTR,
     ROOT_INO,
@@ -458,7 +459,9 @@ class Operations(pyfuse3.Operations):
     def status_extra(self) -> dict[str, Any]:
         """The adapter's part of the status document: FUSE requests by opcode since
         the mount (the census, issue 29), so that every round trip is visible."""
-        return {"requests": fuseext.census(), "kernel_invalidations": self.invalidations}
+        extra = {"requests": fuseext.census(), "kernel_invalidations": self.invalidations}
+        # READs served in C (zonefs_py/dataplane) join the census, with where each went.
+        return dataplane_wiring.with_c_reads(self.fs, extra)
 
     def _sync_capability_probe(self) -> None:
         """Let the C side answer the kernel's security.capability probe while no file

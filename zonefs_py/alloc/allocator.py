@@ -185,6 +185,8 @@ class Allocator:
         #: Device reads in flight per zone: a zone is not reset under a read that
         #: looked up its extent before the data died (it would read garbage: EIO).
         self.read_pins: dict[int, int] = {}
+        #: Reads of a zone in C (the data plane, INV-8): zone -> pins, or None.
+        self.c_pins: Callable[[int], int] | None = None
         self.dead_bytes_reset = 0
         #: Capacity given up by finishing zones early.
         self.wasted_bytes = 0
@@ -482,7 +484,8 @@ class Allocator:
         keep: list[tuple[int, int]] = []
         for zone_idx, txn in self.pending_resets:
             dz = self.zones[zone_idx]
-            if txn > durable_txn or zone_idx in self.read_pins:
+            if txn > durable_txn or zone_idx in self.read_pins or (
+                    self.c_pins is not None and self.c_pins(zone_idx)):
                 keep.append((zone_idx, txn))
             elif self.live_bytes(zone_idx) == 0 and dz.head_of is None and not dz.inflight:
                 ready.append(zone_idx)

@@ -71,6 +71,7 @@ from zonefs_py.daemon.options import MountConfig, MountError
 from zonefs_py.daemon.runstate import DeviceLock, LockHeld, RunState, sweep_stale
 from zonefs_py.daemon.sdnotify import Notifier
 from zonefs_py.daemon.tuning import tune_after_init, wait_serving
+from zonefs_py.dataplane import wiring as dataplane_wiring
 from zonefs_py.progress import progress_printer
 
 log = logging.getLogger("zonefs_py.daemon")
@@ -240,12 +241,15 @@ async def serve(cfg: MountConfig, report: Reporter, state: RunState,
                 control.DAEMON_INFO.update(log_file=cfg.log_file, mountpoint=cfg.mountpoint,
                                            uid=os.getuid(), started=time.time(),
                                            journal=logs_to_journal(cfg.log_file))
+                c_reads = dataplane_wiring.arm_before_init(fs, cfg.fs_options.c_reads)
                 try:
                     pyfuse3.init(ops, cfg.mountpoint, cfg.fuse_options)
                 except RuntimeError:
                     await fs.close()
                     raise MountError(f"{cfg.mountpoint}: the FUSE mount failed "
                                      "(libfuse's message is above)") from None
+                if c_reads:
+                    dataplane_wiring.attach_after_init(fs)
                 log.info("mounted %s on %s (options %s, writeback_cache=%s, max_tasks=%d, "
                          "min_tasks=%d)",
                          cfg.device, cfg.mountpoint, ",".join(sorted(cfg.fuse_options)),
@@ -323,6 +327,7 @@ async def _serve_mounted(cfg: MountConfig, fs: Any, ops: Any, signals: Any,
         nursery.start_soon(notifier.run, serving, status_line)
         nursery.start_soon(MemoryTrimmer(lambda: _write_activity(fs)).run)
         nursery.start_soon(GcFreezer().run)
+        nursery.start_soon(dataplane_wiring.feed_qos, fs)
         await start_exporters(
             nursery, cfg.device, cfg.metrics_addr, cfg.metrics_textfile_dir,
             cfg.metrics_interval_s, status_doc)

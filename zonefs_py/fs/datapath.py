@@ -106,7 +106,8 @@ class DataPath:
         #: caller owns the times (FUSE writeback cache: FsOptions.kernel_write_times);
         #: a buffer or chunk then carries time 0, "leave the times as they are".
         self.stamp_times = stamp_times
-        state.subscribe(data_changed=self.reads.data_changed)
+        state.subscribe(data_changed=self.reads.data_changed,
+                        layout_changed=self.reads.layout_changed)
         # Request order and write state, as the engine and the drain use them.
         self.write_arriving = self.writes.write_arriving
         self.writes_arriving = self.writes.writes_arriving

@@ -150,6 +150,10 @@ class HandleOps:
             self.bytes_read += len(small)
             return small
         data = await self.data.reads.read(inode, offset, length)
+        maps = self.data.reads.maps
+        if maps is not None:
+            # Served here, not in C: publish the map if nothing can change the file.
+            maps.after_python_read(inode)
         self.read_latency.record(time.perf_counter_ns() - t0)
         self.bytes_read += len(data)
         return data

@@ -55,6 +55,10 @@ class FsOptions:
     #: submitting it with its checksums, verified in C at completion; False: every
     #: read takes the general path (for A/B comparison and tests).
     fast_read: bool = True
+    #: READs of settled files answered in C by the data plane's dispatcher, without
+    #: the trio thread (zonefs_py/dataplane, DESIGN 4.10); False: every request goes
+    #: through pyfuse3 as before (`-o c_reads=off`).
+    c_reads: bool = True
     #: Read QoS: p90 latency (ms) reads may see in the engine before file-data appends
     #: are slowed down (fs/qos.py); 0 disables the controller.
     read_latency_ms: float = 2.0
@@ -116,6 +120,7 @@ class FsOptions:
         "io_uring": ("io_uring", _flag),
         "sqpoll_ms": ("sqpoll_ms", int),
         "fast_read": ("fast_read", _flag),
+        "c_reads": ("c_reads", _flag),
         "read_latency_ms": ("read_latency_ms", float),
         "prefetch_mb": ("prefetch_mb", int),
         "cache_mb": ("cache_mb", int),

@@ -155,6 +155,18 @@ class ReadLatencyController:
             self._lat.append(now - started)
         self._tick(now)
 
+    def add_samples(self, latencies_s: list[float]) -> None:
+        """Latencies of reads served outside the engine (the data plane's C reads,
+        zonefs_py/dataplane): counted as reads that finished now."""
+        if not self.enabled or not latencies_s:
+            return
+        now = self._clock()
+        self.last_read = now
+        room = _SAMPLES_MAX - len(self._lat)
+        if room > 0:
+            self._lat.extend(latencies_s[:room])
+        self._tick(now)
+
     def reads_active(self, now: float) -> bool:
         return self.reads_in_flight > 0 or now - self.last_read < self.interval_s
 

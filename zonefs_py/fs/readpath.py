@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import trio
 
@@ -44,6 +44,9 @@ from zonefs_py.fs.writestate import FileWrites
 from zonefs_py.fs.zonesums import SumCache
 from zonefs_py.model.extents import Piece
 from zonefs_py.model.state import Inode, State
+
+if TYPE_CHECKING:
+    from zonefs_py.dataplane import ReadMaps
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +78,9 @@ class ReadPath:
             self.enable_prefetch(prefetch_bytes)
         #: The fast path (module docstring); False: every read takes the general path.
         self.fast = fast
+        #: The data plane's read maps (zonefs_py/dataplane) when READs are served in
+        #: C: revoked before every change to a file's bytes, published after reads.
+        self.maps: ReadMaps | None = None
         #: Reads served by the fast path, and by the general one.
         self.fast_reads = 0
         self.general_reads = 0
@@ -90,6 +96,13 @@ class ReadPath:
         """State hook: the file's stored bytes change now; read-ahead of it is stale."""
         if self.prefetch is not None:
             self.prefetch.forget(ino)
+        if self.maps is not None:
+            self.maps.revoke(ino)
+
+    def layout_changed(self, ino: int) -> None:
+        """State hook: the file's size or placement changes now; its read map goes."""
+        if self.maps is not None:
+            self.maps.revoke(ino)
 
     # -- read ------------------------------------------------------------------------
     async def read(self, inode: Inode, offset: int, length: int) -> bytes | memoryview:

@@ -76,6 +76,9 @@ class State:
         #: Called with (ino) before an op changes which bytes a file's blocks hold
         #: (EXTENT, TRUNCATE, INODE_FREE): read-ahead drops what it read before.
         self._on_data_changed: Callable[[int], None] | None = None
+        #: Called with (ino) before an op changes a file's size or how its bytes are
+        #: held (INODE, DRAIN, PREALLOC): the data plane revokes its read map.
+        self._on_layout_changed: Callable[[int], None] | None = None
         #: The checkpoint snapshot being encoded, if any: apply() hands it every
         #: inode it is about to change (copy-on-write, see Snapshot).
         self.snapshot: SnapshotHook | None = None
@@ -149,7 +152,8 @@ class State:
     # -- applying ops --------------------------------------------------------
     def subscribe(self, *, blocks_changed: Callable[[int, int], None] | None = None,
                   zone_emptied: Callable[[int], None] | None = None,
-                  data_changed: Callable[[int], None] | None = None) -> None:
+                  data_changed: Callable[[int], None] | None = None,
+                  layout_changed: Callable[[int], None] | None = None) -> None:
         """Register the listener of each named event (once per State: a second
         registration of the same event is a wiring bug and raises).
 
@@ -157,9 +161,11 @@ class State:
         zone_emptied(zone): a zone's live block count dropped to zero (allocator).
         data_changed(ino): an op is about to change which bytes a file's blocks
         hold (EXTENT, TRUNCATE, INODE_FREE): read-ahead drops what it read before.
+        layout_changed(ino): an op is about to change a file's size or how its bytes
+        are held (INODE, DRAIN, PREALLOC): the data plane's read map goes.
         """
         for name, fn in (("blocks_changed", blocks_changed), ("zone_emptied", zone_emptied),
-                         ("data_changed", data_changed)):
+                         ("data_changed", data_changed), ("layout_changed", layout_changed)):
             if fn is None:
                 continue
             attr = "_on_" + name
@@ -177,6 +183,8 @@ class State:
             self.snapshot.before_apply(op)
         if op[0] in _DATA_OPS and self._on_data_changed is not None:
             self._on_data_changed(op[1])
+        elif op[0] in _LAYOUT_OPS and self._on_layout_changed is not None:
+            self._on_layout_changed(op[1])
         fn(op)
         if self.dirty is not None:
             self.dirty.note(op)
@@ -602,6 +610,9 @@ class State:
 #: Ops that change which bytes a file's blocks hold (State.subscribe's data_changed).
 _DATA_OPS = frozenset({OpType.EXTENT, OpType.TRUNCATE, OpType.INODE_FREE, OpType.INLINE,
                        OpType.PUNCH})
+#: Ops that change a file's size or how its bytes are held (State.subscribe's
+#: layout_changed): INODE carries the size, DRAIN evicts and restores, PREALLOC.
+_LAYOUT_OPS = frozenset({OpType.INODE, OpType.DRAIN, OpType.PREALLOC})
 
 #: Past every file block (file sizes stay below 2**63 bytes, FILE_SIZE_MAX).
 _NO_BLOCK = 1 << 63

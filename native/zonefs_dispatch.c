@@ -1,0 +1,867 @@
+/*
+ * The data plane's request dispatcher and read map (issue 43, DESIGN 4.10).
+ *
+ * One C thread (the dispatcher) is the only reader of /dev/fuse. It answers
+ * a READ of a file whose read map Python published itself (device read,
+ * every block checked against its xxh3 checksum, reply written to
+ * /dev/fuse); every other request goes, in arrival order, to a queue that
+ * pyfuse3's unchanged receive loop takes from:
+ *
+ *   fuse_session_fd          -> an eventfd, readable while the queue holds a
+ *                               request or the session ended;
+ *   fuse_session_receive_buf -> the next queued request (its buffer handed
+ *                               over: pyfuse3's old one comes back to the pool),
+ *                               -EINTR when none, 0 once the dispatcher saw
+ *                               ENODEV (after fuse_session_exit, as libfuse);
+ *   fuse_session_destroy     -> stops and joins the dispatcher first.
+ *
+ * These definitions win over libfuse's the same way as fuse_session_new's in
+ * zonefs_fuseext.c (this file is compiled into the same module): the module is
+ * in the global symbol scope before pyfuse3 is imported. Unarmed (zdp_arm(0),
+ * `-o c_reads=off`) each passes the call on to libfuse's own function.
+ * libfuse keeps answering what it processes through its own descriptor (the
+ * same open file as the dispatcher's dup of it); one writev of {out header,
+ * data} to /dev/fuse is one complete reply, whichever thread writes it.
+ *
+ * The read map (what Python promises): an entry per inode, published by the
+ * trio thread (zdp_publish) only while nothing can change the file's bytes
+ * or size, and revoked (zdp_revoke) before any change to them is applied.
+ * The dispatcher itself deletes an inode's entry when it reads a request
+ * that may change the file (WRITE, SETATTR, FALLOCATE, COPY_FILE_RANGE's
+ * destination, OPEN with O_TRUNC, SETXATTR, REMOVEXATTR, IOCTL) before it
+ * queues it, and remembers its sequence number: a publish is refused while
+ * such a request has not been handed to pyfuse3 (zdp_handed_seq), so a READ
+ * that arrives after a mutating request is never answered from the bytes
+ * before it (DESIGN 4.4's rule, extended to every mutating opcode).
+ *
+ * What C promises Python: a zone is pinned (zdp_zone_pins) from the moment a
+ * READ's pieces are looked up (under zdp_lock, the same step) until its
+ * device reads are done; a piece without checksums, a checksum mismatch, a
+ * short or failed device read, a READ larger than the buffer, or anything
+ * else not known here is handed to Python untouched, with a reason counter.
+ *
+ * Locking: `zdp_lock` protects the map (zdp_tab, every entry, zdp_mutseq).
+ * `zdp_qlock` protects the queue, the buffer pool and the eventfd's value
+ * (non-zero iff the queue holds a request or the session ended). Counters
+ * written by the dispatcher alone are read by Python with atomic loads.
+ * Conventions as native/zonefs_native.c: 0 or -errno, no Python objects.
+ */
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/eventfd.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+/* ---- the kernel's request layout (include/uapi/linux/fuse.h, 7.31+) ------- */
+struct zdp_in_header {
+    uint32_t len, opcode;
+    uint64_t unique, nodeid;
+    uint32_t uid, gid, pid;
+    uint16_t total_extlen, padding;
+};
+struct zdp_out_header {
+    uint32_t len;
+    int32_t error;
+    uint64_t unique;
+};
+struct zdp_read_in {
+    uint64_t fh, offset;
+    uint32_t size, read_flags;
+    uint64_t lock_owner;
+    uint32_t flags, padding;
+};
+struct zdp_open_in {
+    uint32_t flags, open_flags;
+};
+struct zdp_copy_in {
+    uint64_t fh_in, off_in, nodeid_out, fh_out, off_out, len, flags;
+};
+_Static_assert(sizeof(struct zdp_in_header) == 40, "fuse_in_header");
+_Static_assert(sizeof(struct zdp_out_header) == 16, "fuse_out_header");
+_Static_assert(sizeof(struct zdp_read_in) == 40, "fuse_read_in");
+
+enum {
+    ZOP_SETATTR = 4, ZOP_OPEN = 14, ZOP_READ = 15, ZOP_WRITE = 16, ZOP_SETXATTR = 21,
+    ZOP_REMOVEXATTR = 24, ZOP_IOCTL = 39, ZOP_FALLOCATE = 43, ZOP_COPY_FILE_RANGE = 47,
+    ZOP_KNOWN_MAX = 51,
+};
+
+/* ---- the read map ----------------------------------------------------------- */
+/* One piece of a published file (48 bytes; the cffi cdef has the same). */
+struct zdp_piece {
+    uint64_t file_off;   /* bytes, block-aligned */
+    uint64_t length;     /* bytes, whole blocks */
+    uint64_t dev_off;    /* where pread reads it (the device's direct_read_target) */
+    uint32_t zone;       /* zone pinned while it is read */
+    uint32_t flags;      /* ZDP_HOLE, ZDP_PYTHON */
+    uint64_t csum_idx;   /* index of its first block's checksum in the csums blob */
+    int32_t fd;          /* device fd for pread */
+    uint32_t reserved;
+};
+#define ZDP_HOLE 1u      /* zeros */
+#define ZDP_PYTHON 2u    /* not readable here (no checksums at hand): hand on */
+
+struct zdp_entry {
+    uint64_t ino, size;
+    uint32_t npieces, reserved;
+    struct zdp_piece *pieces;
+    uint8_t *csums;
+    uint64_t ncsums;
+    struct zdp_entry *next;
+};
+
+/* Reasons a READ went to Python (zdp_stats order; names in dataplane/__init__.py). */
+enum {
+    ZR_NOT_PUBLISHED, ZR_MUTATED, ZR_NO_CSUMS, ZR_CSUM_MISMATCH, ZR_DEVICE_ERROR,
+    ZR_TOO_LARGE, ZR_NREASONS
+};
+
+#define ZDP_MUTSEQ 65536         /* last mutating request's seq, by ino % this */
+#define ZDP_LAT_BUCKETS 32       /* log2(ns) latency histogram */
+#define ZDP_BUFSZ ((1u << 20) + 8192u)
+#define ZDP_MAX_READ (1u << 20)
+#define ZDP_POOL_KEEP 64
+
+static pthread_mutex_t zdp_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct zdp_entry **zdp_tab;        /* protected by zdp_lock */
+static uint64_t zdp_tab_size;             /* protected by zdp_lock */
+static uint64_t zdp_entries;              /* protected by zdp_lock */
+static uint64_t zdp_mutseq[ZDP_MUTSEQ];   /* protected by zdp_lock */
+static uint32_t *zdp_pins;                /* per zone, atomic; sized by zdp_configure */
+static uint32_t zdp_nzones;
+static uint32_t zdp_block_size = 4096;
+
+/* ---- the queue to pyfuse3 --------------------------------------------------- */
+struct zdp_node {
+    struct zdp_node *next;
+    void *mem;        /* ZDP_BUFSZ bytes, malloc'd (pyfuse3 frees with free()) */
+    size_t size;
+    uint64_t seq;
+};
+static pthread_mutex_t zdp_qlock = PTHREAD_MUTEX_INITIALIZER;
+static struct zdp_node *zdp_qhead, *zdp_qtail;  /* protected by zdp_qlock */
+static void *zdp_pool[ZDP_POOL_KEEP];            /* protected by zdp_qlock */
+static int zdp_npool;                            /* protected by zdp_qlock */
+static int zdp_ended;       /* 1: ENODEV seen; protected by zdp_qlock */
+static int zdp_end_err;     /* -errno of a failed read (0: unmounted); zdp_qlock */
+static uint64_t zdp_handed;  /* seq of the last request handed (trio thread; zdp_lock to read) */
+
+/* ---- the thread ------------------------------------------------------------- */
+static int zdp_armed_flag;
+static int zdp_running;         /* the dispatcher thread was started */
+static pthread_t zdp_thread;
+static int zdp_fd = -1;         /* our dup of the session's /dev/fuse fd */
+static int zdp_qfd = -1;        /* eventfd: what pyfuse3 waits on */
+static int zdp_stopfd = -1;     /* eventfd: tells the dispatcher to stop */
+static char zdp_why[160];       /* why the dispatcher did not start */
+static uint8_t *zdp_rbuf;       /* aligned read buffer (dispatcher only) */
+
+/* Counters (written by the dispatcher; read with atomic loads). */
+static uint64_t zdp_seq;                   /* requests read */
+static uint64_t zdp_served, zdp_served_bytes;
+static uint64_t zdp_handed_reads[ZR_NREASONS];
+static uint64_t zdp_lat[ZDP_LAT_BUCKETS];
+static uint64_t zdp_lat_sum_ns;
+
+#define LOAD(x) __atomic_load_n(&(x), __ATOMIC_RELAXED)
+#define BUMP(x, n) __atomic_fetch_add(&(x), (n), __ATOMIC_RELAXED)
+
+typedef int (*zdp_fd_fn)(struct fuse_session *);
+typedef int (*zdp_recv_fn)(struct fuse_session *, struct fuse_buf *);
+typedef void (*zdp_destroy_fn)(struct fuse_session *);
+
+static void *zdp_real(const char *name)
+{
+    void *lib = dlopen("libfuse3.so.3", RTLD_LAZY | RTLD_NOLOAD);
+    void *fn = NULL;
+    if (lib != NULL) {
+        fn = dlvsym(lib, name, "FUSE_3.0");
+        if (fn == NULL)
+            fn = dlsym(lib, name);
+        dlclose(lib);
+    }
+    return fn;
+}
+
+/* ---- map ---------------------------------------------------------------------- */
+static void zdp_entry_free(struct zdp_entry *e)
+{
+    if (e != NULL) {
+        free(e->pieces);
+        free(e->csums);
+        free(e);
+    }
+}
+
+/* Unlink and free ino's entry; caller holds zdp_lock. */
+static void zdp_remove_locked(uint64_t ino)
+{
+    struct zdp_entry **pp, *e;
+    if (zdp_tab == NULL)
+        return;
+    for (pp = &zdp_tab[ino % zdp_tab_size]; (e = *pp) != NULL; pp = &e->next)
+        if (e->ino == ino) {
+            *pp = e->next;
+            zdp_entries--;
+            zdp_entry_free(e);
+            return;
+        }
+}
+
+static struct zdp_entry *zdp_find_locked(uint64_t ino)
+{
+    struct zdp_entry *e;
+    if (zdp_tab == NULL)
+        return NULL;
+    for (e = zdp_tab[ino % zdp_tab_size]; e != NULL; e = e->next)
+        if (e->ino == ino)
+            return e;
+    return NULL;
+}
+
+static void zdp_grow_locked(void)
+{
+    uint64_t n = zdp_tab_size ? zdp_tab_size * 2 : 1024, i;
+    struct zdp_entry **t = calloc(n, sizeof *t), *e, *next;
+    if (t == NULL)
+        return;
+    for (i = 0; i < zdp_tab_size; i++)
+        for (e = zdp_tab[i]; e != NULL; e = next) {
+            next = e->next;
+            e->next = t[e->ino % n];
+            t[e->ino % n] = e;
+        }
+    free(zdp_tab);
+    zdp_tab = t;
+    zdp_tab_size = n;
+}
+
+/* Configure the geometry (before arming): zones, block size. 0 or -errno. */
+int zdp_configure(uint32_t nzones, uint32_t block_size)
+{
+    uint32_t *pins;
+    if (block_size == 0 || (block_size & (block_size - 1)) != 0)
+        return -EINVAL;
+    pins = calloc(nzones ? nzones : 1, sizeof *pins);
+    if (pins == NULL)
+        return -ENOMEM;
+    pthread_mutex_lock(&zdp_lock);
+    free(zdp_pins);
+    zdp_pins = pins;
+    zdp_nzones = nzones;
+    zdp_block_size = block_size;
+    pthread_mutex_unlock(&zdp_lock);
+    return 0;
+}
+
+/* Publish ino's map (copied). -EAGAIN when a request that may change the file
+ * was read by the dispatcher and not yet handed to pyfuse3; -EINVAL for a map
+ * that does not fit the geometry. */
+int zdp_publish(uint64_t ino, uint64_t size, const struct zdp_piece *pieces,
+                uint32_t npieces, const uint8_t *csums, uint64_t ncsums)
+{
+    struct zdp_entry *e;
+    uint32_t i;
+    for (i = 0; i < npieces; i++) {
+        const struct zdp_piece *p = &pieces[i];
+        if (p->flags & (ZDP_HOLE | ZDP_PYTHON))
+            continue;
+        if (p->zone >= zdp_nzones || p->length % zdp_block_size != 0
+                || p->dev_off % zdp_block_size != 0
+                || p->csum_idx + p->length / zdp_block_size > ncsums)
+            return -EINVAL;
+    }
+    e = calloc(1, sizeof *e);
+    if (e == NULL)
+        return -ENOMEM;
+    e->ino = ino;
+    e->size = size;
+    e->npieces = npieces;
+    e->ncsums = ncsums;
+    e->pieces = malloc((npieces ? npieces : 1) * sizeof *pieces);
+    e->csums = malloc(ncsums ? ncsums * 4 : 1);
+    if (e->pieces == NULL || e->csums == NULL) {
+        zdp_entry_free(e);
+        return -ENOMEM;
+    }
+    memcpy(e->pieces, pieces, npieces * sizeof *pieces);
+    memcpy(e->csums, csums, ncsums * 4);
+    pthread_mutex_lock(&zdp_lock);
+    if (zdp_mutseq[ino % ZDP_MUTSEQ] > zdp_handed) {
+        pthread_mutex_unlock(&zdp_lock);
+        zdp_entry_free(e);
+        return -EAGAIN;
+    }
+    zdp_remove_locked(ino);
+    if (zdp_entries + 1 > zdp_tab_size)
+        zdp_grow_locked();
+    if (zdp_tab == NULL) {
+        pthread_mutex_unlock(&zdp_lock);
+        zdp_entry_free(e);
+        return -ENOMEM;
+    }
+    e->next = zdp_tab[ino % zdp_tab_size];
+    zdp_tab[ino % zdp_tab_size] = e;
+    zdp_entries++;
+    pthread_mutex_unlock(&zdp_lock);
+    return 0;
+}
+
+/* Revoke ino's map: when this returns no READ will be served from it (a READ
+ * that looked it up before has its zones pinned). */
+void zdp_revoke(uint64_t ino)
+{
+    pthread_mutex_lock(&zdp_lock);
+    zdp_remove_locked(ino);
+    pthread_mutex_unlock(&zdp_lock);
+}
+
+void zdp_revoke_all(void)
+{
+    uint64_t i;
+    struct zdp_entry *e, *next;
+    pthread_mutex_lock(&zdp_lock);
+    for (i = 0; i < zdp_tab_size; i++) {
+        for (e = zdp_tab[i]; e != NULL; e = next) {
+            next = e->next;
+            zdp_entry_free(e);
+        }
+        zdp_tab[i] = NULL;
+    }
+    zdp_entries = 0;
+    pthread_mutex_unlock(&zdp_lock);
+}
+
+int zdp_published(uint64_t ino)
+{
+    int r;
+    pthread_mutex_lock(&zdp_lock);
+    r = zdp_find_locked(ino) != NULL;
+    pthread_mutex_unlock(&zdp_lock);
+    return r;
+}
+
+uint32_t zdp_zone_pins(uint32_t zone)
+{
+    return zdp_pins != NULL && zone < zdp_nzones ? LOAD(zdp_pins[zone]) : 0;
+}
+
+/* ---- serving a READ ----------------------------------------------------------- */
+struct zdp_span {        /* a piece's part of one READ, copied out under zdp_lock */
+    uint64_t buf_off, dev_off, length;
+    int fd;
+    uint32_t zone, hole;
+    const uint8_t *sums;  /* into zdp_sumbuf */
+};
+#define ZDP_MAX_SPANS 256
+static struct zdp_span zdp_spans[ZDP_MAX_SPANS];
+static uint8_t zdp_sumbuf[(ZDP_MAX_READ / 512 + 8) * 4];
+
+static uint64_t zdp_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Look up and pin; fills zdp_spans. >= 0: number of spans (bytes to reply in
+ * *reply_len, first byte at zdp_rbuf + *skip); -1 - reason: hand on. */
+static int zdp_lookup_pin(uint64_t ino, uint64_t off, uint32_t size, uint64_t *skip,
+                          uint64_t *reply_len)
+{
+    struct zdp_entry *e;
+    uint64_t bs = zdp_block_size, end, a0, a1, cur, sumpos = 0;
+    uint32_t i, lo, hi, mid;
+    int n = 0, k;
+    pthread_mutex_lock(&zdp_lock);
+    e = zdp_find_locked(ino);
+    if (e == NULL) {
+        pthread_mutex_unlock(&zdp_lock);
+        return -1 - (zdp_mutseq[ino % ZDP_MUTSEQ] ? ZR_MUTATED : ZR_NOT_PUBLISHED);
+    }
+    if (off >= e->size || size == 0) {
+        pthread_mutex_unlock(&zdp_lock);
+        *reply_len = 0;
+        *skip = 0;
+        return 0;
+    }
+    end = off + size < e->size ? off + size : e->size;
+    a0 = off / bs * bs;
+    a1 = (end + bs - 1) / bs * bs;
+    if (a1 - a0 > ZDP_BUFSZ) {
+        pthread_mutex_unlock(&zdp_lock);
+        return -1 - ZR_TOO_LARGE;
+    }
+    *skip = off - a0;
+    *reply_len = end - off;
+    /* first piece whose end is past a0 (pieces sorted, contiguous or not) */
+    lo = 0;
+    hi = e->npieces;
+    while (lo < hi) {
+        mid = (lo + hi) / 2;
+        if (e->pieces[mid].file_off + e->pieces[mid].length <= a0)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    cur = a0;
+    for (i = lo; i < e->npieces && cur < a1; i++) {
+        const struct zdp_piece *p = &e->pieces[i];
+        uint64_t s, t;
+        if (p->file_off > cur) {   /* a gap in the map: zeros */
+            if (n == ZDP_MAX_SPANS)
+                goto other;
+            t = p->file_off < a1 ? p->file_off : a1;
+            zdp_spans[n++] = (struct zdp_span){cur - a0, 0, t - cur, -1, 0, 1, NULL};
+            cur = t;
+            if (cur >= a1)
+                break;
+        }
+        s = cur;
+        t = p->file_off + p->length < a1 ? p->file_off + p->length : a1;
+        if (p->flags & ZDP_PYTHON) {
+            pthread_mutex_unlock(&zdp_lock);
+            return -1 - ZR_NO_CSUMS;
+        }
+        if (n == ZDP_MAX_SPANS)
+            goto other;
+        if (p->flags & ZDP_HOLE) {
+            zdp_spans[n++] = (struct zdp_span){s - a0, 0, t - s, -1, 0, 1, NULL};
+        } else {
+            uint64_t nb = (t - s) / bs, first = p->csum_idx + (s - p->file_off) / bs;
+            memcpy(zdp_sumbuf + sumpos, e->csums + first * 4, nb * 4);
+            zdp_spans[n++] = (struct zdp_span){s - a0, p->dev_off + (s - p->file_off), t - s,
+                                               p->fd, p->zone, 0, zdp_sumbuf + sumpos};
+            sumpos += nb * 4;
+        }
+        cur = t;
+    }
+    if (cur < a1) {   /* past the last piece, below the size: zeros */
+        if (n == ZDP_MAX_SPANS)
+            goto other;
+        zdp_spans[n++] = (struct zdp_span){cur - a0, 0, a1 - cur, -1, 0, 1, NULL};
+    }
+    for (k = 0; k < n; k++)
+        if (!zdp_spans[k].hole)
+            BUMP(zdp_pins[zdp_spans[k].zone], 1);
+    pthread_mutex_unlock(&zdp_lock);
+    return n;
+other:
+    pthread_mutex_unlock(&zdp_lock);
+    return -1 - ZR_TOO_LARGE;
+}
+
+static void zdp_unpin(int n)
+{
+    int k;
+    for (k = 0; k < n; k++)
+        if (!zdp_spans[k].hole)
+            __atomic_fetch_sub(&zdp_pins[zdp_spans[k].zone], 1, __ATOMIC_RELEASE);
+}
+
+/* Read and verify the spans into zdp_rbuf: 0, or -1 - reason. */
+static int zdp_read_spans(int n)
+{
+    uint32_t bs = zdp_block_size;
+    int k;
+    for (k = 0; k < n; k++) {
+        struct zdp_span *s = &zdp_spans[k];
+        uint64_t done = 0, b;
+        if (s->hole) {
+            memset(zdp_rbuf + s->buf_off, 0, s->length);
+            continue;
+        }
+        while (done < s->length) {
+            ssize_t r = pread(s->fd, zdp_rbuf + s->buf_off + done, s->length - done,
+                              (off_t)(s->dev_off + done));
+            if (r < 0 && errno == EINTR)
+                continue;
+            if (r <= 0 || r % bs != 0)
+                return -1 - ZR_DEVICE_ERROR;
+            done += (uint64_t)r;
+        }
+        for (b = 0; b < s->length / bs; b++) {
+            uint32_t want, got = (uint32_t)XXH3_64bits(zdp_rbuf + s->buf_off + b * bs, bs);
+            memcpy(&want, s->sums + b * 4, 4);   /* little-endian, as x86-64 */
+            if (got != want)
+                return -1 - ZR_CSUM_MISMATCH;
+        }
+    }
+    return 0;
+}
+
+/* Serve one READ if its file is published: 1 served, 0 hand on (counted). */
+static int zdp_serve_read(const struct zdp_in_header *in, const struct zdp_read_in *rd,
+                          uint64_t t0)
+{
+    uint64_t skip = 0, len = 0, dt;
+    struct zdp_out_header out;
+    struct iovec iov[2];
+    int n, r, b;
+    if (rd->size > ZDP_MAX_READ) {
+        BUMP(zdp_handed_reads[ZR_TOO_LARGE], 1);
+        return 0;
+    }
+    n = zdp_lookup_pin(in->nodeid, rd->offset, rd->size, &skip, &len);
+    if (n < 0) {
+        BUMP(zdp_handed_reads[-1 - n], 1);
+        return 0;
+    }
+    r = zdp_read_spans(n);
+    zdp_unpin(n);
+    if (r < 0) {
+        BUMP(zdp_handed_reads[-1 - r], 1);
+        return 0;
+    }
+    out.len = (uint32_t)(sizeof out + len);
+    out.error = 0;
+    out.unique = in->unique;
+    iov[0].iov_base = &out;
+    iov[0].iov_len = sizeof out;
+    iov[1].iov_base = zdp_rbuf + skip;
+    iov[1].iov_len = len;
+    /* ENOENT: the request was interrupted and is gone; ENODEV: unmounted. */
+    (void)!writev(zdp_fd, iov, len ? 2 : 1);
+    dt = zdp_now_ns() - t0;
+    BUMP(zdp_served, 1);
+    BUMP(zdp_served_bytes, len);
+    BUMP(zdp_lat_sum_ns, dt);
+    b = dt ? 63 - __builtin_clzll(dt) : 0;
+    BUMP(zdp_lat[b < ZDP_LAT_BUCKETS ? b : ZDP_LAT_BUCKETS - 1], 1);
+    return 1;
+}
+
+/* The inode a request may change the bytes or size of, or 0. */
+static uint64_t zdp_mutated_ino(const struct zdp_in_header *in, const uint8_t *body,
+                                size_t blen)
+{
+    switch (in->opcode) {
+    case ZOP_SETATTR: case ZOP_WRITE: case ZOP_SETXATTR: case ZOP_REMOVEXATTR:
+    case ZOP_IOCTL: case ZOP_FALLOCATE:
+        return in->nodeid;
+    case ZOP_OPEN:
+        if (blen >= sizeof(struct zdp_open_in)) {
+            const struct zdp_open_in *o = (const void *)body;
+            return (o->flags & O_TRUNC) ? in->nodeid : 0;
+        }
+        return in->nodeid;
+    case ZOP_COPY_FILE_RANGE:
+        if (blen >= sizeof(struct zdp_copy_in))
+            return ((const struct zdp_copy_in *)(const void *)body)->nodeid_out;
+        return 0;
+    default:
+        return in->opcode > ZOP_KNOWN_MAX ? in->nodeid : 0;
+    }
+}
+
+/* ---- buffers and queue ---------------------------------------------------------- */
+static void *zdp_buf_get(void)
+{
+    void *m = NULL;
+    pthread_mutex_lock(&zdp_qlock);
+    if (zdp_npool > 0)
+        m = zdp_pool[--zdp_npool];
+    pthread_mutex_unlock(&zdp_qlock);
+    return m != NULL ? m : malloc(ZDP_BUFSZ);
+}
+
+/* Caller holds zdp_qlock. */
+static void zdp_buf_put_locked(void *m)
+{
+    if (zdp_npool < ZDP_POOL_KEEP)
+        zdp_pool[zdp_npool++] = m;
+    else
+        free(m);
+}
+
+static void zdp_signal_locked(void)
+{
+    uint64_t one = 1;
+    (void)!write(zdp_qfd, &one, sizeof one);
+}
+
+static void zdp_enqueue(void *mem, size_t size, uint64_t seq)
+{
+    struct zdp_node *node = malloc(sizeof *node);
+    if (node == NULL) {   /* no memory for a queue node: the request is lost, as */
+        free(mem);        /* a failed malloc in libfuse loses it; say so loudly  */
+        fprintf(stderr, "zonefs-py dispatcher: out of memory, request dropped\n");
+        return;
+    }
+    node->next = NULL;
+    node->mem = mem;
+    node->size = size;
+    node->seq = seq;
+    pthread_mutex_lock(&zdp_qlock);
+    if (zdp_qtail != NULL)
+        zdp_qtail->next = node;
+    else {
+        zdp_qhead = node;
+        zdp_signal_locked();
+    }
+    zdp_qtail = node;
+    pthread_mutex_unlock(&zdp_qlock);
+}
+
+static void zdp_end(int err)
+{
+    pthread_mutex_lock(&zdp_qlock);
+    if (!zdp_ended) {
+        zdp_ended = 1;
+        zdp_end_err = err;
+        if (zdp_qhead == NULL)
+            zdp_signal_locked();
+    }
+    pthread_mutex_unlock(&zdp_qlock);
+}
+
+static void *zdp_main(void *arg)
+{
+    void *mem = NULL;
+    (void)arg;
+    for (;;) {
+        struct zdp_in_header *in;
+        ssize_t n;
+        uint64_t t0, ino, seq;
+        if (mem == NULL && (mem = zdp_buf_get()) == NULL) {
+            zdp_end(-ENOMEM);
+            break;
+        }
+        n = read(zdp_fd, mem, ZDP_BUFSZ);
+        if (n < 0) {
+            int e = errno;
+            if (e == EAGAIN) {
+                struct pollfd p[2] = {{zdp_fd, POLLIN, 0}, {zdp_stopfd, POLLIN, 0}};
+                if (poll(p, 2, -1) < 0 && errno != EINTR) {
+                    zdp_end(-errno);
+                    break;
+                }
+                if (p[1].revents)
+                    break;
+                continue;
+            }
+            if (e == EINTR || e == ENOENT)   /* ENOENT: interrupted before we read it */
+                continue;
+            zdp_end(e == ENODEV ? 0 : -e);
+            break;
+        }
+        t0 = zdp_now_ns();
+        if ((size_t)n < sizeof *in) {
+            zdp_end(-EIO);
+            break;
+        }
+        in = mem;
+        seq = ++zdp_seq;
+        if (in->opcode == ZOP_READ && (size_t)n >= sizeof *in + sizeof(struct zdp_read_in)
+                && zdp_serve_read(in, (const void *)((uint8_t *)mem + sizeof *in), t0))
+            continue;
+        ino = zdp_mutated_ino(in, (uint8_t *)mem + sizeof *in, (size_t)n - sizeof *in);
+        if (ino != 0) {
+            pthread_mutex_lock(&zdp_lock);
+            zdp_remove_locked(ino);
+            zdp_mutseq[ino % ZDP_MUTSEQ] = seq;
+            pthread_mutex_unlock(&zdp_lock);
+        }
+        zdp_enqueue(mem, (size_t)n, seq);
+        mem = NULL;
+    }
+    free(mem);
+    return NULL;
+}
+
+/* Start the dispatcher on the session's fd: 0, or -errno with zdp_why set. */
+static int zdp_start(int real_fd)
+{
+    int fl, err;
+    zdp_rbuf = aligned_alloc(4096, ZDP_BUFSZ);
+    if (zdp_rbuf == NULL) {
+        snprintf(zdp_why, sizeof zdp_why, "no memory for the read buffer");
+        return -ENOMEM;
+    }
+    if (zdp_pins == NULL) {
+        snprintf(zdp_why, sizeof zdp_why, "zdp_configure was not called");
+        return -EINVAL;
+    }
+    zdp_fd = fcntl(real_fd, F_DUPFD_CLOEXEC, 3);
+    zdp_qfd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    zdp_stopfd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (zdp_fd < 0 || zdp_qfd < 0 || zdp_stopfd < 0) {
+        err = -errno;
+        snprintf(zdp_why, sizeof zdp_why, "dup/eventfd failed: %s", strerror(-err));
+        goto fail;
+    }
+    fl = fcntl(zdp_fd, F_GETFL);
+    if (fl < 0 || fcntl(zdp_fd, F_SETFL, fl | O_NONBLOCK) < 0) {
+        err = -errno;
+        snprintf(zdp_why, sizeof zdp_why, "O_NONBLOCK on /dev/fuse: %s", strerror(-err));
+        goto fail;
+    }
+    err = -pthread_create(&zdp_thread, NULL, zdp_main, NULL);
+    if (err != 0) {
+        fcntl(zdp_fd, F_SETFL, fl);
+        snprintf(zdp_why, sizeof zdp_why, "pthread_create: %s", strerror(-err));
+        goto fail;
+    }
+    pthread_setname_np(zdp_thread, "zonefs-dispatch");
+    zdp_running = 1;
+    return 0;
+fail:
+    if (zdp_fd >= 0)
+        close(zdp_fd);
+    if (zdp_qfd >= 0)
+        close(zdp_qfd);
+    if (zdp_stopfd >= 0)
+        close(zdp_stopfd);
+    zdp_fd = zdp_qfd = zdp_stopfd = -1;
+    return err;
+}
+
+/* ---- libfuse stand-ins ---------------------------------------------------------- */
+int fuse_session_fd(struct fuse_session *se)
+{
+    zdp_fd_fn real = (zdp_fd_fn)zdp_real("fuse_session_fd");
+    int fd;
+    if (real == NULL || real == fuse_session_fd)
+        return -1;
+    fd = real(se);
+    if (zdp_running)
+        return zdp_qfd;
+    if (!zdp_armed_flag || fd < 0)
+        return fd;
+    zdp_armed_flag = 0;   /* one attempt per arm */
+    return zdp_start(fd) == 0 ? zdp_qfd : fd;
+}
+
+int fuse_session_receive_buf(struct fuse_session *se, struct fuse_buf *buf)
+{
+    struct zdp_node *node;
+    if (!zdp_running) {
+        zdp_recv_fn real = (zdp_recv_fn)zdp_real("fuse_session_receive_buf");
+        if (real == NULL || real == fuse_session_receive_buf)
+            return -ENOSYS;
+        return real(se, buf);
+    }
+    pthread_mutex_lock(&zdp_qlock);
+    node = zdp_qhead;
+    if (node == NULL) {
+        int ended = zdp_ended, err = zdp_end_err;
+        if (!ended) {
+            uint64_t v;
+            (void)!read(zdp_qfd, &v, sizeof v);   /* empty: not readable until a push */
+        }
+        pthread_mutex_unlock(&zdp_qlock);
+        if (!ended)
+            return -EINTR;
+        if (err == 0)
+            fuse_session_exit(se);   /* as libfuse does on ENODEV */
+        return err;
+    }
+    zdp_qhead = node->next;
+    if (zdp_qhead == NULL) {
+        zdp_qtail = NULL;
+        if (!zdp_ended) {
+            uint64_t v;
+            (void)!read(zdp_qfd, &v, sizeof v);
+        }
+    }
+    if (buf->mem != NULL && !(buf->flags & FUSE_BUF_IS_FD))
+        zdp_buf_put_locked(buf->mem);
+    pthread_mutex_unlock(&zdp_qlock);
+    buf->mem = node->mem;
+    buf->size = node->size;
+    buf->flags = 0;
+    buf->pos = 0;
+    pthread_mutex_lock(&zdp_lock);
+    zdp_handed = node->seq;
+    pthread_mutex_unlock(&zdp_lock);
+    free(node);
+    return (int)buf->size;
+}
+
+/* Stop the dispatcher (idempotent): the thread is joined, its fds closed. */
+void zdp_shutdown(void)
+{
+    struct zdp_node *node;
+    if (!zdp_running)
+        return;
+    {
+        uint64_t one = 1;
+        (void)!write(zdp_stopfd, &one, sizeof one);
+    }
+    pthread_join(zdp_thread, NULL);
+    zdp_running = 0;
+    close(zdp_fd);
+    close(zdp_stopfd);
+    zdp_fd = zdp_stopfd = -1;
+    /* zdp_qfd stays open: pyfuse3 may still hold it registered with trio */
+    pthread_mutex_lock(&zdp_qlock);
+    while ((node = zdp_qhead) != NULL) {
+        zdp_qhead = node->next;
+        free(node->mem);
+        free(node);
+    }
+    zdp_qtail = NULL;
+    while (zdp_npool > 0)
+        free(zdp_pool[--zdp_npool]);
+    pthread_mutex_unlock(&zdp_qlock);
+    free(zdp_rbuf);
+    zdp_rbuf = NULL;
+    zdp_revoke_all();
+}
+
+void fuse_session_destroy(struct fuse_session *se)
+{
+    zdp_destroy_fn real = (zdp_destroy_fn)zdp_real("fuse_session_destroy");
+    zdp_shutdown();
+    if (real != NULL && real != fuse_session_destroy)
+        real(se);
+}
+
+/* ---- control and counters (Python) ------------------------------------------------ */
+void zdp_arm(int on)
+{
+    zdp_armed_flag = on;
+    if (on)
+        zdp_why[0] = '\0';
+}
+
+int zdp_running_flag(void)
+{
+    return zdp_running;
+}
+
+const char *zdp_why_not(void)
+{
+    return zdp_why;
+}
+
+/* Seq of the last request handed to pyfuse3 and of the last one read. */
+uint64_t zdp_handed_seq(void)
+{
+    return zdp_handed;
+}
+
+/* out[0] served, out[1] served bytes, out[2] latency sum (ns), out[3] requests
+ * read, out[4..4+ZR_NREASONS) handed READs by reason, then ZDP_LAT_BUCKETS
+ * latency buckets (bucket b: [2^b, 2^(b+1)) ns). Returns the count written. */
+int zdp_stats(uint64_t *out, int max)
+{
+    int i, n = 0;
+#define PUT(v) do { if (n < max) out[n] = (v); n++; } while (0)
+    PUT(LOAD(zdp_served));
+    PUT(LOAD(zdp_served_bytes));
+    PUT(LOAD(zdp_lat_sum_ns));
+    PUT(LOAD(zdp_seq));
+    for (i = 0; i < ZR_NREASONS; i++)
+        PUT(LOAD(zdp_handed_reads[i]));
+    for (i = 0; i < ZDP_LAT_BUCKETS; i++)
+        PUT(LOAD(zdp_lat[i]));
+#undef PUT
+    return n < max ? n : max;
+}

@@ -1,0 +1,238 @@
+"""READs served in C by the data plane's dispatcher (issue 43, DESIGN 4.10), through the mount.
+
+O_DIRECT reads reach the daemon every time (no page cache), so each test sees
+what the dispatcher answers. Every test mounts with `-o c_reads=on`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import multiprocessing as mp
+import os
+import random
+import signal
+from pathlib import Path
+
+import pytest
+
+from .conftest import Mount, zonefs
+
+BS = 4096
+
+
+def _odirect_read(path: Path, offset: int, length: int) -> bytes:
+    buf = mmap.mmap(-1, max(length, BS))
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        n = os.preadv(fd, [memoryview(buf)[:length]], offset)
+        return bytes(buf[:n])
+    finally:
+        os.close(fd)
+        buf.close()
+
+
+def _find_block(image: Path, block: bytes) -> int:
+    """The image offset of the block-aligned copy of `block` (the device holds one)."""
+    chunk = 16 << 20
+    with open(image, "rb") as img:
+        base = 0
+        while data := img.read(chunk):
+            for off in range(0, len(data), BS):
+                if data[off:off + BS] == block:
+                    return base + off
+            base += len(data)
+    raise AssertionError("block not found in the image")
+
+
+def _dataplane(m: Mount) -> dict[str, object]:
+    doc = json.loads(zonefs("stat", "--json", str(m.path)).stdout)
+    return doc["dataplane"]
+
+
+def _settle(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def test_reads_of_a_settled_file_are_served_in_c(image: Path, mount_factory: Mount) -> None:
+    m = mount_factory.start("c_reads=on")
+    data = random.Random(1).randbytes(3 * 1024 * 1024 + 123)
+    f = m.path / "f"
+    f.write_bytes(data)
+    _settle(f)
+    assert _odirect_read(f, 0, 65536) == data[:65536]  # Python serves it, publishes the map
+    for off, n in ((0, 4096), (8192, 131072), (3 * 1024 * 1024, 8192), (100 * BS, 1 << 20)):
+        assert _odirect_read(f, off, n) == data[off:off + n]
+    st = _dataplane(m)
+    assert st["running"] is True
+    assert st["reads_c"] >= 4
+    assert st["maps_published"] >= 1
+
+
+def test_read_after_overwrite_truncate_punch_sees_new_bytes(image: Path,
+                                                            mount_factory: Mount) -> None:
+    m = mount_factory.start("c_reads=on")
+    f = m.path / "g"
+    f.write_bytes(b"a" * (1 << 20))
+    _settle(f)
+    _odirect_read(f, 0, BS)
+    assert _odirect_read(f, 0, BS) == b"a" * BS
+    with open(f, "r+b") as fh:
+        fh.write(b"b" * BS)
+    assert _odirect_read(f, 0, BS) == b"b" * BS
+    _odirect_read(f, 0, BS)
+    os.truncate(f, 2 * BS)
+    assert _odirect_read(f, 0, 4 * BS) == b"b" * BS + b"a" * BS
+    os.truncate(f, 4 * BS)
+    assert _odirect_read(f, 0, 4 * BS) == b"b" * BS + b"a" * BS + bytes(2 * BS)
+    _odirect_read(f, 0, BS)
+    fd = os.open(f, os.O_RDWR)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+        assert libc.fallocate(fd, 0x03, ctypes.c_long(0), ctypes.c_long(BS)) == 0
+    finally:
+        os.close(fd)
+    assert _odirect_read(f, 0, 2 * BS) == bytes(BS) + b"a" * BS
+
+
+@pytest.mark.expect_log("zonefs_py.fs.readpath", "ERROR", "checksum mismatch")
+def test_damaged_block_is_eio_for_reads_covering_it(image: Path, mount_factory: Mount) -> None:
+    m = mount_factory.start("c_reads=on")
+    marker = b"zonefs-damage-43" * (BS // 16)
+    blocks = [bytes([65 + i]) * BS for i in range(8)]
+    blocks[5] = marker
+    f = m.path / "d"
+    f.write_bytes(b"".join(blocks))
+    _settle(f)
+    assert _odirect_read(f, 0, 8 * BS)[5 * BS:6 * BS] == marker
+    pos = _find_block(image, marker)
+    with open(image, "r+b") as img:
+        img.seek(pos + 7)
+        img.write(b"X")
+        img.flush()
+        os.fsync(img.fileno())
+    for i in (0, 4, 6, 7):
+        assert _odirect_read(f, i * BS, BS) == blocks[i]
+    with pytest.raises(OSError) as exc:
+        _odirect_read(f, 5 * BS, BS)
+    assert exc.value.errno == 5
+    with pytest.raises(OSError):
+        _odirect_read(f, 4 * BS, 2 * BS)
+    st = _dataplane(m)
+    assert st["reads_python"]["checksum_mismatch"] >= 1  # type: ignore[index]
+    (m.path / "still-writable").write_bytes(b"x")
+    assert m.log_text().count("checksum mismatch") == 2  # one line per failed read
+    f.unlink()  # fsck after the test checks every live block
+
+
+def _reader(path: str, nblocks: int, done_gen: mp.Value, started_gen: mp.Value,  # type: ignore[valid-type]
+            zero_gens: mp.Array, stop: mp.Event, out: mp.Queue, seed: int) -> None:  # type: ignore[valid-type]
+    rng = random.Random(seed)
+    buf = mmap.mmap(-1, BS)
+    bad: list[str] = []
+    reads = 0
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    while not stop.is_set() and len(bad) < 5:
+        b = rng.randrange(nblocks)
+        lo = done_gen.value
+        n = os.preadv(fd, [buf], b * BS)
+        hi = started_gen.value
+        reads += 1
+        if n == 0:
+            continue  # truncated to 0 meanwhile
+        blk = bytes(buf[:n])
+        v = blk[0]
+        if blk != bytes([v]) * n:
+            bad.append(f"block {b}: mixed bytes {sorted(set(blk))[:4]} (gens {lo}..{hi})")
+        elif v == 0:
+            if not any(zero_gens[g] for g in range(lo + 1, hi + 1)):
+                bad.append(f"block {b}: zeros, no truncate/punch in gens {lo + 1}..{hi}")
+        elif not lo <= v <= hi:
+            bad.append(f"block {b}: generation byte {v}, expected gens {lo}..{hi}")
+    os.close(fd)
+    out.put((reads, bad))
+
+
+@pytest.mark.slow
+def test_readers_never_see_bytes_the_file_did_not_hold(image: Path, mount_factory: Mount) -> None:
+    """Readers hammer a file (O_DIRECT, served in C when settled) while a writer rewrites
+    it generation by generation, truncates and punches it; the overwrites make the
+    cleaner relocate and reset zones. Every block read must hold the byte of a
+    generation written between the read's start and end (or zeros while a truncate or
+    punch of one of those generations ran)."""
+    m = mount_factory.start("c_reads=on")
+    nblocks = 512
+    f = m.path / "h"
+    f.write_bytes(bytes([1]) * nblocks * BS)  # generation 1
+    _settle(f)
+    ctx = mp.get_context("fork")
+    done_gen, started_gen = ctx.Value("l", 1, lock=False), ctx.Value("l", 1, lock=False)
+    zero_gens = ctx.Array("b", 257, lock=False)
+    stop, out = ctx.Event(), ctx.Queue()
+    readers = [ctx.Process(target=_reader, args=(str(f), nblocks, done_gen, started_gen,
+                                                 zero_gens, stop, out, s)) for s in range(3)]
+    for p in readers:
+        p.start()
+    libc = ctypes.CDLL(None, use_errno=True)
+    rng = random.Random(7)
+    fd = os.open(f, os.O_RDWR)
+    try:
+        for g in range(2, 256):  # the generation is the byte every block holds
+            kind = rng.random()
+            zero_gens[g] = 1 if kind < 0.1 else 0
+            started_gen.value = g
+            byte = bytes([g])
+            if kind < 0.05:
+                os.ftruncate(fd, rng.randrange(nblocks) * BS)
+            elif kind < 0.1:
+                b0 = rng.randrange(nblocks)
+                libc.fallocate(fd, 0x03, ctypes.c_long(b0 * BS), ctypes.c_long(8 * BS))
+            os.pwrite(fd, byte * (nblocks * BS), 0)
+            if g % 16 == 0:
+                os.fsync(fd)
+            done_gen.value = g
+    finally:
+        os.close(fd)
+        stop.set()
+    results = [out.get(timeout=60) for _ in readers]
+    for p in readers:
+        p.join(timeout=60)
+    bad = [b for _, bs in results for b in bs]
+    assert not bad, bad
+    assert sum(r for r, _ in results) > 1000
+    assert _dataplane(m)["reads_c"] > 0
+
+
+def test_sigterm_with_c_reads_in_flight_does_not_hang(image: Path,
+                                                      mount_factory: Mount) -> None:
+    m = mount_factory.start("c_reads=on")
+    f = m.path / "s"
+    f.write_bytes(random.Random(3).randbytes(8 << 20))
+    _settle(f)
+    _odirect_read(f, 0, BS)
+    ctx = mp.get_context("fork")
+
+    def spin(path: str) -> None:
+        buf = mmap.mmap(-1, 1 << 20)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            while True:
+                os.preadv(fd, [buf], random.randrange(8) << 20)
+        except OSError:
+            return
+
+    procs = [ctx.Process(target=spin, args=(str(f),)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    while _dataplane(m)["reads_c"] < 50:  # type: ignore[operator]
+        pass
+    assert m.signal(signal.SIGTERM) == 0
+    for p in procs:
+        p.join(timeout=30)
+        assert not p.is_alive()

@@ -1,0 +1,223 @@
+"""The data plane: READs of settled files answered in C (issue 43, DESIGN 4.10).
+
+native/zonefs_dispatch.c runs one C thread, the only reader of /dev/fuse: it
+answers a READ of a file whose read map is published, from the device,
+verified against the blocks' checksums, without the trio thread or the GIL;
+every other request (and every READ it cannot serve) goes to pyfuse3's
+unchanged loop in arrival order. This package is its Python side:
+
+* `arm(...)` before `pyfuse3.init` (the dispatcher starts inside it when
+  pyfuse3 asks for the session's fd); `started()` / `why_not()` after;
+* `ReadMaps`: publishes a file's map after a READ of it that Python served,
+  when the file is settled (no write state, no write arriving, not inline, no
+  drain state), and revokes it before any change to the file's bytes or size
+  is applied (`revoke`, wired to the State's data and layout events);
+* `ReadMaps.zone_pins(zone)`: reads in C of the zone (INV-8: the allocator
+  resets no zone while it has any);
+* `ReadMaps.stats()`: READs served in C and handed to Python, by reason, and
+  the latencies of C reads (the QoS controller samples them: `qos_samples`).
+
+What Python promises C: a published map holds only pieces that stay as they
+are while published (written data in a sequential zone, `direct_read_target`
+of the device), with their checksums when at hand (pieces without them are
+handed back); it is revoked, synchronously, before the op that changes the
+file's bytes, size or placement is applied (EXTENT: writes landing, cleaner
+relocation, copies; TRUNCATE, PUNCH, PREALLOC, INLINE, INODE, DRAIN,
+INODE_FREE). What C promises Python: DESIGN 4.10 and the C file's header.
+
+Caveats: one mount per process (as pyfuse3 and fuseext). Only the device's
+O_DIRECT fd is read (pread, one READ at a time on the C thread); a device
+without `direct_read_target` (or with faults armed) publishes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from zonefs_py import fuseext
+from zonefs_py.device.base import capabilities
+
+log = logging.getLogger(__name__)
+
+#: Why a READ went to Python, in the C side's order (zdp_stats).
+REASONS = ("not_published", "mutated", "no_checksums", "checksum_mismatch",
+           "device_error", "too_large")
+#: Latency histogram buckets (bucket b: [2**b, 2**(b+1)) ns).
+LAT_BUCKETS = 32
+ZDP_HOLE = 1
+ZDP_PYTHON = 2
+
+
+def _ext() -> Any:
+    return fuseext._load()  # noqa: SLF001 - one extension module holds both
+
+
+def arm(nzones: int, block_size: int) -> bool:
+    """Start the dispatcher at the next `pyfuse3.init`; False if unavailable."""
+    ext = _ext()
+    if ext is None:
+        return False
+    rc = ext.lib.zdp_configure(nzones, block_size)
+    if rc < 0:
+        log.warning("C reads off: the read map could not be configured (%d)", rc)
+        return False
+    ext.lib.zdp_arm(1)
+    return True
+
+
+def disarm() -> None:
+    ext = _ext()
+    if ext is not None:
+        ext.lib.zdp_arm(0)
+
+
+def started() -> bool:
+    """Whether the dispatcher runs (after `pyfuse3.init`)."""
+    ext = _ext()
+    return ext is not None and bool(ext.lib.zdp_running_flag())
+
+
+def why_not() -> str:
+    """Why the dispatcher did not start ("" when it did, or was not armed)."""
+    ext = _ext()
+    if ext is None:
+        return "zonefs_py._fuseext is not built"
+    return str(ext.ffi.string(ext.lib.zdp_why_not()).decode(errors="replace"))
+
+
+def raw_stats() -> list[int]:
+    """The C counters (zdp_stats order), [] without the extension."""
+    ext = _ext()
+    if ext is None:
+        return []
+    n = 4 + len(REASONS) + LAT_BUCKETS
+    out = ext.ffi.new("uint64_t[]", n)
+    got = ext.lib.zdp_stats(out, n)
+    return [int(out[i]) for i in range(got)]
+
+
+class ReadMaps:
+    """Publishes and revokes read maps (module docstring); the engine's only door to C."""
+
+    def __init__(self, dev: Any, state: Any, writes: Any, sums: Any) -> None:
+        ext = _ext()
+        assert ext is not None
+        self._ffi, self._lib = ext.ffi, ext.lib
+        self.dev = dev
+        self.state = state
+        self.writes = writes
+        self.sums = sums
+        self.bs: int = dev.info.block_size
+        self.zone_size: int = dev.info.zone_size_bytes
+        self._target: Callable[[int, int], tuple[int, int] | None] | None = (
+            capabilities(dev).direct_read_target)
+        #: Inodes with a map published (a superset after the dispatcher's own
+        #: revocations: revoke() of one not in C is a no-op).
+        self.published: set[int] = set()
+        self.publishes = 0
+        self.refused = 0
+        self._lat_seen = [0] * LAT_BUCKETS
+
+    # -- revoking (synchronous: no await) ------------------------------------------------
+    def revoke(self, ino: int) -> None:
+        """No READ of `ino` is served from its map once this returns (State hook)."""
+        if ino in self.published:
+            self.published.discard(ino)
+            self._lib.zdp_revoke(ino)
+
+    def revoke_all(self) -> None:
+        self.published.clear()
+        self._lib.zdp_revoke_all()
+
+    def zone_pins(self, zone: int) -> int:
+        return int(self._lib.zdp_zone_pins(zone))
+
+    # -- publishing --------------------------------------------------------------------------
+    def settled(self, inode: Any) -> bool:
+        """Whether nothing can change the file's bytes now (no await)."""
+        ino = inode.ino
+        return (inode.extents is not None and not inode.inline
+                and not self.writes.has_state(ino) and not self.writes.writes_arriving(ino)
+                and ino not in self.state.drain)
+
+    def after_python_read(self, inode: Any) -> None:
+        """A READ of `inode` was served in Python: publish its map if it is settled."""
+        if self._target is None or not self.settled(inode):
+            return
+        self.publish(inode)
+
+    def publish(self, inode: Any) -> bool:
+        """Build and publish the map of a settled file (no await between the look-up and
+        the C call). False when C refused it (a mutating request not handed on yet)."""
+        bs, zsize, target = self.bs, self.zone_size, self._target
+        assert target is not None
+        size = inode.size
+        nblocks = (size + bs - 1) // bs
+        pieces = inode.extents.lookup(0, nblocks, bs) if nblocks else []
+        arr = self._ffi.new("struct zdp_piece[]", max(1, len(pieces)))
+        sums: list[bytes] = []
+        nsums = 0
+        for i, p in enumerate(pieces):
+            c = arr[i]
+            c.file_off = p.fblock * bs
+            c.length = p.nblocks * bs
+            if p.dev is None:
+                c.flags = ZDP_HOLE
+                continue
+            nbytes = p.nblocks * bs
+            zone = p.dev // zsize
+            where = target(p.dev, nbytes) if (p.dev + nbytes - 1) // zsize == zone else None
+            csums = p.csums if p.csums is not None else self.sums.cached(p.dev, p.nblocks)
+            if where is None or csums is None or len(csums) != p.nblocks * 4:
+                c.flags = ZDP_PYTHON
+                continue
+            c.fd, c.dev_off = where
+            c.zone = zone
+            c.csum_idx = nsums
+            sums.append(bytes(csums))
+            nsums += p.nblocks
+        blob = b"".join(sums)
+        rc = self._lib.zdp_publish(inode.ino, size, arr, len(pieces), blob, nsums)
+        if rc < 0:
+            self.refused += 1
+            return False
+        self.published.add(inode.ino)
+        self.publishes += 1
+        return True
+
+    # -- counters --------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """READs served in C and handed to Python by reason, C read latency, maps."""
+        raw = raw_stats()
+        if not raw:
+            return {}
+        served, nbytes, lat_ns, requests = raw[:4]
+        handed = dict(zip(REASONS, raw[4:4 + len(REASONS)], strict=True))
+        return {
+            "running": started(),
+            "reads_c": served,
+            "reads_c_bytes": nbytes,
+            "reads_c_mean_us": round(lat_ns / served / 1000, 1) if served else 0.0,
+            "reads_python": handed,
+            "requests_read": requests,
+            "maps_published": len(self.published),
+            "publishes": self.publishes,
+            "publishes_refused": self.refused,
+        }
+
+    def qos_samples(self) -> list[float]:
+        """Latencies (seconds) of C reads since the last call, one per read (bucket
+        midpoints, at most 256 per bucket), for the QoS controller."""
+        raw = raw_stats()
+        if not raw:
+            return []
+        lat = raw[4 + len(REASONS):]
+        out: list[float] = []
+        for b, count in enumerate(lat):
+            new = count - self._lat_seen[b]
+            if new > 0:
+                self._lat_seen[b] = count
+                out.extend([1.5 * (1 << b) / 1e9] * min(new, 256))
+        return out

@@ -1,0 +1,83 @@
+"""How the daemon switches the data plane on: arm before `pyfuse3.init`, attach the
+read maps to the engine after it, report, and feed C reads' latencies to the QoS
+controller. The only place outside dataplane/ that knows both the engine's and
+the daemon's side (DESIGN 4.10)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import trio
+
+from zonefs_py import dataplane
+from zonefs_py.device.base import capabilities
+
+log = logging.getLogger(__name__)
+
+#: How often the QoS controller takes the latencies of C reads.
+QOS_SAMPLE_S = 0.05
+
+
+def arm_before_init(fs: Any, on: bool) -> bool:
+    """Arm the dispatcher for the next `pyfuse3.init` when `on` and the device can be
+    read in C; False (and a log line saying why) otherwise."""
+    if not on:
+        dataplane.disarm()
+        return False
+    if capabilities(fs.dev).direct_read_target is None:
+        log.warning("C reads off: the device offers no direct read target "
+                    "(every READ is served in Python)")
+        return False
+    info = fs.dev.info
+    if not dataplane.arm(info.nr_zones, info.block_size):
+        log.warning("C reads off: the dispatcher could not be armed (%s)",
+                    dataplane.why_not() or "extension unavailable")
+        return False
+    return True
+
+
+def attach_after_init(fs: Any) -> bool:
+    """After `pyfuse3.init`: give the engine its read maps if the dispatcher runs."""
+    if not dataplane.started():
+        log.warning("C reads off: the request dispatcher did not start (%s); every "
+                    "request is served in Python", dataplane.why_not() or "unknown")
+        return False
+    reads = fs.data.reads
+    maps = dataplane.ReadMaps(fs.dev, fs.state, fs.data.writes, reads.sums)
+    reads.maps = maps
+    fs.alloc.c_pins = maps.zone_pins
+    log.info("C reads on: the request dispatcher reads /dev/fuse and serves READs of "
+             "settled files")
+    return True
+
+
+def with_c_reads(fs: Any, extra: dict[str, Any]) -> dict[str, Any]:
+    """The adapter's status part with the data plane's counters: READs served in C
+    join the census's READ count, and `dataplane` says where each READ went."""
+    data = getattr(fs, "data", None)
+    maps = data.reads.maps if data is not None else None
+    if maps is None:
+        return extra
+    stats = maps.stats()
+    out = dict(extra)
+    out["dataplane"] = stats
+    census = dict(out.get("requests") or {})
+    if census and stats.get("reads_c"):
+        census["READ"] = census.get("READ", 0) + stats["reads_c"]
+    out["requests"] = census
+    return out
+
+
+async def feed_qos(fs: Any) -> None:
+    """Hand the latencies of C reads to the read QoS controller (fs/qos.py), which
+    otherwise sees only the reads Python serves."""
+    qos = fs.data.writes.qos
+    while True:
+        await trio.sleep(QOS_SAMPLE_S)
+        maps = fs.data.reads.maps
+        if maps is None or not qos.enabled:
+            continue
+        samples = maps.qos_samples()
+        if samples:
+            qos.add_samples(samples)
