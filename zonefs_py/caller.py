@@ -2,7 +2,7 @@
 CAP_FSETID, read from /proc when a rule needs them.
 
 A FUSE request header carries the caller's fsuid, fsgid and thread id, not its
-supplementary groups or capabilities. The kill-priv rule (DESIGN 4.2b) needs both
+supplementary groups or capabilities. The kill-priv rule (DESIGN 4.1a) needs both
 for a file with a set-ID bit: setgid stays when the writer is in the file's group,
 and nothing is cleared for a writer holding CAP_FSETID. `proc_credentials` reads
 them from /proc/<tid>/status; the adapter hands it to the engine inside `Ctx`

@@ -1,4 +1,4 @@
-"""Kill-priv through the mount (issue 42, DESIGN 4.2b): a second user's write,
+"""Kill-priv through the mount (issue 42, DESIGN 4.1a): a second user's write,
 truncate, fallocate (every mode), copy_file_range into a file and open with
 O_TRUNC clear set-user-ID and set-group-ID as ext4 does.
 

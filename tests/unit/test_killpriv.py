@@ -1,4 +1,4 @@
-"""The kill-priv rule (DESIGN 4.2b): which set-ID bits a data change, a chown or a
+"""The kill-priv rule (DESIGN 4.1a): which set-ID bits a data change, a chown or a
 chmod by a given caller clears, at the engine level; the integration test
 tests/integration/test_killpriv.py holds the mount to what ext4 does."""
 

@@ -147,7 +147,7 @@ class SetAttrRequest:
     extra: dict[str, object] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
-        """Whether no field changes: the kernel's kill-priv notice (DESIGN 4.2b)."""
+        """Whether no field changes: the kernel's kill-priv notice (DESIGN 4.1a)."""
         return (self.size is None and self.mode is None and self.uid is None
                 and self.gid is None and self.atime_ns is None and self.mtime_ns is None
                 and self.ctime_ns is None)

@@ -29,7 +29,7 @@ from zonefs_py.model.state import CAPABILITY_XATTR, Inode, State
 
 
 def setid_bits_to_drop(inode: Inode, ctx: Ctx, *, chown: bool = False) -> int:
-    """Return the set-ID bits of `inode` that a change by `ctx` clears (DESIGN 4.2b).
+    """Return the set-ID bits of `inode` that a change by `ctx` clears (DESIGN 4.1a).
 
     The data change rule (write, truncate, fallocate, copy destination, open with
     O_TRUNC) is Linux's `setattr_should_drop_suidgid` (fs/attr.c): on a regular
@@ -162,7 +162,7 @@ class AttrOps:
             changes["uid"] = req.uid
         if req.gid is not None:
             changes["gid"] = req.gid
-        # Kill-priv (DESIGN 4.2b): a truncate, and the empty SETATTR the kernel sends
+        # Kill-priv (DESIGN 4.1a): a truncate, and the empty SETATTR the kernel sends
         # for a write, fallocate or copy whose caller its own FUSE rule lets keep a
         # set-ID bit; a chown. Computed on the mode before this request's change.
         if req.uid is not None or req.gid is not None:
@@ -191,7 +191,7 @@ class AttrOps:
         """Apply the kill-priv rule for a data change by `ctx` that the kernel does not
         announce (an open with O_TRUNC, done here under atomic_o_trunc): clear the
         set-ID bits `setid_bits_to_drop` names and remove security.capability, as the
-        kernel's `file_remove_privs` does (DESIGN 4.2b). Return the ops applied, for
+        kernel's `file_remove_privs` does (DESIGN 4.1a). Return the ops applied, for
         the caller's journal transaction."""
         ops: list[Op] = []
         if inode.xattrs and CAPABILITY_XATTR in inode.xattrs:
