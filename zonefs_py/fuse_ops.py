@@ -56,6 +56,7 @@ import pyfuse3
 import trio
 
 from zonefs_py import control, errors, fuseext
+from zonefs_py.caller import proc_credentials
 from zonefs_py.dataplane import wiring as dataplane_wiring
 from zonefs_py.fs.api import (
     CAPABILITY_XATTR,
@@ -147,16 +148,19 @@ def _handler(fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[A
 
 
 def ctx_of(rctx: pyfuse3.RequestContext) -> Ctx:
-    """Convert pyfuse3's request context (supplementary groups are not sent by FUSE)."""
-    return Ctx(uid=rctx.uid, gid=rctx.gid, pid=rctx.pid, umask=rctx.umask)
+    """Convert pyfuse3's request context (supplementary groups and capabilities are not
+    sent by FUSE: the engine reads them from /proc when a rule needs them)."""
+    return Ctx(uid=rctx.uid, gid=rctx.gid, pid=rctx.pid, umask=rctx.umask,
+               creds=functools.partial(proc_credentials, rctx.pid, rctx.uid, rctx.gid))
 
 
 class Operations(pyfuse3.Operations):
     """pyfuse3 request handlers over one mounted `FileSystemAPI`."""
 
-    #: FUSE export support (issue 28): node ids are inode numbers, persistent and
-    #: never handed out twice (generation 0), so the kernel may resolve a file
-    #: handle by looking up "." in its node id and ".." of a directory.
+    #: FUSE export support (issues 28, 42): node ids are inode numbers, with the
+    #: inode's generation in every entry reply, so the kernel may resolve a file
+    #: handle by looking up "." in its node id and ".." of a directory, and refuses
+    #: (ESTALE) a handle whose generation differs (DESIGN 4.2a).
     supports_dot_lookup = True
     enable_acl = False
 
@@ -203,7 +207,7 @@ class Operations(pyfuse3.Operations):
         """Convert an engine `Attr` to pyfuse3's EntryAttributes with our timeouts."""
         entry = pyfuse3.EntryAttributes()
         entry.st_ino = attr.ino
-        entry.generation = 0
+        entry.generation = attr.generation
         entry.entry_timeout = self.entry_timeout_s
         entry.attr_timeout = self.attr_timeout_s
         entry.st_mode = attr.mode
@@ -353,7 +357,7 @@ class Operations(pyfuse3.Operations):
             # The kernel computes append offsets itself and may write back any
             # page through any writable handle: the engine must use offsets as given.
             flags &= ~os.O_APPEND
-        fh = await self.fs.open(inode, flags)
+        fh = await self.fs.open(inode, flags, ctx_of(ctx))
         attr = None if flags & os.O_TRUNC else await self.fs.getattr(inode)
         return self._file_info(fh, attr)
 

@@ -151,6 +151,7 @@ OP_STRATEGIES = {
     OpType.PARENT: st.tuples(st.just(OpType.PARENT), u64, u64),
     OpType.ZONE_LIVE: st.tuples(st.just(OpType.ZONE_LIVE), u32, u64),
     OpType.INODE_COUNT: st.tuples(st.just(OpType.INODE_COUNT), u64),
+    OpType.INO_GENERATION: st.tuples(st.just(OpType.INO_GENERATION), u64, u32),
     OpType.RESIDENT: st.tuples(st.just(OpType.RESIDENT),
                                st.lists(u64, max_size=64).map(tuple)),
     OpType.INLINE: st.tuples(st.just(OpType.INLINE), u64, u64, i64, i64,

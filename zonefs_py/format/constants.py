@@ -126,6 +126,9 @@ class OpType(enum.IntEnum):
     #: Format 5 checkpoints: inodes a mount loads at once (open-unlinked files,
     #: reservations, drain states, quota and capability xattrs; DESIGN.md 3.15).
     RESIDENT = 29
+    #: Inode generations (issue 42): inodes numbered from an ino on are of this
+    #: generation (export handles of a reused number go stale; no DISK_VERSION change).
+    INO_GENERATION = 30
 
 
 class Stream(enum.IntEnum):

@@ -30,6 +30,9 @@ u32 body length, body (docs/SPEC.md "Operations").
     PUNCH       (ino, first_block, nblocks)   drops the mappings and reservations of file blocks
     SHARE       (dev_offset, nblocks, count)   device blocks gain `count` references
                 (copy_file_range sharing extents, model/shared.py)
+    INO_GENERATION (first_ino, generation)   inodes numbered first_ino and up (to the
+                next such op's first_ino) are of `generation` (u32, FUSE's and
+                export handles'; model/state.py `generation_of`)
     Format 5 only (issue 32, docs/DESIGN.md 3.15):
     PARENT      (ino, parent_ino)   an inode record's primary parent directory
     ZONE_LIVE   (zone_idx, live_blocks)   a checkpoint's live block count of a data zone
@@ -65,6 +68,7 @@ _ZONE_SEAL = struct.Struct("<IIQ")
 _QQQ = struct.Struct("<QQQ")
 _SHARE = struct.Struct("<QQI")
 _ZONE_LIVE = struct.Struct("<IQ")
+_INO_GENERATION = struct.Struct("<QI")
 #: Inodes one RESIDENT op lists at most (a checkpoint writes as many ops as needed).
 RESIDENT_MAX_INODES = 4096
 
@@ -97,6 +101,8 @@ def encode_op(op: Op) -> bytes:
         body = _QQ.pack(op[1], op[2])
     elif kind == OpType.ZONE_LIVE:
         body = _ZONE_LIVE.pack(op[1], op[2])
+    elif kind == OpType.INO_GENERATION:
+        body = _INO_GENERATION.pack(op[1], op[2])
     elif kind == OpType.RESIDENT:
         if len(op[1]) > RESIDENT_MAX_INODES:
             raise ValueError(f"RESIDENT op of {len(op[1])} inodes (at most {RESIDENT_MAX_INODES})")
@@ -204,6 +210,10 @@ def _decode_body(kind: int, payload: bytes, mv: memoryview, pos: int, bend: int)
         if bend - pos != 16:
             raise OpDecodeError("PARENT body is not 16 bytes")
         return (OpType.PARENT, *_QQ.unpack_from(payload, pos))
+    if kind == OpType.INO_GENERATION:
+        if bend - pos != _INO_GENERATION.size:
+            raise OpDecodeError("INO_GENERATION body is not 12 bytes")
+        return (OpType.INO_GENERATION, *_INO_GENERATION.unpack_from(payload, pos))
     if kind == OpType.ZONE_LIVE:
         if bend - pos != _ZONE_LIVE.size:
             raise OpDecodeError("ZONE_LIVE body is not 12 bytes")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import trio
@@ -80,6 +80,8 @@ class Attr:
     mtime_ns: int
     ctime_ns: int
     blksize: int = 4096
+    #: Export handles carry it with the inode number (DESIGN 4.2a).
+    generation: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +93,22 @@ class Ctx:
     pid: int = 0
     umask: int = 0o022
     groups: tuple[int, ...] = ()
+    #: Reads (supplementary groups, holds CAP_FSETID) of the caller when a rule needs
+    #: them (FUSE sends neither: `zonefs_py.caller`); None: `groups` as given, and
+    #: uid 0 holds CAP_FSETID.
+    creds: Callable[[], tuple[tuple[int, ...], bool]] | None = field(
+        default=None, compare=False, repr=False)
+
+    def credentials(self) -> tuple[tuple[int, ...], bool]:
+        """Return (the groups the caller is in, whether it holds CAP_FSETID)."""
+        if self.creds is not None:
+            return self.creds()
+        return (self.gid, *self.groups), self.uid == 0
+
+
+#: The context of a request the engine makes itself, or a test: root, holding
+#: every capability.
+ROOT_CTX = Ctx()
 
 
 @dataclass(slots=True)
@@ -127,6 +145,12 @@ class SetAttrRequest:
     mtime_ns: int | None = None
     ctime_ns: int | None = None
     extra: dict[str, object] = field(default_factory=dict)
+
+    def is_empty(self) -> bool:
+        """Whether no field changes: the kernel's kill-priv notice (DESIGN 4.1a)."""
+        return (self.size is None and self.mode is None and self.uid is None
+                and self.gid is None and self.atime_ns is None and self.mtime_ns is None
+                and self.ctime_ns is None)
 
 
 class FileSystemAPI(abc.ABC):
@@ -191,8 +215,9 @@ class FileSystemAPI(abc.ABC):
 
     # -- files ---------------------------------------------------------------
     @abc.abstractmethod
-    async def open(self, ino: int, flags: int) -> int:
-        """Open ino (O_TRUNC truncates); return a file handle."""
+    async def open(self, ino: int, flags: int, ctx: Ctx = ROOT_CTX) -> int:
+        """Open ino (O_TRUNC truncates, and clears set-ID bits as a write by `ctx`
+        would); return a file handle."""
 
     @abc.abstractmethod
     async def create(self, parent_ino: int, name: bytes, mode: int, flags: int,

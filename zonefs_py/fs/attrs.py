@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from zonefs_py import errors
 from zonefs_py.drain.manager import DrainManager
-from zonefs_py.format.ops import Op
+from zonefs_py.format.ops import Op, OpType
 from zonefs_py.fs.api import FILE_SIZE_MAX, NAME_MAX, ROOT_INO, Attr, Ctx, SetAttrRequest
 from zonefs_py.fs.clock import now_ns
 from zonefs_py.fs.datapath import DataPath
@@ -25,7 +25,38 @@ from zonefs_py.fs.lazyio import fault_in
 from zonefs_py.fs.namespace import XATTR_PREFIXES
 from zonefs_py.journal.journal import Journal
 from zonefs_py.model.lazy import LazyEntries
-from zonefs_py.model.state import Inode, State
+from zonefs_py.model.state import CAPABILITY_XATTR, Inode, State
+
+
+def setid_bits_to_drop(inode: Inode, ctx: Ctx, *, chown: bool = False) -> int:
+    """Return the set-ID bits of `inode` that a change by `ctx` clears (DESIGN 4.1a).
+
+    The data change rule (write, truncate, fallocate, copy destination, open with
+    O_TRUNC) is Linux's `setattr_should_drop_suidgid` (fs/attr.c): on a regular
+    file, setuid always and setgid when the group may execute or when the caller is
+    not in the file's group, unless the caller holds CAP_FSETID (then nothing).
+    With `chown`, the rule of `chown_common` (fs/open.c): on anything but a
+    directory, setuid always, whoever the caller, and setgid as above. The
+    caller's groups and capability are read only for a file with a set-ID bit.
+    """
+    mode = inode.mode
+    if not mode & (statmod.S_ISUID | statmod.S_ISGID):
+        return 0
+    if statmod.S_ISDIR(mode) if chown else not statmod.S_ISREG(mode):
+        return 0
+    kill = mode & statmod.S_ISUID
+    groups, capable = ctx.credentials()
+    if mode & statmod.S_ISGID and (mode & statmod.S_IXGRP
+                                   or not (capable or inode.gid in groups)):
+        kill |= statmod.S_ISGID
+    return kill if chown or not capable else 0
+
+
+def may_keep_setgid(ctx: Ctx, gid: int) -> bool:
+    """Whether `ctx` may leave setgid on a file of group `gid` when it sets the mode:
+    in that group, or holding CAP_FSETID (Linux's `in_group_or_capable`, fs/attr.c)."""
+    groups, capable = ctx.credentials()
+    return capable or gid in groups
 
 
 class AttrOps:
@@ -53,6 +84,11 @@ class AttrOps:
             # handle (open_by_handle_at, NFS) whose inode it no longer caches by
             # looking up "." in the handle's node id (DESIGN 4.2a).
             inode = self.inode(parent_ino)
+            if inode.nlink == 0:
+                # Deleted: the kernel asks only for inodes it no longer caches, and an
+                # open file stays cached, so this one is kept only until a FORGET
+                # still on its way frees it. Its handle is stale (as ext4's is).
+                raise errors.NotFound(f"inode {parent_ino} has no name left")
             inode.lookups += 1
             return self.attr(inode)
         d = self._dir(parent_ino)
@@ -115,15 +151,28 @@ class AttrOps:
             ops += self.inline.truncate_ops(inode, req.size)
         changes: dict[str, int] = {}
         if req.mode is not None:
-            changes["mode"] = statmod.S_IFMT(inode.mode) | (req.mode & 0o7777)
+            mode = statmod.S_IFMT(inode.mode) | (req.mode & 0o7777)
+            if mode & statmod.S_ISGID and not may_keep_setgid(
+                    ctx, inode.gid if req.gid is None else req.gid):
+                # Linux's setattr_prepare: also what the kernel's own kill-priv
+                # recomputation (a write to a setuid+setgid file) leaves us to do.
+                mode &= ~statmod.S_ISGID
+            changes["mode"] = mode
         if req.uid is not None:
             changes["uid"] = req.uid
         if req.gid is not None:
             changes["gid"] = req.gid
-        if (req.uid is not None or req.gid is not None) and not inode.is_dir \
-                and "mode" not in changes:
-            # chown clears set-user-ID and set-group-ID on files (like the kernel does).
-            changes["mode"] = inode.mode & ~(statmod.S_ISUID | statmod.S_ISGID)
+        # Kill-priv (DESIGN 4.1a): a truncate, and the empty SETATTR the kernel sends
+        # for a write, fallocate or copy whose caller its own FUSE rule lets keep a
+        # set-ID bit; a chown. Computed on the mode before this request's change.
+        if req.uid is not None or req.gid is not None:
+            kill = setid_bits_to_drop(inode, ctx, chown=True)
+        elif req.size is not None or req.is_empty():
+            kill = setid_bits_to_drop(inode, ctx)
+        else:
+            kill = 0
+        if kill:
+            changes["mode"] = changes.get("mode", inode.mode) & ~kill
         if req.atime_ns is not None:
             changes["atime"] = req.atime_ns
         if req.mtime_ns is not None:
@@ -137,6 +186,24 @@ class AttrOps:
         if ops:
             self.journal.add(ops)
         return self.attr(inode)
+
+    def _drop_privileges(self, inode: Inode, ctx: Ctx, now: int) -> list[Op]:
+        """Apply the kill-priv rule for a data change by `ctx` that the kernel does not
+        announce (an open with O_TRUNC, done here under atomic_o_trunc): clear the
+        set-ID bits `setid_bits_to_drop` names and remove security.capability, as the
+        kernel's `file_remove_privs` does (DESIGN 4.1a). Return the ops applied, for
+        the caller's journal transaction."""
+        ops: list[Op] = []
+        if inode.xattrs and CAPABILITY_XATTR in inode.xattrs:
+            op: Op = (OpType.XATTR_DEL, inode.ino, CAPABILITY_XATTR)
+            self.state.apply(op)
+            ops.append(op)
+        kill = setid_bits_to_drop(inode, ctx)
+        if kill or ops:
+            op = inode.op(mode=inode.mode & ~kill, ctime=now)
+            self.state.apply(op)
+            ops.append(op)
+        return ops
 
     async def readlink(self, ino: int) -> bytes:
         inode = self.inode(ino)

@@ -501,7 +501,8 @@ class ZoneFS(NamespaceOps, HandleOps, AttrOps, FileSystemAPI):
         if inode.inline:
             blocks = -(-len(inode.inline) // 512)  # stored, though in no data block
         return Attr(inode.ino, inode.mode, inode.nlink, inode.uid, inode.gid, inode.rdev, size,
-                    blocks, inode.atime, inode.mtime, inode.ctime, self.bs)
+                    blocks, inode.atime, inode.mtime, inode.ctime, self.bs,
+                    self.state.generation_of(inode.ino))
 
     def path_of(self, ino: int) -> str:
         """Return one path of ino, for log lines; never raises (error paths call it:

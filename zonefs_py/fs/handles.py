@@ -22,7 +22,15 @@ from zonefs_py import errors
 from zonefs_py.alloc.allocator import Allocator
 from zonefs_py.drain.manager import DrainManager
 from zonefs_py.format.ops import Op
-from zonefs_py.fs.api import FILE_SIZE_MAX, ROOT_INO, Attr, Ctx, DirEntry, FallocFlags
+from zonefs_py.fs.api import (
+    FILE_SIZE_MAX,
+    ROOT_CTX,
+    ROOT_INO,
+    Attr,
+    Ctx,
+    DirEntry,
+    FallocFlags,
+)
 from zonefs_py.fs.clock import now_ns
 from zonefs_py.fs.datapath import DataPath
 from zonefs_py.fs.inline import InlineData, drop_idle_lock
@@ -90,6 +98,7 @@ class HandleOps:
         def _check_quota(self, inode: Inode, extra_bytes: int) -> None: ...
         async def _flush_file(self, inode: Inode, wait: bool = True) -> None: ...
         async def _admit_create(self, parent_ino: int, name: bytes) -> Inode: ...
+        def _drop_privileges(self, inode: Inode, ctx: Ctx, now: int) -> list[Op]: ...
         def _new_inode_op(self, mode: int, ctx: Ctx, parent: Inode, nlink: int,
                           rdev: int = 0, size: int = 0, flags: int = 0) -> Op: ...
         def _stream_flags(self, d: Inode, name: bytes) -> int: ...
@@ -110,7 +119,7 @@ class HandleOps:
         except KeyError:
             raise errors.InvalidArgument(f"bad file handle {fh}") from None
 
-    async def open(self, ino: int, flags: int) -> int:
+    async def open(self, ino: int, flags: int, ctx: Ctx = ROOT_CTX) -> int:
         inode = self.inode(ino)
         if inode.is_dir:
             raise errors.IsDirectory("use opendir for directories")
@@ -119,11 +128,17 @@ class HandleOps:
             self._writable()
         await self.drain.before_open(inode, flags)
         fh = self._new_fh(ino)
-        if flags & os.O_TRUNC and inode.is_reg and self.data.visible_size(inode) > 0:
+        if flags & os.O_TRUNC and inode.is_reg:
             try:
-                ops = await self.data.truncate(inode, 0, now_ns())
-                ops += self.inline.truncate_ops(inode, 0)
-                self.journal.add(ops)
+                now = now_ns()
+                ops: list[Op] = []
+                if self.data.visible_size(inode) > 0:
+                    ops += await self.data.truncate(inode, 0, now)
+                    ops += self.inline.truncate_ops(inode, 0)
+                # The kernel leaves an O_TRUNC to us (atomic_o_trunc), kill-priv too.
+                ops += self._drop_privileges(inode, ctx, now)
+                if ops:
+                    self.journal.add(ops)
             except BaseException:
                 await self.release(fh)
                 raise

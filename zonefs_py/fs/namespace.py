@@ -10,6 +10,7 @@ crash keeps all of its ops or none (rename included).
 from __future__ import annotations
 
 import logging
+import secrets
 import stat as statmod
 from typing import TYPE_CHECKING
 
@@ -51,6 +52,9 @@ class NamespaceOps:
     journal: Journal
     #: Whether the "meta area full" warning was logged (once per mount).
     _meta_full_logged = False
+    #: The generation of the inodes this mount creates, once its first create
+    #: recorded it (DESIGN 4.2a).
+    _mount_generation: int | None = None
 
     if TYPE_CHECKING:  # the rest of ZoneFS, for the type checker only
         def _txn(self, ops: list[Op]) -> None: ...
@@ -79,6 +83,19 @@ class NamespaceOps:
                 mode |= statmod.S_ISGID
         ino = self.state.next_ino
         return (OpType.INODE, ino, mode, ctx.uid, gid, nlink, rdev, size, now, now, now, flags)
+
+    def _new_generation(self) -> int:
+        """Draw the generation of the inodes this mount creates: random, nonzero, not
+        the last mount's (DESIGN 4.2a). It goes to the journal with the mount's first
+        new inode, in the same record: an inode that survives a crash survives with
+        its generation, and a number a crash lost is handed out again under another
+        generation, so the kernel refuses the old handle (ESTALE)."""
+        gens = self.state.ino_generations
+        last = gens[-1][1] if gens else 0
+        generation = 0
+        while generation in (0, last):
+            generation = secrets.randbits(32)
+        return generation
 
     def _touch_dir(self, d: Inode, nlink_delta: int = 0) -> Op:
         now = now_ns()
@@ -148,7 +165,12 @@ class NamespaceOps:
         ino = op[1]
         ops = [op, *(extra or []), (OpType.DIRENT_ADD, d.ino, ino, name),
                self._touch_dir(d, 1 if is_dir else 0)]
+        generation = self._mount_generation
+        if generation is None:
+            generation = self._new_generation()
+            ops.insert(0, (OpType.INO_GENERATION, ino, generation))
         self._txn(ops)
+        self._mount_generation = generation
         inode = self.state.inodes[ino]
         inode.lookups += 1
         return inode

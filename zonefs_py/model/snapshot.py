@@ -42,6 +42,7 @@ class SnapshotSource(Protocol):
     zone_owners: dict[int, set[int]]
     zone_live_blocks: dict[int, int]
     next_ino: int
+    ino_generations: list[tuple[int, int]]
     counters: dict[int, int]
     tenant_written: dict[int, int]
     zone_info: dict[int, tuple[int, int, int]]
@@ -87,6 +88,8 @@ def head_ops(state: SnapshotSource, *, index: bool = False) -> Iterator[Op]:
     namespace: the inode count, each data zone's live blocks, and the inodes
     it loads at once (DESIGN.md 3.15)."""
     yield (OpType.NEXT_INO, state.next_ino)
+    for first, generation in state.ino_generations:
+        yield (OpType.INO_GENERATION, first, generation)
     yield (OpType.COUNTERS, dict(state.counters))
     for dir_ino, written in state.tenant_written.items():
         yield (OpType.TENANT_BYTES, dir_ino, written)

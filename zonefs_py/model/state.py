@@ -17,6 +17,7 @@ The inode record is in model/inode.py, the checkpoint's listing of a State
 
 from __future__ import annotations
 
+import bisect
 import stat as statmod
 from collections.abc import Callable, Iterator
 
@@ -49,6 +50,10 @@ class State:
         self.zone_size = zone_size
         self.inodes: dict[int, Inode] = {}
         self.next_ino = 2
+        #: (first ino, generation) by increasing first ino (INO_GENERATION ops): an
+        #: inode's generation is that of the last entry at or below its number, 0
+        #: below the first (`generation_of`, DESIGN 4.2a).
+        self.ino_generations: list[tuple[int, int]] = []
         #: zone -> (stream, flags, reset_count) as last recorded.
         self.zone_info: dict[int, tuple[int, int, int]] = {}
         #: Sealed zones: zone -> (reset count, data blocks) of its summary
@@ -147,6 +152,7 @@ class State:
             OpType.ZONE_LIVE: self._apply_zone_live,
             OpType.INODE_COUNT: self._apply_inode_count,
             OpType.RESIDENT: self._apply_resident,
+            OpType.INO_GENERATION: self._apply_ino_generation,
         }
 
     # -- applying ops --------------------------------------------------------
@@ -557,6 +563,21 @@ class State:
 
     def _apply_next_ino(self, op: Op) -> None:
         self.next_ino = max(self.next_ino, op[1])
+
+    def _apply_ino_generation(self, op: Op) -> None:
+        _, first, generation = op
+        gens = self.ino_generations
+        i = bisect.bisect_left(gens, (first, -1))
+        if i < len(gens) and gens[i][0] == first:
+            gens[i] = (first, generation)  # a later mount's, after a crash lost the first's
+        else:
+            gens.insert(i, (first, generation))
+
+    def generation_of(self, ino: int) -> int:
+        """Return the generation of inode number `ino` (DESIGN 4.2a)."""
+        gens = self.ino_generations
+        i = bisect.bisect_right(gens, (ino, 1 << 32)) - 1
+        return gens[i][1] if i >= 0 else 0
 
     def _apply_tenant_bytes(self, op: Op) -> None:
         self.tenant_written[op[1]] = op[2]
