@@ -85,6 +85,12 @@ def _start(fn: Callable[..., Awaitable[None]], req: Any, *args: Any, name: str) 
     _nursery.start_soon(fn, req, *args, name=name)
 
 
+def extension() -> Any:
+    """The extension module, loaded and in the global symbol scope (or None): the
+    data plane's dispatcher (native/zonefs_dispatch.c) is compiled into it."""
+    return _load()
+
+
 def _load() -> Any:
     """Import the extension and put it into the global symbol scope (or None)."""
     global _ext

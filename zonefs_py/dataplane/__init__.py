@@ -51,7 +51,7 @@ ZDP_PYTHON = 2
 
 
 def _ext() -> Any:
-    return fuseext._load()  # noqa: SLF001 - one extension module holds both
+    return fuseext.extension()
 
 
 def arm(nzones: int, block_size: int) -> bool:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn, Protocol
 
 import trio
 
@@ -45,10 +45,19 @@ from zonefs_py.fs.zonesums import SumCache
 from zonefs_py.model.extents import Piece
 from zonefs_py.model.state import Inode, State
 
-if TYPE_CHECKING:
-    from zonefs_py.dataplane import ReadMaps
-
 log = logging.getLogger(__name__)
+
+
+class ReadMaps(Protocol):
+    """What the engine asks of the data plane's read maps (zonefs_py/dataplane,
+    DESIGN 4.10): the engine calls these, the data plane implements them, so no
+    engine module imports the layer above it."""
+
+    def revoke(self, ino: int) -> None:
+        """No READ of `ino` is served from a published map once this returns."""
+
+    def after_python_read(self, inode: Inode) -> None:
+        """A READ of `inode` was served in Python: publish its map if it is settled."""
 
 
 class ReadPath:
