@@ -24,7 +24,9 @@ by default, attribute and entry timeouts are long (the daemon is the only
 writer, and the kernel invalidates its own caches on every change it makes),
 negative lookups are cached, and `keep_cache` is set on open when the file has
 not changed since the kernel last cached its pages. `direct_io` is never set,
-so mmap works.
+so mmap works. Near full, write(2) gets ENOSPC through the write gate
+(`zonefs_py.writegate`): handles open for writing are tracked here, and the
+attributes of their inodes are not cached while the gate is closed.
 
 Concurrency: pyfuse3 runs every request in its own trio task (up to
 `max_tasks`); nothing here takes a lock, so requests are never serialised by
@@ -67,6 +69,8 @@ from zonefs_py.fs.api import (
     SetAttrRequest,
     XattrFlags,
 )
+from zonefs_py.fs.spacegate import SpaceGate
+from zonefs_py.writegate import WriteGate
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +181,12 @@ class Operations(pyfuse3.Operations):
         self._cached_version: dict[int, tuple[int, int]] = {}
         #: Open file handle -> inode, to record the version on release.
         self._fh_ino: dict[int, int] = {}
+        #: ENOSPC from write(2) near full (issue 42): only the writeback cache needs it
+        #: (without it every write(2) is a WRITE the engine admits or refuses).
+        space_gate = getattr(fs, "space_gate", None)
+        self.write_gate = WriteGate(
+            space_gate if writeback_cache and isinstance(space_gate, SpaceGate) else None,
+            self._invalidate)
         # Built before pyfuse3.init (daemon/serve.py): the FALLOCATE handler goes in then.
         self.install_extra_handlers()
 
@@ -204,7 +214,9 @@ class Operations(pyfuse3.Operations):
         entry.st_ino = attr.ino
         entry.generation = 0
         entry.entry_timeout = self.entry_timeout_s
-        entry.attr_timeout = self.attr_timeout_s
+        # While the write gate is closed, an inode open for writing keeps no cached
+        # attributes: its next write(2) asks (zonefs_py.writegate).
+        entry.attr_timeout = 0.0 if self.write_gate.gated(attr.ino) else self.attr_timeout_s
         entry.st_mode = attr.mode
         entry.st_nlink = attr.nlink
         entry.st_uid = attr.uid
@@ -344,6 +356,7 @@ class Operations(pyfuse3.Operations):
     @_handler
     async def open(self, inode: int, flags: int,
                    ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        writable = flags & os.O_ACCMODE != os.O_RDONLY
         if self.enable_writeback_cache and flags & os.O_ACCMODE == os.O_WRONLY:
             # With the writeback cache the kernel reads partial pages of
             # write-only files to fill them (libfuse's passthrough does the same).
@@ -354,18 +367,23 @@ class Operations(pyfuse3.Operations):
             flags &= ~os.O_APPEND
         fh = await self.fs.open(inode, flags)
         attr = None if flags & os.O_TRUNC else await self.fs.getattr(inode)
+        if writable:
+            await self.write_gate.opened(fh, inode, created=False)
         return self._file_info(fh, attr)
 
     @_handler
     async def create(self, parent_inode: int, name: bytes, mode: int,
                      flags: int, ctx: pyfuse3.RequestContext
                      ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        writable = flags & os.O_ACCMODE != os.O_RDONLY
         if self.enable_writeback_cache and flags & os.O_ACCMODE == os.O_WRONLY:
             flags = (flags & ~os.O_ACCMODE) | os.O_RDWR
         if self.enable_writeback_cache:
             flags &= ~os.O_APPEND
         fh, attr = await self.fs.create(parent_inode, name, mode, flags, ctx_of(ctx))
         self._cached_version.pop(attr.ino, None)
+        if writable:
+            await self.write_gate.opened(fh, attr.ino, created=True)
         return self._file_info(fh, None), self.entry(attr)
 
     @_handler
@@ -385,6 +403,7 @@ class Operations(pyfuse3.Operations):
 
     @_handler
     async def release(self, fh: int) -> None:
+        self.write_gate.released(fh)
         ino = self._fh_ino.pop(fh, None)
         await self.fs.release(fh)
         if ino is not None:
@@ -458,7 +477,8 @@ class Operations(pyfuse3.Operations):
     def status_extra(self) -> dict[str, Any]:
         """The adapter's part of the status document: FUSE requests by opcode since
         the mount (the census, issue 29), so that every round trip is visible."""
-        return {"requests": fuseext.census(), "kernel_invalidations": self.invalidations}
+        return {"requests": fuseext.census(), "kernel_invalidations": self.invalidations,
+                "write_gate": self.write_gate.status()}
 
     def _sync_capability_probe(self) -> None:
         """Let the C side answer the kernel's security.capability probe while no file

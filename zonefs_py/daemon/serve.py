@@ -70,7 +70,7 @@ from zonefs_py.daemon.memtrim import MemoryTrimmer
 from zonefs_py.daemon.options import MountConfig, MountError
 from zonefs_py.daemon.runstate import DeviceLock, LockHeld, RunState, sweep_stale
 from zonefs_py.daemon.sdnotify import Notifier
-from zonefs_py.daemon.tuning import tune_after_init, wait_serving
+from zonefs_py.daemon.tuning import run_write_gate, tune_after_init, wait_serving
 from zonefs_py.progress import progress_printer
 
 log = logging.getLogger("zonefs_py.daemon")
@@ -312,6 +312,7 @@ async def _serve_mounted(cfg: MountConfig, fs: Any, ops: Any, signals: Any,
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_run_background, fs, ops)
         nursery.start_soon(ops.invalidate_changed)
+        nursery.start_soon(run_write_gate, cfg, ops, serving)  # ENOSPC from write(2)
         if getattr(fs, "drain", None) is not None:  # uploads to an object store (drain/)
             from zonefs_py.drain.drainer import Drainer
 
