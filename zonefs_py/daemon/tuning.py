@@ -241,8 +241,12 @@ async def setup_write_gate(cfg: MountConfig, ops: Any) -> None:
     bdi = await trio.to_thread.run_sync(open_bdi_limit, cfg.mountpoint)
     if bdi is None:
         return
-    default = await trio.to_thread.run_sync(bdi.bound_bytes)
-    tunable = await trio.to_thread.run_sync(bdi.tunable)
+    try:
+        default = await trio.to_thread.run_sync(bdi.bound_bytes)
+        tunable = await trio.to_thread.run_sync(bdi.tunable)
+    except (OSError, ValueError) as exc:  # the mount went away meanwhile, or a bad file
+        log.warning("no write gate: the dirty limit of %s: %s", cfg.mountpoint, exc)
+        return
     if tunable:
         gate.set_limit = bdi.set
     gate.gate.configure(default, tunable)
@@ -253,8 +257,7 @@ async def setup_write_gate(cfg: MountConfig, ops: Any) -> None:
 
 
 async def run_write_gate(cfg: MountConfig, ops: Any, serving: trio.Event) -> None:
-    """Once the mount serves (and was tuned), set up the write gate and run it for the
-    mount's life (`zonefs_py.writegate`)."""
+    """Once the mount serves (its write gate set up by `setup_write_gate` before it
+    reported ready), run the gate for the mount's life (`zonefs_py.writegate`)."""
     await serving.wait()
-    await setup_write_gate(cfg, ops)
     await ops.write_gate.run()

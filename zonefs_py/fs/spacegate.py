@@ -91,6 +91,7 @@ class SpaceGate:
         self.tunable = tunable
         self.limit_bytes = self.default_limit_bytes
         self.check()
+        self._changed.set()  # the adapter applies the first decision at once
 
     def limit_applied(self, limit_bytes: int) -> None:
         """The adapter set the kernel's dirty limit to (at most) `limit_bytes`."""
@@ -180,6 +181,7 @@ class SpaceGate:
         """The gate's state for `zonefs-py stat`."""
         return {"enabled": self.enabled, "refusing": self.refusing,
                 "refuse_below_bytes": self.refuse_below_bytes if self.enabled else 0,
+                "full_refuse_below_bytes": self.full_refuse_below_bytes if self.enabled else 0,
                 "kernel_dirty_limit_bytes": self.limit_bytes,
                 "kernel_default_limit_bytes": self.default_limit_bytes,
                 "tunable": self.tunable, "times_closed": self.closed_count}
