@@ -261,6 +261,7 @@ class Operations(pyfuse3.Operations):
             self.fs.forget(inode_list)
         except Exception as exc:  # noqa: BLE001 - forget cannot report errors
             self.failsafe(f"unexpected {type(exc).__name__} in forget: {exc}", exc)
+        self.write_gate.space_may_be_back()  # the last reference to an unlinked file
 
     @_handler
     async def getattr(self, inode: int,
@@ -288,7 +289,10 @@ class Operations(pyfuse3.Operations):
             req.mtime_ns = attr.st_mtime_ns
         if fields.update_ctime:
             req.ctime_ns = attr.st_ctime_ns
-        return self.entry(await self.fs.setattr(inode, req, ctx_of(ctx)))
+        changed = await self.fs.setattr(inode, req, ctx_of(ctx))
+        if fields.update_size:
+            self.write_gate.space_may_be_back()
+        return self.entry(changed)
 
     @_handler
     async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
@@ -328,6 +332,7 @@ class Operations(pyfuse3.Operations):
     async def unlink(self, parent_inode: int, name: bytes,
                      ctx: pyfuse3.RequestContext) -> None:
         await self.fs.unlink(parent_inode, name)
+        self.write_gate.space_may_be_back()
 
     @_handler
     async def rmdir(self, parent_inode: int, name: bytes,
@@ -343,6 +348,7 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EINVAL)
         await self.fs.rename(parent_inode_old, name_old, parent_inode_new, name_new,
                              RenameFlags(flags))
+        self.write_gate.space_may_be_back()  # a file replaced
 
     # -- files ---------------------------------------------------------------------------
     def _file_info(self, fh: int, attr: Attr | None) -> pyfuse3.FileInfo:
@@ -406,6 +412,7 @@ class Operations(pyfuse3.Operations):
         self.write_gate.released(fh)
         ino = self._fh_ino.pop(fh, None)
         await self.fs.release(fh)
+        self.write_gate.space_may_be_back()  # the last handle of an unlinked file
         if ino is not None:
             # Whatever the kernel has cached for ino now matches this version
             # (all writes went through the kernel's page cache).
@@ -423,6 +430,7 @@ class Operations(pyfuse3.Operations):
     @_handler
     async def _fallocate(self, fh: int, mode: int, offset: int, length: int) -> None:
         await self.fs.fallocate(fh, FallocFlags(mode), offset, length)
+        self.write_gate.space_may_be_back()  # a punched hole
 
     async def fallocate(self, ino: int, fh: int, mode: int, offset: int, length: int) -> int:
         """FUSE_FALLOCATE (via `fuseext`): 0 or the errno to answer."""
@@ -527,6 +535,7 @@ class Operations(pyfuse3.Operations):
     @_handler
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
         st = await self.fs.statfs()
+        self.write_gate.space_may_be_back()
         out = pyfuse3.StatvfsData()
         out.f_bsize = st.block_size
         out.f_frsize = st.block_size

@@ -29,8 +29,10 @@ before.
 The loop (`run`) also sets the kernel's dirty limit the engine wants
 (`set_limit`, a sysfs write given by the daemon). It wakes when the engine's
 `SpaceGate.check` found something to do, and polls every `POLL_S` while the
-gate is near (space may come back through unlinks and zone resets, which do
-not call `check`).
+gate is near. Requests that may give space back (unlink, rename, truncate,
+release, forget, fallocate, statfs) reopen a closed gate before they are
+answered (`space_may_be_back`): a write(2) right after an unlink passes, as
+on ext4.
 
 Caveats:
   * A read(2) on a handle open for reading and writing may also send a
@@ -106,6 +108,23 @@ class WriteGate:
             del self._by_ino[ino]
         fuseext.gate_remove(fh)
 
+    def space_may_be_back(self) -> None:
+        """A request that may have freed space finished (unlink, truncate, release,
+        forget, a hole punched, rename, statfs): if the gate is closed and the space
+        is back, open it now, so the next write(2) passes (never awaits)."""
+        if not self.closed or self.gate is None:
+            return
+        self.gate.check()
+        if not self.gate.refusing:
+            self._open()
+
+    def _open(self) -> None:
+        assert self.gate is not None
+        self.closed = False
+        fuseext.gate_clear()
+        log.info("space is back (%d MiB free): write(2) passes again",
+                 self.gate.avail_bytes() >> 20)
+
     def _list(self, fh: int) -> None:
         if not fuseext.gate_add(fh) and not self._warned:
             self._warned = True
@@ -136,10 +155,7 @@ class WriteGate:
         if gate.refusing and not self.closed:
             await self._close()
         elif not gate.refusing and self.closed:
-            self.closed = False
-            fuseext.gate_clear()
-            log.info("space is back (%d MiB free): write(2) passes again",
-                     gate.avail_bytes() >> 20)
+            self._open()
         if gate.limit_change_due() and self.set_limit is not None:
             wanted = gate.wanted_limit_bytes
             applied = await trio.to_thread.run_sync(self.set_limit, wanted)

@@ -223,6 +223,20 @@ async def test_release_unlists_and_opening_clears(monkeypatch: pytest.MonkeyPatc
     assert not wg.gated(50)
 
 
+async def test_space_back_reopens_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    c = FakeC(monkeypatch)
+    gate, space = gate_at(0, tunable=False)
+    wg = WriteGate(gate, Invalidations())
+    await wg.opened(1, 10, created=True)
+    await wg.apply()
+    wg.space_may_be_back()  # nothing freed: stays closed
+    assert wg.closed
+    space.avail = 10_000 * MiB
+    wg.space_may_be_back()
+    assert not wg.closed
+    assert c.listed == set()
+
+
 async def test_apply_sets_the_wanted_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     FakeC(monkeypatch)
     gate, space = gate_at(10_000 * MiB)
