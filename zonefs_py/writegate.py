@@ -143,6 +143,8 @@ class WriteGate:
                 with trio.move_on_after(POLL_S):
                     await gate.wait_changed()
                 gate.check()
+                if gate.refusing:
+                    await gate.relieve()  # files drained meanwhile may be evicted
             else:
                 await gate.wait_changed()
             await self.apply()
@@ -152,6 +154,8 @@ class WriteGate:
         gate = self.gate
         if gate is None:
             return
+        if gate.refusing and not self.closed:
+            await gate.relieve()
         if gate.refusing and not self.closed:
             await self._close()
         elif not gate.refusing and self.closed:

@@ -141,6 +141,29 @@ def test_near_while_refusing_or_lowered() -> None:
     assert gate.near
 
 
+async def test_relieve_asks_for_what_keeps_the_gate_open() -> None:
+    space = Space(0)
+    asked: list[int] = []
+
+    async def evict(need: int) -> bool:
+        asked.append(need)
+        space.avail += need
+        return True
+
+    gate = SpaceGate(space, relieve=evict)
+    gate.configure(48 * MiB, tunable=False)
+    assert gate.refusing
+    assert await gate.relieve()
+    assert asked == [gate.refuse_below_bytes + SpaceGate.RESUME_BYTES]
+    assert not gate.refusing
+
+
+async def test_relieve_without_a_drain_frees_nothing() -> None:
+    gate, _ = gate_at(0, tunable=False)
+    assert not await gate.relieve()
+    assert gate.refusing
+
+
 # -- the adapter half, with the C list faked -----------------------------------------
 
 class FakeC:
@@ -221,6 +244,25 @@ async def test_release_unlists_and_opening_clears(monkeypatch: pytest.MonkeyPatc
     assert not wg.closed
     assert c.listed == set()
     assert not wg.gated(50)
+
+
+async def test_closing_evicts_drained_files_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    c = FakeC(monkeypatch)
+    space = Space(1000 * MiB)
+
+    async def evict(need: int) -> bool:
+        space.avail += need
+        return True
+
+    gate = SpaceGate(space, relieve=evict)
+    gate.configure(48 * MiB, tunable=False)
+    wg = WriteGate(gate, Invalidations())
+    await wg.opened(1, 10, created=True)
+    space.avail = 0
+    gate.check()
+    await wg.apply()
+    assert not wg.closed
+    assert c.listed == set()
 
 
 async def test_space_back_reopens_at_once(monkeypatch: pytest.MonkeyPatch) -> None:

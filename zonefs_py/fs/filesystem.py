@@ -144,7 +144,7 @@ class ZoneFS(NamespaceOps, HandleOps, AttrOps, FileSystemAPI):
         self.copier = Copier(self)  # fs/reflink.py: copy_file_range, shared extents (3.13)
         #: When write(2) through the kernel's page cache must be refused (issue 42);
         #: configured by the adapter once it knows the kernel's dirty limit.
-        self.space_gate = SpaceGate(self.avail_bytes)
+        self.space_gate = SpaceGate(self.avail_bytes, relieve=self.drain.relieve_space)
         self.files: dict[int, int] = {}  # fh -> ino
         #: Time spent in read/write requests by the engine (not FUSE queueing).
         self.read_latency = Histogram()

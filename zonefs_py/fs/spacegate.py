@@ -18,7 +18,9 @@ free space and that limit, two things the adapter carries out
   kernel may hold at the limit in effect, `held_bound`, plus `MARGIN_BYTES`),
   write(2) on every handle open for writing gets ENOSPC before any byte enters
   the page cache; it passes again once the free space is `RESUME_BYTES` above
-  that (a file deleted, a reservation given back). Writes the kernel sends
+  that (a file deleted, a reservation given back). Before it closes, the drain
+  is asked to evict files already in the object store (`relieve`), as the
+  engine's admission of a WRITE does. Writes the kernel sends
   meanwhile (writeback of what it holds) are admitted as always: they fit.
 * `wanted_limit_bytes`: the dirty limit the adapter should set for the mount,
   one eighth of the free space between `FLOOR_BYTES` and the kernel's own
@@ -42,7 +44,7 @@ gets ENOSPC from the engine's admission directly.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -66,8 +68,12 @@ class SpaceGate:
     #: more than this factor (each change is a sysfs write).
     STEP = 1.5
 
-    def __init__(self, avail_bytes: Callable[[], int]) -> None:
+    def __init__(self, avail_bytes: Callable[[], int],
+                 relieve: Callable[[int], Awaitable[bool]] | None = None) -> None:
         self._avail = avail_bytes
+        #: Frees space on demand before the gate closes (the drain's eviction of
+        #: files already in the object store, as the engine's admission does).
+        self._relieve = relieve
         #: The kernel's own dirty limit for the mount (an upper bound), 0 = disabled.
         self.default_limit_bytes = 0
         #: Whether the adapter can set the limit (else it stays the default).
@@ -171,6 +177,17 @@ class SpaceGate:
             return False
         return (self.refusing or self.limit_bytes < self.default_limit_bytes
                 or self._avail() < 2 * self.refuse_below_bytes)
+
+    async def relieve(self) -> bool:
+        """Before closing, or while closed: ask for the space that would keep the gate
+        open (`relieve`); re-evaluate and return True if anything was freed."""
+        if self._relieve is None or not self.enabled:
+            return False
+        need = self.refuse_below_bytes + self.RESUME_BYTES - self.avail_bytes()
+        if need <= 0 or not await self._relieve(need):
+            return False
+        self.check()
+        return True
 
     async def wait_changed(self) -> None:
         """Wait until `check` found something to do (returns at once if it had)."""
