@@ -184,9 +184,11 @@ class Operations(pyfuse3.Operations):
         #: ENOSPC from write(2) near full (issue 42): only the writeback cache needs it
         #: (without it every write(2) is a WRITE the engine admits or refuses).
         space_gate = getattr(fs, "space_gate", None)
+        has_reservation = getattr(fs, "has_reservation", None)
         self.write_gate = WriteGate(
             space_gate if writeback_cache and isinstance(space_gate, SpaceGate) else None,
-            self._invalidate)
+            self._invalidate,
+            has_reservation if callable(has_reservation) else lambda ino: False)
         # Built before pyfuse3.init (daemon/serve.py): the FALLOCATE handler goes in then.
         self.install_extra_handlers()
 
@@ -431,6 +433,9 @@ class Operations(pyfuse3.Operations):
     async def _fallocate(self, fh: int, mode: int, offset: int, length: int) -> None:
         await self.fs.fallocate(fh, FallocFlags(mode), offset, length)
         self.write_gate.space_may_be_back()  # a punched hole
+        ino = self._fh_ino.get(fh)
+        if ino is not None:
+            await self.write_gate.reservation_changed(ino)
 
     async def fallocate(self, ino: int, fh: int, mode: int, offset: int, length: int) -> int:
         """FUSE_FALLOCATE (via `fuseext`): 0 or the errno to answer."""

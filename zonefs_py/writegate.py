@@ -41,6 +41,9 @@ Caveats:
     "wb")`) never do.
   * Writes through a shared mmap are not write(2): their pages are written
     back like any, and a refused WRITE is reported at msync/fsync.
+  * Handles of a file holding blocks reserved by fallocate are never listed
+    (writes into the reservation must not fail, INV-24): their write(2) past
+    the reservation, near full, can be refused at writeback only.
   * Without the C extension (`fuseext.installed()` False) nothing can be
     refused: the gate logs a warning once and stays open.
 """
@@ -65,9 +68,13 @@ class WriteGate:
     """Handles open for writing, and the kernel side of `SpaceGate`'s decisions."""
 
     def __init__(self, gate: SpaceGate | None,
-                 invalidate: Callable[[list[int]], Awaitable[None]]) -> None:
+                 invalidate: Callable[[list[int]], Awaitable[None]],
+                 reserved: Callable[[int], bool] = lambda ino: False) -> None:
         self.gate = gate
         self._invalidate = invalidate
+        #: Whether an inode holds blocks reserved by fallocate: its handles are never
+        #: listed (writes into a reservation must not get ENOSPC; INV-24).
+        self._reserved = reserved
         #: Handle -> inode of every handle open for writing.
         self._writable: dict[int, int] = {}
         #: Inode -> number of its handles open for writing.
@@ -82,13 +89,13 @@ class WriteGate:
     # -- handles (from the request handlers) -------------------------------------------
     def gated(self, ino: int) -> bool:
         """Whether `ino`'s attributes must not be cached (a listed handle is open)."""
-        return self.closed and ino in self._by_ino
+        return self.closed and ino in self._by_ino and not self._reserved(ino)
 
     async def opened(self, fh: int, ino: int, *, created: bool) -> None:
         """A handle open for writing, before the OPEN or CREATE is answered."""
         self._writable[fh] = ino
         self._by_ino[ino] = self._by_ino.get(ino, 0) + 1
-        if not self.closed:
+        if not self.closed or self._reserved(ino):
             return
         self._list(fh)
         if not created:
@@ -107,6 +114,20 @@ class WriteGate:
         else:
             del self._by_ino[ino]
         fuseext.gate_remove(fh)
+
+    async def reservation_changed(self, ino: int) -> None:
+        """A fallocate changed `ino`'s reservation: while closed, its handles are
+        unlisted if it now holds reserved blocks, listed again if it holds none."""
+        if not self.closed:
+            return
+        fhs = [fh for fh, i in self._writable.items() if i == ino]
+        if self._reserved(ino):
+            for fh in fhs:
+                fuseext.gate_remove(fh)
+        elif fhs:
+            for fh in fhs:
+                self._list(fh)
+            await self._invalidate([ino])
 
     def space_may_be_back(self) -> None:
         """A request that may have freed space finished (unlink, truncate, release,
@@ -173,13 +194,15 @@ class WriteGate:
         gate = self.gate
         assert gate is not None
         self.closed = True
-        for fh in list(self._writable):
-            self._list(fh)
+        listed = {ino for ino in self._by_ino if not self._reserved(ino)}
+        for fh, ino in list(self._writable.items()):
+            if ino in listed:
+                self._list(fh)
         log.info("nearly full (%d MiB free, threshold %d MiB): write(2) gets ENOSPC",
                  gate.avail_bytes() >> 20, gate.refuse_below_bytes >> 20)
         # Listed first, invalidated then: a write(2) between the two passes unasked
         # (its bytes fit: the threshold keeps MARGIN_BYTES beyond what the kernel holds).
-        await self._invalidate(sorted(self._by_ino))
+        await self._invalidate(sorted(listed))
 
     def status(self) -> dict[str, object]:
         """The gate for `zonefs-py stat`: the engine's thresholds and what was refused."""

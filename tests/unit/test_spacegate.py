@@ -265,6 +265,31 @@ async def test_closing_evicts_drained_files_first(monkeypatch: pytest.MonkeyPatc
     assert c.listed == set()
 
 
+async def test_handles_of_reserved_files_are_never_listed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    c = FakeC(monkeypatch)
+    gate, space = gate_at(1000 * MiB, tunable=False)
+    reserved = {20}
+    inval = Invalidations()
+    wg = WriteGate(gate, inval, reserved.__contains__)
+    await wg.opened(1, 10, created=True)
+    await wg.opened(2, 20, created=True)
+    space.avail = 0
+    gate.check()
+    await wg.apply()
+    assert c.listed == {1}
+    assert inval.inodes == [10]
+    assert not wg.gated(20)
+    await wg.opened(3, 20, created=False)
+    assert c.listed == {1}
+    reserved.add(10)  # a fallocate while closed
+    await wg.reservation_changed(10)
+    assert c.listed == set()
+    reserved.clear()
+    await wg.reservation_changed(20)
+    assert c.listed == {2, 3}
+
+
 async def test_space_back_reopens_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     c = FakeC(monkeypatch)
     gate, space = gate_at(0, tunable=False)

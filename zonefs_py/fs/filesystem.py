@@ -547,6 +547,11 @@ class ZoneFS(NamespaceOps, HandleOps, AttrOps, FileSystemAPI):
 
 
     # -- whole filesystem -----------------------------------------------------------------------
+    def has_reservation(self, ino: int) -> bool:
+        """Whether the file holds blocks reserved by fallocate (the write gate leaves
+        its handles alone: writes there never need free space, INV-24)."""
+        return self.falloc.held_blocks(ino) > 0
+
     def avail_bytes(self) -> int:
         """Free space for users (statfs): capacity less the over-provisioning, live
         data, bytes accepted and not yet placed, and held blocks."""
