@@ -137,12 +137,13 @@ class SpaceGate:
     def wanted_limit_bytes(self) -> int:
         return self.wanted_limit(max(0, self._avail()))
 
-    def limit_change_due(self) -> bool:
+    def limit_change_due(self, avail_bytes: int | None = None) -> bool:
         """Whether the wanted limit is far enough from the one in effect to apply it:
         lowered by `STEP`, or raised by `STEP` (or back to the default)."""
         if not self.enabled or not self.tunable:
             return False
-        wanted, now = self.wanted_limit_bytes, self.limit_bytes
+        avail = self.avail_bytes() if avail_bytes is None else max(0, avail_bytes)
+        wanted, now = self.wanted_limit(avail), self.limit_bytes
         if wanted < now:
             return wanted * self.STEP <= now or wanted == self.FLOOR_BYTES
         if wanted > now:
@@ -165,7 +166,7 @@ class SpaceGate:
             self.refusing = refusing
             self.closed_count += refusing
             self._changed.set()
-        elif self.limit_change_due():
+        elif self.limit_change_due(avail):
             self._changed.set()
 
     @property
