@@ -375,6 +375,8 @@ class Operations(pyfuse3.Operations):
             flags &= ~os.O_APPEND
         fh = await self.fs.open(inode, flags)
         attr = None if flags & os.O_TRUNC else await self.fs.getattr(inode)
+        if flags & os.O_TRUNC:
+            self.write_gate.space_may_be_back()  # the file's old data
         if writable:
             await self.write_gate.opened(fh, inode, created=False)
         return self._file_info(fh, attr)

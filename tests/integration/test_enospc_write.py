@@ -196,3 +196,18 @@ def test_deleting_a_file_opens_the_gate(workdir: Path, mount_factory: Mount) -> 
     assert error.errno == errno.ENOSPC
     assert again > 100 * MiB
     assert digest_file(m.path / "again") == digest_of(9, again)
+
+
+def test_truncating_open_of_a_big_file_gives_its_space_to_its_writer(
+        workdir: Path, mount_factory: Mount) -> None:
+    """Rewriting a file in place on a full filesystem (a checkpoint saved again under
+    its name): the O_TRUNC open gives its space back, and its own write(2) pass."""
+    m = mount_with_gate(workdir, mount_factory)
+    first, error = fill(m.path / "ckpt", seed=10)
+    assert error is not None
+    assert error.errno == errno.ENOSPC
+    again, error = fill(m.path / "ckpt", seed=11)  # O_TRUNC: the same file, rewritten
+    assert error is not None
+    assert error.errno == errno.ENOSPC
+    assert again >= first - 2 * MiB
+    assert digest_file(m.path / "ckpt") == digest_of(11, again)
