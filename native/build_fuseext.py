@@ -38,6 +38,10 @@ const char *zfx_census_xattr(int i, uint64_t *count);
 void zfx_set_no_caps(int on);
 void zfx_set_no_system_ns(int on);
 uint64_t zfx_caps_answered_count(void);
+int zfx_gate_add(uint64_t fh);
+void zfx_gate_remove(uint64_t fh);
+void zfx_gate_clear(void);
+uint64_t zfx_gate_refused_count(void);
 """
 
 #: native/zonefs_dispatch.c's API (zonefs_py/dataplane/ is its Python side).

@@ -22,12 +22,20 @@
  * plain increment: libfuse calls the handlers on one thread (pyfuse3's).
  * Requests libfuse answers without a handler (ENOSYS for a NULL member,
  * INTERRUPT) are not counted.
+ *
+ * The write gate (issue 42, DESIGN 4.3): while the filesystem is nearly full,
+ * Python lists the handles open for writing (`zfx_gate_add`), and a GETATTR
+ * that names one of them (FUSE_GETATTR_FH: the kernel sends it from write(2)
+ * once the inode's attributes were invalidated, never from stat(2)) is
+ * answered ENOSPC here, so that write(2) fails before its bytes enter the page
+ * cache. The list is touched only on the thread that runs the handlers.
  * Conventions as native/zonefs_native.c: 0 or -errno, no Python objects here.
  */
 #define FUSE_USE_VERSION 35
 #include <dlfcn.h>
 #include <errno.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <fuse_lowlevel.h>
 
@@ -61,6 +69,69 @@ static void zfx_copy_file_range(fuse_req_t req, fuse_ino_t ino_in, off_t off_in,
     zfx_py_copy_file_range((void *)req, fi_in ? (uint64_t)fi_in->fh : 0, (int64_t)off_in,
                            fi_out ? (uint64_t)fi_out->fh : 0, (int64_t)off_out,
                            (uint64_t)len, flags);
+}
+
+/* ---- the write gate -------------------------------------------------------- */
+
+static uint64_t *zfx_gate_fhs;   /* handles whose GETATTR is refused; unordered */
+static size_t zfx_gate_n, zfx_gate_cap;
+static uint64_t zfx_gate_refused;
+static void (*zfx_gate_next)(fuse_req_t, fuse_ino_t, struct fuse_file_info *);
+
+static int zfx_gate_has(uint64_t fh)
+{
+    size_t i;
+    for (i = 0; i < zfx_gate_n; i++)
+        if (zfx_gate_fhs[i] == fh)
+            return 1;
+    return 0;
+}
+
+/* Refuse GETATTR with this handle from now on: 0, or -ENOMEM. */
+int zfx_gate_add(uint64_t fh)
+{
+    if (zfx_gate_has(fh))
+        return 0;
+    if (zfx_gate_n == zfx_gate_cap) {
+        size_t cap = zfx_gate_cap ? 2 * zfx_gate_cap : 64;
+        uint64_t *grown = realloc(zfx_gate_fhs, cap * sizeof *grown);
+        if (grown == NULL)
+            return -ENOMEM;
+        zfx_gate_fhs = grown;
+        zfx_gate_cap = cap;
+    }
+    zfx_gate_fhs[zfx_gate_n++] = fh;
+    return 0;
+}
+
+void zfx_gate_remove(uint64_t fh)
+{
+    size_t i;
+    for (i = 0; i < zfx_gate_n; i++)
+        if (zfx_gate_fhs[i] == fh) {
+            zfx_gate_fhs[i] = zfx_gate_fhs[--zfx_gate_n];
+            return;
+        }
+}
+
+void zfx_gate_clear(void)
+{
+    zfx_gate_n = 0;
+}
+
+uint64_t zfx_gate_refused_count(void)
+{
+    return zfx_gate_refused;
+}
+
+static void zfx_gate_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+    if (fi != NULL && zfx_gate_n != 0 && zfx_gate_has((uint64_t)fi->fh)) {
+        zfx_gate_refused++;
+        fuse_reply_err(req, ENOSPC);
+        return;
+    }
+    zfx_gate_next(req, ino, fi);
 }
 
 /* ---- the request census --------------------------------------------------- */
@@ -323,6 +394,10 @@ struct fuse_session *fuse_session_new(struct fuse_args *args,
     if (zfx_armed) {
         zfx_ops.fallocate = zfx_fallocate;
         zfx_ops.copy_file_range = zfx_copy_file_range;
+        if (zfx_ops.getattr != NULL) {
+            zfx_gate_next = zfx_ops.getattr;
+            zfx_ops.getattr = zfx_gate_getattr;
+        }
         zfx_installed = 1;
     }
     if (zfx_census_armed)

@@ -24,7 +24,9 @@ by default, attribute and entry timeouts are long (the daemon is the only
 writer, and the kernel invalidates its own caches on every change it makes),
 negative lookups are cached, and `keep_cache` is set on open when the file has
 not changed since the kernel last cached its pages. `direct_io` is never set,
-so mmap works.
+so mmap works. Near full, write(2) gets ENOSPC through the write gate
+(`zonefs_py.writegate`): handles open for writing are tracked here, and the
+attributes of their inodes are not cached while the gate is closed.
 
 Concurrency: pyfuse3 runs every request in its own trio task (up to
 `max_tasks`); nothing here takes a lock, so requests are never serialised by
@@ -69,6 +71,8 @@ from zonefs_py.fs.api import (
     SetAttrRequest,
     XattrFlags,
 )
+from zonefs_py.fs.spacegate import SpaceGate
+from zonefs_py.writegate import WriteGate
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +186,14 @@ class Operations(pyfuse3.Operations):
         self._cached_version: dict[int, tuple[int, int]] = {}
         #: Open file handle -> inode, to record the version on release.
         self._fh_ino: dict[int, int] = {}
+        #: ENOSPC from write(2) near full (issue 42): only the writeback cache needs it
+        #: (without it every write(2) is a WRITE the engine admits or refuses).
+        space_gate = getattr(fs, "space_gate", None)
+        has_reservation = getattr(fs, "has_reservation", None)
+        self.write_gate = WriteGate(
+            space_gate if writeback_cache and isinstance(space_gate, SpaceGate) else None,
+            self._invalidate,
+            has_reservation if callable(has_reservation) else lambda ino: False)
         # Built before pyfuse3.init (daemon/serve.py): the FALLOCATE handler goes in then.
         self.install_extra_handlers()
 
@@ -209,7 +221,9 @@ class Operations(pyfuse3.Operations):
         entry.st_ino = attr.ino
         entry.generation = attr.generation
         entry.entry_timeout = self.entry_timeout_s
-        entry.attr_timeout = self.attr_timeout_s
+        # While the write gate is closed, an inode open for writing keeps no cached
+        # attributes: its next write(2) asks (zonefs_py.writegate).
+        entry.attr_timeout = 0.0 if self.write_gate.gated(attr.ino) else self.attr_timeout_s
         entry.st_mode = attr.mode
         entry.st_nlink = attr.nlink
         entry.st_uid = attr.uid
@@ -254,6 +268,7 @@ class Operations(pyfuse3.Operations):
             self.fs.forget(inode_list)
         except Exception as exc:  # noqa: BLE001 - forget cannot report errors
             self.failsafe(f"unexpected {type(exc).__name__} in forget: {exc}", exc)
+        self.write_gate.space_may_be_back()  # the last reference to an unlinked file
 
     @_handler
     async def getattr(self, inode: int,
@@ -281,7 +296,10 @@ class Operations(pyfuse3.Operations):
             req.mtime_ns = attr.st_mtime_ns
         if fields.update_ctime:
             req.ctime_ns = attr.st_ctime_ns
-        return self.entry(await self.fs.setattr(inode, req, ctx_of(ctx)))
+        changed = await self.fs.setattr(inode, req, ctx_of(ctx))
+        if fields.update_size:
+            self.write_gate.space_may_be_back()
+        return self.entry(changed)
 
     @_handler
     async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
@@ -321,6 +339,7 @@ class Operations(pyfuse3.Operations):
     async def unlink(self, parent_inode: int, name: bytes,
                      ctx: pyfuse3.RequestContext) -> None:
         await self.fs.unlink(parent_inode, name)
+        self.write_gate.space_may_be_back()
 
     @_handler
     async def rmdir(self, parent_inode: int, name: bytes,
@@ -336,6 +355,7 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EINVAL)
         await self.fs.rename(parent_inode_old, name_old, parent_inode_new, name_new,
                              RenameFlags(flags))
+        self.write_gate.space_may_be_back()  # a file replaced
 
     # -- files ---------------------------------------------------------------------------
     def _file_info(self, fh: int, attr: Attr | None) -> pyfuse3.FileInfo:
@@ -349,6 +369,7 @@ class Operations(pyfuse3.Operations):
     @_handler
     async def open(self, inode: int, flags: int,
                    ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        writable = flags & os.O_ACCMODE != os.O_RDONLY
         if self.enable_writeback_cache and flags & os.O_ACCMODE == os.O_WRONLY:
             # With the writeback cache the kernel reads partial pages of
             # write-only files to fill them (libfuse's passthrough does the same).
@@ -359,18 +380,25 @@ class Operations(pyfuse3.Operations):
             flags &= ~os.O_APPEND
         fh = await self.fs.open(inode, flags, ctx_of(ctx))
         attr = None if flags & os.O_TRUNC else await self.fs.getattr(inode)
+        if flags & os.O_TRUNC:
+            self.write_gate.space_may_be_back()  # the file's old data
+        if writable:
+            await self.write_gate.opened(fh, inode, created=False)
         return self._file_info(fh, attr)
 
     @_handler
     async def create(self, parent_inode: int, name: bytes, mode: int,
                      flags: int, ctx: pyfuse3.RequestContext
                      ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        writable = flags & os.O_ACCMODE != os.O_RDONLY
         if self.enable_writeback_cache and flags & os.O_ACCMODE == os.O_WRONLY:
             flags = (flags & ~os.O_ACCMODE) | os.O_RDWR
         if self.enable_writeback_cache:
             flags &= ~os.O_APPEND
         fh, attr = await self.fs.create(parent_inode, name, mode, flags, ctx_of(ctx))
         self._cached_version.pop(attr.ino, None)
+        if writable:
+            await self.write_gate.opened(fh, attr.ino, created=True)
         return self._file_info(fh, None), self.entry(attr)
 
     @_handler
@@ -390,8 +418,10 @@ class Operations(pyfuse3.Operations):
 
     @_handler
     async def release(self, fh: int) -> None:
+        self.write_gate.released(fh)
         ino = self._fh_ino.pop(fh, None)
         await self.fs.release(fh)
+        self.write_gate.space_may_be_back()  # the last handle of an unlinked file
         if ino is not None:
             # Whatever the kernel has cached for ino now matches this version
             # (all writes went through the kernel's page cache).
@@ -409,6 +439,10 @@ class Operations(pyfuse3.Operations):
     @_handler
     async def _fallocate(self, fh: int, mode: int, offset: int, length: int) -> None:
         await self.fs.fallocate(fh, FallocFlags(mode), offset, length)
+        self.write_gate.space_may_be_back()  # a punched hole
+        ino = self._fh_ino.get(fh)
+        if ino is not None:
+            await self.write_gate.reservation_changed(ino)
 
     async def fallocate(self, ino: int, fh: int, mode: int, offset: int, length: int) -> int:
         """FUSE_FALLOCATE (via `fuseext`): 0 or the errno to answer."""
@@ -463,7 +497,8 @@ class Operations(pyfuse3.Operations):
     def status_extra(self) -> dict[str, Any]:
         """The adapter's part of the status document: FUSE requests by opcode since
         the mount (the census, issue 29), so that every round trip is visible."""
-        extra = {"requests": fuseext.census(), "kernel_invalidations": self.invalidations}
+        extra = {"requests": fuseext.census(), "kernel_invalidations": self.invalidations,
+                 "write_gate": self.write_gate.status()}
         # READs served in C (zonefs_py/dataplane) join the census, with where each went.
         return dataplane_wiring.with_c_reads(self.fs, extra)
 
@@ -514,6 +549,7 @@ class Operations(pyfuse3.Operations):
     @_handler
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
         st = await self.fs.statfs()
+        self.write_gate.space_may_be_back()
         out = pyfuse3.StatvfsData()
         out.f_bsize = st.block_size
         out.f_frsize = st.block_size

@@ -22,6 +22,11 @@ must not block) and answered exactly once (`fuse_reply_err`, or
 `serving` (none should: the session runs inside it) is answered EIO at once
 and logged.
 
+The write gate (issue 42): `gate_add(fh)` makes the C side answer ENOSPC to
+a GETATTR that carries handle `fh` (the one write(2) sends once the inode's
+attributes were invalidated; stat(2) sends none), so that write(2) fails
+before the page cache takes its bytes (`zonefs_py/writegate.py`).
+
 The census: `census_arm()` (before `pyfuse3.init`) wraps every handler in
 libfuse's table with a C counter; `census()` returns the counts by opcode
 name since the mount, GETXATTR also by attribute name (`GETXATTR:<name>`).
@@ -213,6 +218,32 @@ def set_no_system_namespace(on: bool) -> None:
     getxattr/setxattr/removexattr of those names (cp -a's ACL probes) with EOPNOTSUPP."""
     if _ext is not None:
         _ext.lib.zfx_set_no_system_ns(1 if on else 0)
+
+
+def gate_add(fh: int) -> bool:
+    """Answer ENOSPC to every GETATTR the kernel sends with handle `fh` (the write
+    gate: write(2) asks one once the inode's attributes were invalidated); False
+    when the extension is missing or out of memory (then the gate cannot close)."""
+    if _ext is None or not installed():
+        return False
+    return _ext.lib.zfx_gate_add(fh) == 0
+
+
+def gate_remove(fh: int) -> None:
+    """Stop refusing GETATTR with handle `fh` (released, or the gate opened)."""
+    if _ext is not None:
+        _ext.lib.zfx_gate_remove(fh)
+
+
+def gate_clear() -> None:
+    """Stop refusing GETATTR for every handle."""
+    if _ext is not None:
+        _ext.lib.zfx_gate_clear()
+
+
+def gate_refused() -> int:
+    """GETATTR requests (hence write(2) calls) answered ENOSPC by the gate."""
+    return int(_ext.lib.zfx_gate_refused_count()) if _ext is not None else 0
 
 
 def armed() -> bool:

@@ -70,7 +70,7 @@ from zonefs_py.daemon.memtrim import MemoryTrimmer
 from zonefs_py.daemon.options import MountConfig, MountError
 from zonefs_py.daemon.runstate import DeviceLock, LockHeld, RunState, sweep_stale
 from zonefs_py.daemon.sdnotify import Notifier
-from zonefs_py.daemon.tuning import tune_after_init, wait_serving
+from zonefs_py.daemon.tuning import run_write_gate, setup_write_gate, tune_after_init, wait_serving
 from zonefs_py.dataplane import wiring as dataplane_wiring
 from zonefs_py.progress import progress_printer
 
@@ -266,15 +266,17 @@ async def serve(cfg: MountConfig, report: Reporter, state: RunState,
 
 async def _become_ready(cfg: MountConfig, report: Reporter, state: RunState,
                         failed: list[BaseException], notifier: Notifier, serving: trio.Event,
-                        status_line: Any) -> None:
-    """Wait until the mount serves, tune it, then report ready (the caller of a
-    daemonizing mount and systemd at the same moment); on failure end the loop."""
+                        status_line: Any, ops: Any) -> None:
+    """Wait until the mount serves, tune it and set up its write gate, then report
+    ready (the caller of a daemonizing mount and systemd at the same moment); on
+    failure end the loop."""
     import pyfuse3
 
     try:
         _test_hook("init")
         await wait_serving(cfg)
         await tune_after_init(cfg)
+        await setup_write_gate(cfg, ops)
         _test_hook("tune")
     except Exception as exc:  # noqa: BLE001 - re-raised by _serve_mounted after the unmount
         failed.append(exc)
@@ -316,6 +318,7 @@ async def _serve_mounted(cfg: MountConfig, fs: Any, ops: Any, signals: Any,
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_run_background, fs, ops)
         nursery.start_soon(ops.invalidate_changed)
+        nursery.start_soon(run_write_gate, cfg, ops, serving)  # ENOSPC from write(2)
         if getattr(fs, "drain", None) is not None:  # uploads to an object store (drain/)
             from zonefs_py.drain.drainer import Drainer
 
@@ -323,7 +326,7 @@ async def _serve_mounted(cfg: MountConfig, fs: Any, ops: Any, signals: Any,
         closing = trio.Event()  # set once the FUSE session is being closed
         nursery.start_soon(_watch_signals, signals, closing)
         nursery.start_soon(_become_ready, cfg, report, state, failed, notifier, serving,
-                           status_line)
+                           status_line, ops)
         nursery.start_soon(notifier.run, serving, status_line)
         nursery.start_soon(MemoryTrimmer(lambda: _write_activity(fs)).run)
         nursery.start_soon(GcFreezer().run)

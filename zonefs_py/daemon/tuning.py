@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import subprocess
+from typing import Any
 
 import trio
 
@@ -132,3 +133,131 @@ def set_readahead(mountpoint: str, kib: int) -> None:
             log.debug("not setting the readahead window: %s (unmounted already)", exc)
             return
         log.warning("could not set the readahead window of %s: %s", mountpoint, exc)
+
+
+# -- the kernel's dirty limit for the mount (the write gate, issue 42) ----------------
+
+#: sysfs's scale for max_ratio_fine: parts per million of the global dirty limit.
+RATIO_FINE_SCALE = 1_000_000
+
+
+def dirty_max_bytes(proc_sys_vm: str = "/proc/sys/vm",
+                    meminfo: str = "/proc/meminfo") -> int:
+    """The most the kernel's global dirty limit can be: vm.dirty_bytes when set, else
+    vm.dirty_ratio percent of all memory (the dirtyable memory it is taken of, free
+    and file pages, is never more)."""
+    with open(os.path.join(proc_sys_vm, "dirty_bytes")) as f:
+        dirty_bytes = int(f.read())
+    if dirty_bytes:
+        return dirty_bytes
+    with open(os.path.join(proc_sys_vm, "dirty_ratio")) as f:
+        ratio = int(f.read())
+    with open(meminfo) as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024 * ratio // 100
+    raise OSError(f"no MemTotal in {meminfo}")
+
+
+class BdiLimit:
+    """The mount's dirty limit in /sys/class/bdi/<dev>: the bound of what the kernel
+    may hold dirty or under writeback for it (the FUSE bdi is strictlimit).
+
+    The limit is a share of the global dirty limit (`max_ratio_fine`, ppm; the
+    kernel gives FUSE 1%), which moves with free memory: its upper bound is that
+    share of `dirty_max_bytes`. Writing `max_ratio_fine` needs root.
+    """
+
+    def __init__(self, bdi_dir: str, dirty_max: int) -> None:
+        self.dir = bdi_dir
+        self.dirty_max = dirty_max
+
+    def _read(self, name: str) -> str:
+        with open(os.path.join(self.dir, name)) as f:
+            return f.read().strip()
+
+    def _write(self, name: str, value: int) -> None:
+        with open(os.path.join(self.dir, name), "w") as f:
+            f.write(str(value))
+
+    def ratio_fine(self) -> int:
+        try:
+            return int(self._read("max_ratio_fine"))
+        except FileNotFoundError:  # before Linux 6.2: whole percents only
+            return int(self._read("max_ratio")) * (RATIO_FINE_SCALE // 100)
+
+    def bound_bytes(self) -> int:
+        """The most the limit now in effect can come to, in bytes."""
+        if self._read("strict_limit") != "1":
+            # Without strictlimit a device may run past its share while the machine
+            # is under its background limit: only the global limit bounds it.
+            return self.dirty_max
+        return self.ratio_fine() * self.dirty_max // RATIO_FINE_SCALE
+
+    def tunable(self) -> bool:
+        """Whether the limit can be set (root; Linux >= 6.2 for the fine ratio)."""
+        try:
+            self._write("max_ratio_fine", self.ratio_fine())
+        except OSError:
+            return False
+        return True
+
+    def set(self, limit_bytes: int) -> int | None:
+        """Set the limit to at most `limit_bytes`; return the bound now in effect
+        (None, and a warning, if it could not be set). Blocking (sysfs)."""
+        ratio = max(1, limit_bytes * RATIO_FINE_SCALE // self.dirty_max)
+        try:
+            self._write("max_ratio_fine", ratio)
+            return self.bound_bytes()
+        except OSError as exc:
+            log.warning("could not set the dirty limit in %s: %s", self.dir, exc)
+            return None
+
+
+def open_bdi_limit(mountpoint: str) -> BdiLimit | None:
+    """The mount's `BdiLimit`, or None (logged) when its bdi cannot be read.
+    Call from a worker thread (it may stat the mount point)."""
+    try:
+        dev = _mount_dev(mountpoint)
+        bdi = BdiLimit(f"/sys/class/bdi/{dev}", dirty_max_bytes())
+        bdi.bound_bytes()
+    except MountGone as exc:
+        log.debug("no write gate: %s (unmounted already)", exc)
+        return None
+    except (OSError, ValueError) as exc:
+        if os.path.ismount(mountpoint):
+            log.warning("no write gate (write(2) near full is not refused): the dirty "
+                        "limit of %s cannot be read: %s", mountpoint, exc)
+        return None
+    return bdi
+
+
+async def setup_write_gate(cfg: MountConfig, ops: Any) -> None:
+    """Give the engine's write gate the kernel's dirty limit for the mount, and the
+    adapter a way to set it (when root); nothing without the writeback cache."""
+    gate = ops.write_gate
+    if not cfg.writeback_cache or gate.gate is None:
+        return
+    bdi = await trio.to_thread.run_sync(open_bdi_limit, cfg.mountpoint)
+    if bdi is None:
+        return
+    try:
+        default = await trio.to_thread.run_sync(bdi.bound_bytes)
+        tunable = await trio.to_thread.run_sync(bdi.tunable)
+    except (OSError, ValueError) as exc:  # the mount went away meanwhile, or a bad file
+        log.warning("no write gate: the dirty limit of %s: %s", cfg.mountpoint, exc)
+        return
+    if tunable:
+        gate.set_limit = bdi.set
+    gate.gate.configure(default, tunable)
+    log.info("write gate: the kernel may hold %d MiB dirty for the mount%s; write(2) "
+             "gets ENOSPC once under %.1f MiB are free", default >> 20,
+             " (lowered as the device fills)" if tunable else " (not settable)",
+             gate.gate.full_refuse_below_bytes / (1 << 20))
+
+
+async def run_write_gate(cfg: MountConfig, ops: Any, serving: trio.Event) -> None:
+    """Once the mount serves (its write gate set up by `setup_write_gate` before it
+    reported ready), run the gate for the mount's life (`zonefs_py.writegate`)."""
+    await serving.wait()
+    await ops.write_gate.run()

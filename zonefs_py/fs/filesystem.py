@@ -73,6 +73,7 @@ from zonefs_py.fs.qos import ReadLatencyController
 from zonefs_py.fs.quota import QuotaTracker
 from zonefs_py.fs.reclaim import SpaceReclaim
 from zonefs_py.fs.reflink import Copier
+from zonefs_py.fs.spacegate import SpaceGate
 from zonefs_py.fs.status import build_status
 from zonefs_py.fs.tasks import MountTasks
 from zonefs_py.journal.journal import Journal
@@ -148,6 +149,9 @@ class ZoneFS(NamespaceOps, HandleOps, AttrOps, FileSystemAPI):
         self.drain = DrainManager(self)  # zonefs_py/drain (via DrainHost): the self.drain.* hooks
         self.falloc = Fallocator(self)  # fs/prealloc.py: fallocate, reserved blocks (INV-24)
         self.copier = Copier(self)  # fs/reflink.py: copy_file_range, shared extents (3.13)
+        #: When write(2) through the kernel's page cache must be refused (issue 42);
+        #: configured by the adapter once it knows the kernel's dirty limit.
+        self.space_gate = SpaceGate(self.avail_bytes, relieve=self.drain.relieve_space)
         self.files: dict[int, int] = {}  # fh -> ino
         #: Time spent in read/write requests by the engine (not FUSE queueing).
         self.read_latency = Histogram()
@@ -551,10 +555,20 @@ class ZoneFS(NamespaceOps, HandleOps, AttrOps, FileSystemAPI):
 
 
     # -- whole filesystem -----------------------------------------------------------------------
+    def has_reservation(self, ino: int) -> bool:
+        """Whether the file holds blocks reserved by fallocate (the write gate leaves
+        its handles alone: writes there never need free space, INV-24)."""
+        return self.falloc.held_blocks(ino) > 0
+
+    def avail_bytes(self) -> int:
+        """Free space for users (statfs): capacity less the over-provisioning, live
+        data, bytes accepted and not yet placed, and held blocks."""
+        return max(0, self.alloc.user_capacity_bytes() - self.falloc.used_bytes())
+
     async def statfs(self) -> StatFs:
         bs = self.bs
         total = self.alloc.user_capacity_bytes() // bs
-        free = max(0, self.alloc.user_capacity_bytes() - self.falloc.used_bytes()) // bs
+        free = self.avail_bytes() // bs
         free = min(free, total)
         # Inodes: as many more as the meta area's checkpoint budget allows (the
         # estimate of NamespaceOps._check_meta_room), so that df -i shows the limit.

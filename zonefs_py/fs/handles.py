@@ -39,6 +39,7 @@ from zonefs_py.fs.options import FsOptions
 from zonefs_py.fs.prealloc import Fallocator
 from zonefs_py.fs.quota import QuotaTracker
 from zonefs_py.fs.reflink import Copier
+from zonefs_py.fs.spacegate import SpaceGate
 from zonefs_py.journal.journal import Journal
 from zonefs_py.journal.nsindex import NotCached
 from zonefs_py.model.lazy import LazyEntries
@@ -80,6 +81,7 @@ class HandleOps:
     falloc: Fallocator
     copier: Copier
     quota: QuotaTracker
+    space_gate: SpaceGate
     files: dict[int, int]
     dirs: dict[int, DirHandle]
     failsafe: str | None
@@ -210,6 +212,7 @@ class HandleOps:
             admitted.settle()
         self.write_latency.record(time.perf_counter_ns() - t0)
         self.quota.count_written(inode, n)
+        self.space_gate.check()  # the write gate (fs/spacegate.py) may close now
         if self.journal.pending_bytes > (4 << 20):
             self.wake_background()
         return n
@@ -267,6 +270,7 @@ class HandleOps:
         inode = self._fh_inode(fh)
         with self.data.write_arriving(inode.ino):
             await self.falloc.fallocate(inode, mode, offset, length)
+        self.space_gate.check()
 
     async def copy_file_range(self, fh_in: int, off_in: int, fh_out: int, off_out: int,
                               length: int, flags: int) -> int:
@@ -276,7 +280,9 @@ class HandleOps:
         src = self._fh_inode(fh_in)
         dst = self._fh_inode(fh_out)
         with self.data.write_arriving(dst.ino):
-            return await self.copier.copy(src, off_in, dst, off_out, length)
+            copied = await self.copier.copy(src, off_in, dst, off_out, length)
+        self.space_gate.check()
+        return copied
 
     async def _read_inode(self, inode: Inode, offset: int, length: int) -> bytes | memoryview:
         """Read an inode's bytes (inline or in blocks), as `read` does for a handle."""
