@@ -50,12 +50,13 @@ import functools
 import logging
 import os
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar, cast
 
 import pyfuse3
 import trio
 
 from zonefs_py import control, errors, fuseext
+from zonefs_py.census import STUCK_REQUEST_S, StuckRequestReport, census_status
 from zonefs_py.fs.api import (
     CAPABILITY_XATTR,
     ROOT_INO,
@@ -120,29 +121,292 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
+# -- what pyfuse3 does with each handler's return value (3.5, handlers.pxi) ------------
+# pyfuse3 converts the value after the handler returned, outside any try: a value of
+# the wrong type raises there, the request is never answered and the exception ends
+# pyfuse3's request loop (the whole mount). `_handler` checks the value first.
+def _is_none(value: object, args: tuple[Any, ...]) -> bool:
+    """unlink, rmdir, rename, flush, release, fsync, readdir, ...: answered 0."""
+    return value is None
+
+
+def _is_entry(value: object, args: tuple[Any, ...]) -> bool:
+    """`<EntryAttributes?>` cast, then fuse_reply_entry / fuse_reply_attr."""
+    return isinstance(value, pyfuse3.EntryAttributes)
+
+
+def _is_bytes(value: object, args: tuple[Any, ...]) -> bool:
+    """readlink (PyBytes_AsString), getxattr (PyBytes_AsStringAndSize)."""
+    return isinstance(value, bytes)
+
+
+def _is_read_reply(value: object, args: tuple[Any, ...]) -> bool:
+    """read: PyObject_GetBuffer(PyBUF_CONTIG_RO), at most the size asked (args[3])."""
+    if type(value) is bytes:  # the common case first, no view made
+        return len(value) <= args[3]
+    if not isinstance(value, bytes | bytearray | memoryview):
+        return False
+    try:
+        view = memoryview(value)
+    except ValueError:  # a released view
+        return False
+    return view.contiguous and view.nbytes <= args[3]
+
+
+def _is_write_reply(value: object, args: tuple[Any, ...]) -> bool:
+    """write: a size_t, at most the bytes given (args[3]); the kernel refuses more."""
+    return type(value) is int and 0 <= value <= len(args[3])
+
+
+def _is_file_info(value: object, args: tuple[Any, ...]) -> bool:
+    """open: `<FileInfo?>` cast."""
+    return isinstance(value, pyfuse3.FileInfo)
+
+
+def _is_create_reply(value: object, args: tuple[Any, ...]) -> bool:
+    """create: tmp[0] as FileInfo, tmp[1] as EntryAttributes."""
+    return (isinstance(value, tuple) and len(value) == 2
+            and isinstance(value[0], pyfuse3.FileInfo)
+            and isinstance(value[1], pyfuse3.EntryAttributes))
+
+
+def _is_fh(value: object, args: tuple[Any, ...]) -> bool:
+    """opendir: stored into fuse_file_info.fh, a uint64_t."""
+    return type(value) is int and 0 <= value < 1 << 64
+
+
+def _is_bool(value: object, args: tuple[Any, ...]) -> bool:
+    """access: its truth picks 0 or EACCES (a __bool__ could raise there)."""
+    return type(value) is bool
+
+
+def _is_statvfs(value: object, args: tuple[Any, ...]) -> bool:
+    """statfs: `<StatvfsData?>` cast."""
+    return isinstance(value, pyfuse3.StatvfsData)
+
+
+def _is_name_list(value: object, args: tuple[Any, ...]) -> bool:
+    """listxattr: b"\\0".join(value), so bytes names without NUL."""
+    return (isinstance(value, list | tuple)
+            and all(isinstance(n, bytes) and n and b"\0" not in n for n in value))
+
+
+def _is_int(value: object, args: tuple[Any, ...]) -> bool:
+    """The fuseext handlers: copy_file_range's byte count (answered by fuseext)."""
+    return type(value) is int and value >= 0
+
+
+def _is_poll_mask(value: object, args: tuple[Any, ...]) -> bool:
+    """poll: None or an unsigned event mask."""
+    return value is None or (type(value) is int and 0 <= value < 1 << 32)
+
+
+#: Handler name -> check of its return value. Every `_handler` must be listed here
+#: (decoration fails otherwise), so a new handler states what pyfuse3 will do with it.
+REPLY_CHECKS: dict[str, Callable[[object, tuple[Any, ...]], bool]] = {
+    "lookup": _is_entry, "getattr": _is_entry, "setattr": _is_entry,
+    "mknod": _is_entry, "mkdir": _is_entry, "symlink": _is_entry, "link": _is_entry,
+    "readlink": _is_bytes, "getxattr": _is_bytes, "listxattr": _is_name_list,
+    "access": _is_bool, "open": _is_file_info, "create": _is_create_reply,
+    "opendir": _is_fh, "read": _is_read_reply, "write": _is_write_reply,
+    "statfs": _is_statvfs, "poll": _is_poll_mask, "_copy_file_range": _is_int,
+    **{name: _is_none for name in (
+        "unlink", "rmdir", "rename", "flush", "release", "fsync", "readdir",
+        "releasedir", "fsyncdir", "setxattr", "removexattr", "_fallocate")},
+}
+
+
+class InjectedFailure(RuntimeError):
+    """TEST HOOK: the exception `FailureInjector` raises (an Exception)."""
+
+
+class InjectedBaseFailure(BaseException):
+    """TEST HOOK: the BaseException (not an Exception) `FailureInjector` raises."""
+
+
+class _Garbage:
+    """TEST HOOK: what a handler returns under `garbage` (no handler accepts it)."""
+
+    def __repr__(self) -> str:
+        return "<injected garbage>"
+
+
+#: TEST HOOK (`FailureInjector`): None unless the daemon was started with
+#: `ZONEFS_PY_FUSE_TEST_FAIL` set; then the hook `_handler` consults.
+_injector: FailureInjector | None = None
+
+
 def _handler(fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:
-    """Wrap a request handler: domain errors -> FUSEError, anything else -> EIO + failsafe."""
+    """Wrap a request handler so that pyfuse3 can always answer it, exactly once.
+
+    The wrapped handler either returns a value that passes its `REPLY_CHECKS`
+    entry (pyfuse3 converts it without error and answers) or raises
+    `pyfuse3.FUSEError` (pyfuse3 answers the errno): domain errors map through
+    `ERRNO_OF`; anything else (any exception or BaseException, a value of the
+    wrong type) is EIO, one log record and the failsafe. Only trio's
+    cancellation passes through: the serve is being torn down and the kernel
+    fails what is still in flight when the session closes.
+    """
+    check = REPLY_CHECKS[fn.__name__]
+    hook_name = fn.__name__.lstrip("_")
 
     @functools.wraps(fn)
     async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        self = args[0]
+        assert isinstance(self, Operations)
         try:
-            return await fn(*args, **kwargs)
+            if _injector is None:
+                value = await fn(*args, **kwargs)
+            else:
+                value = await _injector.call(hook_name, fn, args, kwargs)
         except pyfuse3.FUSEError:
             raise
         except FAILSAFE_ERRORS as exc:
-            self = args[0]
-            assert isinstance(self, Operations)
             self.failsafe(f"{fn.__name__}: {exc}", exc)
             raise pyfuse3.FUSEError(errno_of(exc)) from None
         except errors.ZoneFSError as exc:
             raise pyfuse3.FUSEError(errno_of(exc)) from None
-        except Exception as exc:  # noqa: BLE001 - the failsafe boundary
-            self = args[0]
-            assert isinstance(self, Operations)
+        except BaseException as exc:  # noqa: BLE001 - the failsafe boundary
+            if fuseext.is_shutdown_cancel(exc):
+                raise
             self.failsafe(f"unexpected {type(exc).__name__} in {fn.__name__}: {exc}", exc)
             raise pyfuse3.FUSEError(errno.EIO) from None
+        if not check(value, args):
+            self.failsafe(f"{fn.__name__} returned {type(value).__name__} "
+                          f"({value!r:.80}), which pyfuse3 cannot answer with", None)
+            raise pyfuse3.FUSEError(errno.EIO)
+        return value
 
     return wrapper
+
+
+#: pyfuse3's module-level coroutine functions its C handlers call, by handler name
+#: (TEST HOOK `dispatch`); the default is fuse_<name>_async.
+_PYFUSE3_ASYNC = {"readdir": ("fuse_readdirplus_async",),
+                  "write": ("fuse_write_async", "fuse_write_buf_async")}
+
+
+class FailureInjector:
+    """TEST HOOK: make the next call of a named handler fail, once (tests/integration/
+    test_answered.py). Off unless the daemon runs with `ZONEFS_PY_FUSE_TEST_FAIL`
+    set (`1`; `keep-writable`: injected failures do not enter the failsafe, so that
+    one mount can try every handler). Armed by setxattr of `trusted.zonefs.test_fail`
+    on the root, value `HANDLER=KIND`:
+
+      * ``raise``: the handler's first engine call raises `InjectedFailure`;
+      * ``base``: the same with `InjectedBaseFailure` (a BaseException);
+      * ``garbage``: the handler runs, then returns an object pyfuse3 cannot use;
+      * ``none``: the handler runs, then returns None;
+      * ``dispatch``: the request fails before any handler runs: pyfuse3's C-level
+        handler raises (its coroutine function is replaced for one call), or for
+        fallocate / copy_file_range the fuseext callback does (`fuseext`);
+      * ``stall``: the handler waits until the value ``release`` is written (at
+        most 60 s), then runs: a stuck request for the stuck-request report.
+
+    With the hook off, `_handler` checks one module global and the engine is not
+    wrapped.
+    """
+
+    XATTR = b"trusted.zonefs.test_fail"
+    ENV = "ZONEFS_PY_FUSE_TEST_FAIL"
+    KINDS = ("raise", "base", "garbage", "none", "dispatch", "stall")
+    STALL_MAX_S = 60.0
+
+    def __init__(self, keep_writable: bool) -> None:
+        self.keep_writable = keep_writable
+        #: handler name -> kind, for its next call.
+        self.armed: dict[str, str] = {}
+        #: Set while a `raise`/`base` injection waits for the handler's engine call.
+        self.engine_fails: type[BaseException] | None = None
+        self._release = trio.Event()
+
+    @classmethod
+    def from_env(cls) -> FailureInjector | None:
+        value = os.environ.get(cls.ENV, "")
+        if not value:
+            return None
+        log.warning("TEST HOOK %s=%s: request handlers can be made to fail", cls.ENV, value)
+        return cls(keep_writable=value == "keep-writable")
+
+    def arm(self, value: bytes) -> None:
+        """Parse `HANDLER=KIND` (or `release`) and arm it; raises InvalidArgument."""
+        text = value.decode("ascii", errors="replace").strip()
+        if text == "release":
+            self._release.set()
+            return
+        name, _, kind = text.partition("=")
+        if name not in {n.lstrip("_") for n in REPLY_CHECKS} or kind not in self.KINDS:
+            raise errors.InvalidArgument(f"test_fail: bad value {value!r}")
+        if kind != "dispatch":
+            self.armed[name] = kind
+        elif name in ("fallocate", "copy_file_range"):
+            fuseext.fail_next_start(name)
+        else:
+            self._break_pyfuse3(name)
+
+    @staticmethod
+    def _break_pyfuse3(name: str) -> None:
+        """Make pyfuse3's C handler for `name` raise on its next call (then restore)."""
+        attrs = _PYFUSE3_ASYNC.get(name, (f"fuse_{name}_async",))
+        saved = {attr: getattr(pyfuse3, attr) for attr in attrs}
+
+        def failing(*args: Any) -> Any:
+            for attr, fn in saved.items():
+                setattr(pyfuse3, attr, fn)
+            raise InjectedFailure(f"injected into pyfuse3's dispatch of {name}")
+
+        log.warning("TEST HOOK: pyfuse3's dispatch of %s fails once", name)
+        for attr in attrs:
+            setattr(pyfuse3, attr, failing)
+
+    async def call(self, name: str, fn: Callable[..., Coroutine[Any, Any, Any]],
+                   args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        kind = self.armed.pop(name, None)
+        if kind is None:
+            return await fn(*args, **kwargs)
+        log.warning("TEST HOOK: %s fails once (%s)", name, kind)
+        if kind == "stall":
+            with trio.move_on_after(self.STALL_MAX_S):
+                await self._release.wait()
+            self._release = trio.Event()
+            return await fn(*args, **kwargs)
+        if kind in ("raise", "base"):
+            self.engine_fails = InjectedFailure if kind == "raise" else InjectedBaseFailure
+            try:
+                return await fn(*args, **kwargs)
+            finally:
+                pending, self.engine_fails = self.engine_fails, None
+                if pending is not None:  # the handler made no engine call: fail here
+                    raise pending(f"injected into {name} (no engine call)")
+        await fn(*args, **kwargs)
+        return _Garbage() if kind == "garbage" else None
+
+    def engine_call(self, attr: str) -> None:
+        """Raise the armed exception at the handler's first engine call."""
+        exc, self.engine_fails = self.engine_fails, None
+        if exc is not None:
+            raise exc(f"injected into the engine call {attr}")
+
+
+class _FailingEngine:
+    """TEST HOOK: the engine as the adapter sees it while `FailureInjector` is on: every
+    method call first lets the injector raise."""
+
+    def __init__(self, fs: FileSystemAPI, injector: FailureInjector) -> None:
+        self._fs = fs
+        self._injector = injector
+
+    def __getattr__(self, attr: str) -> Any:
+        value = getattr(self._fs, attr)
+        if not callable(value):
+            return value
+        injector = self._injector
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            injector.engine_call(attr)
+            return value(*args, **kwargs)
+
+        return call
 
 
 def ctx_of(rctx: pyfuse3.RequestContext) -> Ctx:
@@ -161,13 +425,21 @@ class Operations(pyfuse3.Operations):
 
     def __init__(self, fs: FileSystemAPI, *, writeback_cache: bool = True,
                  attr_timeout_s: float = 3600.0, entry_timeout_s: float = 3600.0,
-                 negative_timeout_s: float = 3600.0) -> None:
+                 negative_timeout_s: float = 3600.0,
+                 stuck_request_s: float = STUCK_REQUEST_S) -> None:
         super().__init__()
+        global _injector
+        injector = FailureInjector.from_env()  # TEST HOOK: None unless the variable is set
+        if injector is not None:
+            _injector = injector
+            fs = cast(FileSystemAPI, _FailingEngine(fs, injector))
         self.fs = fs
         self.enable_writeback_cache = writeback_cache
         self.attr_timeout_s = attr_timeout_s
         self.entry_timeout_s = entry_timeout_s
         self.negative_timeout_s = negative_timeout_s
+        #: Logs requests waiting longer than stuck_request_s (the daemon runs it).
+        self.stuck_requests = StuckRequestReport(stuck_request_s)
         #: Set once the first unexpected error switched the mount to failsafe.
         self.failsafe_reason: str | None = None
         self._failsafe_repeats = 0
@@ -181,8 +453,11 @@ class Operations(pyfuse3.Operations):
         self.install_extra_handlers()
 
     # -- helpers -----------------------------------------------------------------------
-    def failsafe(self, reason: str, exc: BaseException) -> None:
+    def failsafe(self, reason: str, exc: BaseException | None) -> None:
         """Log `exc` with its traceback and put the filesystem into read-only failsafe."""
+        if _injector is not None and _injector.keep_writable:
+            log.error("TEST HOOK: not entering failsafe: %s", reason, exc_info=exc)
+            return
         if self.failsafe_reason is None:
             self.failsafe_reason = reason
             log.error("switching to read-only failsafe: %s", reason, exc_info=exc)
@@ -457,8 +732,9 @@ class Operations(pyfuse3.Operations):
 
     def status_extra(self) -> dict[str, Any]:
         """The adapter's part of the status document: FUSE requests by opcode since
-        the mount (the census, issue 29), so that every round trip is visible."""
-        return {"requests": fuseext.census(), "kernel_invalidations": self.invalidations}
+        the mount, received and answered, and those waiting too long (the census,
+        issues 29 and 42), so that every round trip is visible."""
+        return {**census_status(self.stuck_requests), "kernel_invalidations": self.invalidations}
 
     def _sync_capability_probe(self) -> None:
         """Let the C side answer the kernel's security.capability probe while no file
@@ -473,6 +749,13 @@ class Operations(pyfuse3.Operations):
         if fuseext.armed() and not fuseext.installed():
             log.warning("fallocate is not served (libfuse's fuse_session_new was not "
                         "intercepted): fallocate(2) gets EOPNOTSUPP")
+
+    @_handler
+    async def poll(self, inode: int, fh: int, poll_handle: Any,
+                   ctx: pyfuse3.RequestContext) -> int:
+        """FUSE_POLL (pyfuse3 3.5 passes it on): not supported; after ENOSYS the kernel
+        stops asking and treats files as always ready, as for a regular file."""
+        raise pyfuse3.FUSEError(errno.ENOSYS)
 
     # -- directories ----------------------------------------------------------------------
     @_handler
@@ -531,6 +814,11 @@ class Operations(pyfuse3.Operations):
     @_handler
     async def setxattr(self, inode: int, name: bytes, value: bytes,
                        ctx: pyfuse3.RequestContext) -> None:
+        if inode == ROOT_INO and _injector is not None and name == FailureInjector.XATTR:
+            if ctx.uid != 0:
+                raise errors.NotPermitted("the test hook is for root only")
+            _injector.arm(value)  # TEST HOOK (FailureInjector)
+            return
         if inode == ROOT_INO and control.is_control_name(name):
             await control.command(self.fs, name, value, ctx_of(ctx))
             # A command that changed files (an eviction) returns once the kernel has

@@ -18,15 +18,26 @@ Requests arrive on the trio thread, inside pyfuse3's call to
 `fuse_session_process_buf`; each is run as a task in the nursery the daemon
 hands over with `serving(nursery)` around `pyfuse3.main` (the callback itself
 must not block) and answered exactly once (`fuse_reply_err`, or
-`fuse_reply_write` with the bytes a copy made). One that arrives outside
-`serving` (none should: the session runs inside it) is answered EIO at once
-and logged.
+`fuse_reply_write` with the bytes a copy made): whatever the handler raises
+or returns, the task's `finally` answers (EIO for anything unexpected, with
+one log line); only trio's cancellation at shutdown leaves it to the end of
+the session. One that arrives outside `serving` (none should: the session
+runs inside it) is answered EIO at once and logged; a callback that fails
+before starting the task returns 0 to C, which answers EIO.
 
-The census: `census_arm()` (before `pyfuse3.init`) wraps every handler in
-libfuse's table with a C counter; `census()` returns the counts by opcode
-name since the mount, GETXATTR also by attribute name (`GETXATTR:<name>`).
-It costs one increment per request, so the daemon always arms it; the no-op
-server in bench/ arms it too, so requests per file compare in one run.
+The census (native/zonefs_census.h): `census_arm()` (before `pyfuse3.init`)
+wraps every handler in libfuse's table with a C function that records the
+request (received, by kernel opcode; in flight, with its inode and arrival
+time), and libfuse's `fuse_reply_*` functions (also defined in the module,
+so they win in the global scope) end it (answered). `census()` returns the
+received counts by opcode name since the mount, GETXATTR also by attribute
+name (`GETXATTR:<name>`); `census_answered()` the answered ones; `waiting()`
+the requests in flight longer than a threshold (`zonefs_py.census` reports
+them). The C dispatch guard answers EIO for a request whose pyfuse3 handler
+failed before taking it (`_dispatch_failed` logs it). It costs an increment,
+a clock read and a small hash insert and delete per request, so the daemon
+always arms it; the no-op server in bench/ arms it too, so requests per file
+compare in one run.
 
 Caveats: `install()` must run before `pyfuse3.init`, in the process that
 mounts, and pyfuse3 must be imported after `zonefs_py` (true for the CLI and
@@ -58,6 +69,8 @@ CopyHandler = Callable[[int, int, int, int, int, int], Awaitable[tuple[int, int]
 _handler: FallocateHandler | None = None
 _copy_handler: CopyHandler | None = None
 _ext: Any = None
+#: TEST HOOK (`fail_next_start`): task names whose next start raises.
+_fail_start: set[str] = set()
 #: Where requests run while the session serves (`serving`), else None.
 _nursery: trio.Nursery | None = None
 
@@ -76,13 +89,45 @@ def serving(nursery: trio.Nursery) -> Iterator[None]:
         _nursery = None
 
 
-def _start(fn: Callable[..., Awaitable[None]], req: Any, *args: Any, name: str) -> None:
-    """Start a request's task in the serving nursery; with none, answer EIO now."""
+def _start(fn: Callable[..., Awaitable[None]], req: Any, *args: Any, name: str) -> int:
+    """Start a request's task in the serving nursery; with none, answer EIO now.
+
+    Returns 1: the request is taken (answered here, or by its task). Raising
+    makes the C callback return 0, and C answers EIO (`_callback_failed`)."""
+    if _fail_start and name in _fail_start:
+        _fail_start.discard(name)
+        raise RuntimeError(f"TEST HOOK: starting {name} fails once")
     if _nursery is None:
         log.error("%s request arrived with no serving nursery; answered EIO", name)
         _ext.lib.zfx_reply_err(req, errno.EIO)
-        return
+        return 1
     _nursery.start_soon(fn, req, *args, name=name)
+    return 1
+
+
+def fail_next_start(handler: str) -> None:
+    """TEST HOOK (fuse_ops.FailureInjector): the next `handler` request ("fallocate",
+    "copy_file_range") fails in its callback, before its task starts."""
+    _fail_start.add("fuse-" + handler.replace("_", "-"))
+
+
+def _callback_failed(exc_type: type[BaseException] | None, exc: BaseException | None,
+                     tb: Any) -> None:
+    """cffi's onerror for the request callbacks: the request was not taken (C answers
+    it EIO); one log line with the traceback."""
+    log.error("a FUSE request could not be started; answered EIO",
+              exc_info=(exc_type, exc, tb) if exc_type is not None and exc is not None
+              else None)
+
+
+def _dispatch_failed(opname: str, exc: BaseException | None, answered: int) -> None:
+    """Called by the C dispatch guard (native/zonefs_fuseext.c, zfx_after_dispatch):
+    pyfuse3's handler for an `opname` request failed before taking it; C answered
+    it EIO (`answered`) unless it had an answer already. One log line."""
+    log.error("pyfuse3 failed to take a %s request (%s: %s); %s", opname,
+              type(exc).__name__, exc,
+              "answered EIO" if answered else "it had been answered",
+              exc_info=exc if isinstance(exc, BaseException) else None)
 
 
 def _load() -> Any:
@@ -106,16 +151,30 @@ def _load() -> Any:
 
 
 def _register(ext: Any) -> None:
-    @ext.ffi.def_extern()
+    @ext.ffi.def_extern(error=0, onerror=_callback_failed)
     def zfx_py_fallocate(req: Any, ino: int, mode: int, offset: int, length: int,
-                         fh: int) -> None:
-        _start(_run_fallocate, req, ino, fh, mode, offset, length, name="fuse-fallocate")
+                         fh: int) -> int:
+        return _start(_run_fallocate, req, ino, fh, mode, offset, length,
+                      name="fuse-fallocate")
 
-    @ext.ffi.def_extern()
+    @ext.ffi.def_extern(error=0, onerror=_callback_failed)
     def zfx_py_copy_file_range(req: Any, fh_in: int, off_in: int, fh_out: int, off_out: int,
-                               length: int, flags: int) -> None:
-        _start(_run_copy, req, fh_in, off_in, fh_out, off_out, length, flags,
-               name="fuse-copy-file-range")
+                               length: int, flags: int) -> int:
+        return _start(_run_copy, req, fh_in, off_in, fh_out, off_out, length, flags,
+                      name="fuse-copy-file-range")
+
+
+def _valid_errno(value: object) -> bool:
+    """An errno a handler may answer: an int in 0..4095 (0: success)."""
+    return type(value) is int and 0 <= value < 4096
+
+
+def is_shutdown_cancel(exc: BaseException) -> bool:
+    """trio's cancellation (alone or a group of only it): the serve is being torn
+    down; the session ends with it and the kernel fails what is still in flight."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(is_shutdown_cancel(e) for e in exc.exceptions)
+    return isinstance(exc, trio.Cancelled | GeneratorExit)
 
 
 async def _run_copy(req: Any, fh_in: int, off_in: int, fh_out: int, off_out: int,
@@ -124,12 +183,18 @@ async def _run_copy(req: Any, fh_in: int, off_in: int, fh_out: int, off_out: int
     err, count = errno.EIO, 0
     try:
         if _copy_handler is not None:
-            err, count = await _copy_handler(fh_in, off_in, fh_out, off_out, length, flags)
-    except trio.Cancelled:
-        err = errno.EINTR
-        raise
-    except Exception:  # noqa: BLE001 - a request's failure is its EIO, as pyfuse3's are
-        log.exception("copy_file_range handler failed")
+            result = await _copy_handler(fh_in, off_in, fh_out, off_out, length, flags)
+            if (isinstance(result, tuple) and len(result) == 2 and _valid_errno(result[0])
+                    and type(result[1]) is int and 0 <= result[1] <= min(length, 0xFFFFFFFF)):
+                err, count = result
+            else:
+                log.error("copy_file_range handler returned %.200r; answered EIO", result)
+    except BaseException as exc:
+        if is_shutdown_cancel(exc):
+            err = errno.EINTR
+            raise
+        # A request's failure is its EIO, as pyfuse3's are (and one log line).
+        log.error("copy_file_range handler failed; answered EIO", exc_info=exc)
     finally:
         if err:
             _ext.lib.zfx_reply_err(req, err)
@@ -143,12 +208,16 @@ async def _run_fallocate(req: Any, ino: int, fh: int, mode: int, offset: int,
     err = errno.EIO
     try:
         if _handler is not None:
-            err = await _handler(ino, fh, mode, offset, length)
-    except trio.Cancelled:
-        err = errno.EINTR
-        raise
-    except Exception:  # noqa: BLE001 - a request's failure is its EIO, as pyfuse3's are
-        log.exception("fallocate handler failed")
+            result = await _handler(ino, fh, mode, offset, length)
+            if _valid_errno(result):
+                err = result
+            else:
+                log.error("fallocate handler returned %.200r; answered EIO", result)
+    except BaseException as exc:
+        if is_shutdown_cancel(exc):
+            err = errno.EINTR
+            raise
+        log.error("fallocate handler failed; answered EIO", exc_info=exc)
     finally:
         _ext.lib.zfx_reply_err(req, err)
 
@@ -175,8 +244,9 @@ def census_arm() -> bool:
 
 
 def census() -> dict[str, int]:
-    """Requests by FUSE opcode since the mount (only those seen), plus GETXATTR by name
-    as `GETXATTR:<name>` and `forgotten_inodes`; {} when the census is not armed."""
+    """Requests received by FUSE opcode since the mount (only those seen), plus GETXATTR
+    by name as `GETXATTR:<name>` and `forgotten_inodes`; {} when the census is not
+    armed."""
     ext = _ext
     if ext is None:
         return {}
@@ -185,7 +255,10 @@ def census() -> dict[str, int]:
     for slot in range(lib.zfx_census_slots()):
         count = int(lib.zfx_census_count(slot))
         if count:
-            out[ffi.string(lib.zfx_census_name(slot)).decode()] = count
+            out[_opname(slot)] = count
+    forgotten = int(lib.zfx_census_forgotten())
+    if forgotten:
+        out["forgotten_inodes"] = forgotten
     count_p = ffi.new("uint64_t *")
     for i in range(64):
         name = lib.zfx_census_xattr(i, count_p)
@@ -193,6 +266,59 @@ def census() -> dict[str, int]:
             break
         out["GETXATTR:" + ffi.string(name).decode(errors="replace")] = int(count_p[0])
     return out
+
+
+def _opname(slot: int) -> str:
+    """The name of kernel opcode `slot` (`OP<n>` for one without a name)."""
+    ext = _ext
+    name = ext.lib.zfx_census_name(slot) if ext is not None else None
+    if name is None or name == ext.ffi.NULL:
+        return f"OP{slot}"
+    return str(ext.ffi.string(name).decode())
+
+
+def census_answered() -> dict[str, int]:
+    """Requests answered by FUSE opcode since the mount (only those seen). FORGET and
+    BATCH_FORGET, which get no answer by protocol, count when they are done; INIT
+    once libfuse answers it. {} when the census is not armed."""
+    ext = _ext
+    if ext is None:
+        return {}
+    out: dict[str, int] = {}
+    for slot in range(ext.lib.zfx_census_slots()):
+        count = int(ext.lib.zfx_census_answered_count(slot))
+        if count:
+            out[_opname(slot)] = count
+    return out
+
+
+def in_flight() -> int:
+    """Requests received and not answered yet (0 without the census)."""
+    return int(_ext.lib.zfx_census_in_flight()) if _ext is not None else 0
+
+
+def dispatch_failures() -> int:
+    """Requests pyfuse3 failed to take, answered EIO by the C dispatch guard."""
+    return int(_ext.lib.zfx_census_dispatch_failures()) if _ext is not None else 0
+
+
+#: Most waiting requests `waiting()` lists.
+WAITING_MAX = 64
+
+
+def waiting(older_than_s: float, limit: int = WAITING_MAX) -> tuple[list[dict[str, Any]], int]:
+    """The requests in flight for at least `older_than_s`, oldest first (at most
+    `limit`), and how many there are in all: each {"id", "opcode", "inode", "age_s"}
+    (`id`: the arrival number since the mount, unique)."""
+    ext = _ext
+    if ext is None:
+        return [], 0
+    out_p = ext.ffi.new("struct zfx_waiting[]", limit)
+    total = int(ext.lib.zfx_census_waiting(out_p, limit, int(max(0.0, older_than_s) * 1e9)))
+    rows = [{"id": int(w.seq), "opcode": _opname(int(w.opcode)), "inode": int(w.ino),
+             "age_s": round(w.age_ns / 1e9, 3)} for w in out_p[0:min(total, limit)]]
+    rows.sort(key=lambda row: -row["age_s"])
+    return rows, total
 
 
 def set_no_capabilities(on: bool) -> None:
