@@ -216,6 +216,15 @@ REPLY_CHECKS: dict[str, Callable[[object, tuple[Any, ...]], bool]] = {
 }
 
 
+def _safe_text(obj: object, how: Callable[[object], str]) -> str:
+    """str() or repr() of `obj` for a log line; never raises (a broken __str__ of the
+    very object being reported must not escape the wrapper)."""
+    try:
+        return how(obj)
+    except Exception:  # noqa: BLE001 - whatever it raises, the answer must go out
+        return f"<{type(obj).__name__}: unprintable>"
+
+
 class InjectedFailure(RuntimeError):
     """TEST HOOK: the exception `FailureInjector` raises (an Exception)."""
 
@@ -269,11 +278,13 @@ def _handler(fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[A
         except BaseException as exc:  # noqa: BLE001 - the failsafe boundary
             if fuseext.is_shutdown_cancel(exc):
                 raise
-            self.failsafe(f"unexpected {type(exc).__name__} in {fn.__name__}: {exc}", exc)
+            self.unexpected(f"unexpected {type(exc).__name__} in {fn.__name__}: "
+                            f"{_safe_text(exc, str)}", exc)
             raise pyfuse3.FUSEError(errno.EIO) from None
         if not check(value, args):
-            self.failsafe(f"{fn.__name__} returned {type(value).__name__} "
-                          f"({value!r:.80}), which pyfuse3 cannot answer with", None)
+            self.unexpected(f"{fn.__name__} returned {type(value).__name__} "
+                            f"({_safe_text(value, repr):.80}), which pyfuse3 cannot answer "
+                            "with", None)
             raise pyfuse3.FUSEError(errno.EIO)
         return value
 
@@ -472,6 +483,14 @@ class Operations(pyfuse3.Operations):
                 enter(reason)
             except Exception:  # noqa: BLE001 - never let the failsafe itself fail a request
                 log.exception("enter_failsafe failed")
+
+    def unexpected(self, reason: str, exc: BaseException | None) -> None:
+        """`failsafe` for the handler wrapper: whatever goes wrong in reporting (a
+        logging handler that fails on the exception's text), the EIO answer goes out."""
+        try:
+            self.failsafe(reason, exc)
+        except Exception:  # noqa: BLE001 - nothing more can be said; answer anyway
+            pass
 
     def entry(self, attr: Attr) -> pyfuse3.EntryAttributes:
         """Convert an engine `Attr` to pyfuse3's EntryAttributes with our timeouts."""

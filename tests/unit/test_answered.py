@@ -117,6 +117,30 @@ async def test_a_value_pyfuse3_cannot_answer_with_is_eio() -> None:
     assert "readlink returned str" in ops.failsafe_reason
 
 
+@pytest.mark.expect_log("zonefs_py.fuse_ops", "WARNING", "error while in failsafe")
+async def test_an_unprintable_failure_is_still_answered() -> None:
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise ValueError("no text")
+
+    class Garbage:
+        def __repr__(self) -> str:
+            raise ValueError("no text")
+
+    class Engine:
+        async def statfs(self) -> None:
+            raise Unprintable()
+
+        async def readlink(self, ino: int) -> Garbage:
+            return Garbage()
+
+    ops = ops_over(Engine())
+    for call in (ops.statfs(CTX), ops.readlink(1, CTX)):
+        with pytest.raises(pyfuse3.FUSEError) as info:
+            await call
+        assert info.value.errno == errno.EIO
+
+
 async def test_access_answers_through_the_wrapper() -> None:
     # ACCESS never reaches a default_permissions mount: its handler is tested here.
     class Allows:
