@@ -60,12 +60,19 @@ static int zfx_installed;
 
 static int zfx_census_pending(const void *key);
 static int zfx_census_armed;
+static int zfx_count_only;
 
-/* Python did not take `req`: answer it EIO unless it was answered already (without
- * the census nothing else can have answered it). */
+/* Whether `req`, which failed to be taken, is still to be answered: per the census
+ * when it tracks requests; without it, nothing else can have answered it. */
+static int zfx_unanswered(fuse_req_t req)
+{
+    return !zfx_census_armed || zfx_count_only || zfx_census_pending(req);
+}
+
+/* Python did not take `req`: answer it EIO unless it was answered already. */
 static void zfx_not_taken(fuse_req_t req)
 {
-    if (!zfx_census_armed || zfx_census_pending(req))
+    if (zfx_unanswered(req))
         fuse_reply_err(req, EIO);
 }
 
@@ -233,11 +240,17 @@ static void zfx_flight_remove_locked(size_t i)
     zfx_flight_used--;
 }
 
+/* zfx_count_only (declared above) is set when the answers cannot be seen (pyfuse3
+ * bound libfuse's reply functions before this module was global): count only. */
+
 uint64_t zfx_census_begin(const void *key, uint32_t opcode, uint64_t ino)
 {
-    uint64_t seq = 0, now = zfx_now_ns();
+    uint64_t seq = 0, now;
     uint32_t op = zfx_op_index(opcode);
     ZFX_ADD(zfx_recv[op], 1);
+    if (zfx_count_only)
+        return 0;
+    now = zfx_now_ns();
     pthread_mutex_lock(&zfx_flight_lock);
     if ((zfx_flight_used + 1) * 2 > zfx_flight_cap && zfx_flight_grow_locked() != 0) {
         zfx_untracked++;
@@ -433,9 +446,12 @@ static void zfx_after_dispatch(fuse_req_t req, uint32_t opcode)
     PyErr_NormalizeException(&type, &value, &tb);
     if (value != NULL && tb != NULL)
         PyException_SetTraceback(value, tb);
-    if (req != NULL && zfx_census_pending(req)) {
+    if (req != NULL && zfx_unanswered(req)) {
         ZFX_ADD(zfx_dispatch_failures, 1);
-        fuse_reply_err(req, EIO);
+        if (opcode == ZO_FORGET || opcode == ZO_BATCH_FORGET)
+            fuse_reply_none(req);  /* no answer by protocol: only end the request */
+        else
+            fuse_reply_err(req, EIO);
         answered = 1;
     }
     mod = PyImport_ImportModule("zonefs_py.fuseext");
@@ -656,12 +672,14 @@ static void zfx_census_wrap(void)
     ZC_HOOK(fallocate); ZC_HOOK(copy_file_range);
 }
 
-/* Arm (or disarm) the census for the next fuse_session_new; the calling thread is
+/* Arm (1), arm counting received requests only (2: the answers cannot be seen),
+ * or disarm (0) the census for the next fuse_session_new; the calling thread is
  * the one whose handler failures the dispatch guard takes (it must hold the GIL
  * while libfuse dispatches there: pyfuse3's trio thread). */
 void zfx_census_arm(int on)
 {
-    zfx_census_armed = on;
+    zfx_census_armed = on != 0;
+    zfx_count_only = on == 2;
     zfx_py_thread = pthread_self();
     zfx_py_thread_set = on;
 }

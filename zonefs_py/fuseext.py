@@ -235,11 +235,20 @@ def install(fallocate: FallocateHandler, copy_file_range: CopyHandler) -> bool:
 
 
 def census_arm() -> bool:
-    """Count every request of the next `pyfuse3.init` by opcode; False if unavailable."""
+    """Count every request of the next `pyfuse3.init` by opcode; False if unavailable.
+
+    When pyfuse3 was imported before zonefs_py its answers bypass the census: then
+    only requests received are counted (nothing is tracked in flight, so nothing is
+    reported stuck), with a warning."""
+    import zonefs_py
+
     ext = _load()
     if ext is None:
         return False
-    ext.lib.zfx_census_arm(1)
+    if zonefs_py.PYFUSE3_IMPORTED_FIRST:
+        log.warning("pyfuse3 was imported before zonefs_py: the request census counts "
+                    "requests received only (no answers, no stuck-request report)")
+    ext.lib.zfx_census_arm(2 if zonefs_py.PYFUSE3_IMPORTED_FIRST else 1)
     return True
 
 
