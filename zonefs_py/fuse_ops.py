@@ -785,17 +785,29 @@ class Operations(pyfuse3.Operations):
     async def readdir(self, fh: int, start_id: int,
                       token: pyfuse3.ReaddirToken) -> None:
         offset = start_id
-        while True:
-            batch = await self.fs.readdir(fh, offset)
-            if not batch:
-                return
-            for ent in batch:
-                if not pyfuse3.readdir_reply(token, ent.name, self.entry(ent.attr),
-                                             ent.next_offset):
+        counted: list[int] = []
+        try:
+            while True:
+                batch = await self.fs.readdir(fh, offset)
+                if not batch:
                     return
-                if ent.name not in (b".", b".."):
-                    self._add_lookup(ent.attr.ino)
-                offset = ent.next_offset
+                for ent in batch:
+                    if not pyfuse3.readdir_reply(token, ent.name, self.entry(ent.attr),
+                                                 ent.next_offset):
+                        return
+                    if ent.name not in (b".", b".."):
+                        self._add_lookup(ent.attr.ino)
+                        counted.append(ent.attr.ino)
+                    offset = ent.next_offset
+        except BaseException:
+            # pyfuse3 answers the error and drops the entries already added: the
+            # kernel takes no reference to them, so neither may we.
+            if counted:
+                try:
+                    self.fs.forget([(ino, 1) for ino in counted])
+                except Exception:  # noqa: BLE001 - the first failure is the one reported
+                    log.exception("undoing the lookups of a failed readdir")
+            raise
 
     @_handler
     async def releasedir(self, fh: int) -> None:

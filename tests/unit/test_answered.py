@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ import trio.testing
 from zonefs_py import fuse_ops, fuseext, statusview
 from zonefs_py.census import StuckRequestReport
 from zonefs_py.daemon.options import MountConfig, MountError
-from zonefs_py.fs.api import Attr
+from zonefs_py.fs.api import Attr, DirEntry
 from zonefs_py.metrics import render
 
 pytestmark = pytest.mark.expect_log("zonefs_py", "ERROR",
@@ -139,6 +140,38 @@ async def test_an_unprintable_failure_is_still_answered() -> None:
         with pytest.raises(pyfuse3.FUSEError) as info:
             await call
         assert info.value.errno == errno.EIO
+
+
+async def test_a_failed_readdir_takes_back_its_lookups(monkeypatch: pytest.MonkeyPatch) -> None:
+    # pyfuse3 drops the entries already added when readdir fails: no kernel reference.
+    class Dir:
+        def __init__(self) -> None:
+            self.lookups: list[int] = []
+            self.forgotten: list[tuple[int, int]] = []
+
+        async def readdir(self, fh: int, offset: int) -> list[DirEntry]:
+            return [DirEntry(name, replace(_attr(), ino=ino), i + 1) for i, (name, ino) in
+                    enumerate([(b".", 1), (b"a", 5), (b"b", 6), (b"c", 7)]) if i >= offset]
+
+        def add_lookup(self, ino: int) -> None:
+            self.lookups.append(ino)
+
+        def forget(self, inodes: list[tuple[int, int]]) -> None:
+            self.forgotten += inodes
+
+    replies = iter([True, True, True])
+
+    def reply(token: object, name: bytes, attr: object, next_id: int) -> bool:
+        if next(replies, None) is None:
+            raise MemoryError("calloc")
+        return True
+
+    monkeypatch.setattr(pyfuse3, "readdir_reply", reply)
+    engine = Dir()
+    with pytest.raises(pyfuse3.FUSEError):
+        await ops_over(engine).readdir(5, 0, None)
+    assert engine.lookups == [5, 6]
+    assert engine.forgotten == [(5, 1), (6, 1)]
 
 
 async def test_access_answers_through_the_wrapper() -> None:
