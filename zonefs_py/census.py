@@ -62,7 +62,7 @@ class StuckRequestReport:
         for row in rows:
             if row["id"] not in self._logged:
                 self.reported_total += 1
-                log.warning("FUSE request waiting for %.0f s (over %g s): %s of inode %d "
+                log.warning("FUSE request waiting for %.1f s (over %g s): %s of inode %d "
                             "(request #%d); %d waiting that long in all", row["age_s"],
                             self.threshold_s, row["opcode"], row["inode"], row["id"], total)
         self._logged = {row["id"] for row in rows}

@@ -43,9 +43,9 @@ Caveats: `install()` must run before `pyfuse3.init`, in the process that
 mounts, and pyfuse3 must be imported after `zonefs_py` (true for the CLI and
 the daemon; a program that imports pyfuse3 first keeps libfuse's own
 functions: no FALLOCATE, and the census counts received requests only, since
-the answers bypass it: `census_arm` warns). `installed()` tells whether the handler went in; when not,
-fallocate stays EOPNOTSUPP as before and the adapter logs a warning. One
-mount per process (pyfuse3's limit too).
+the answers bypass it: `census_arm` warns). `installed()` tells whether the
+handler went in; when not, fallocate stays EOPNOTSUPP as before and the
+adapter logs a warning. One mount per process (pyfuse3's limit too).
 """
 
 from __future__ import annotations

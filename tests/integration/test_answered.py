@@ -80,6 +80,21 @@ def write_file(path: Path, data: bytes = b"x" * 8192) -> Path:
     return path
 
 
+def a_symlink(path: Path) -> Path:
+    os.symlink("target", path)
+    return path
+
+
+def a_directory(path: Path) -> Path:
+    path.mkdir()
+    return path
+
+
+def with_xattr(path: Path) -> Path:
+    os.setxattr(write_file(path), "user.t", b"v")
+    return path
+
+
 def aligned(n: int = 4096) -> mmap.mmap:
     """A page-aligned buffer for O_DIRECT."""
     return mmap.mmap(-1, n)
@@ -114,11 +129,11 @@ CASES = [
     Case("lookup", lambda d: d / "absent", os.stat),
     Case("getattr", lambda d: write_file(d / "f"), statx_force_sync),
     Case("setattr", lambda d: write_file(d / "f"), lambda p: os.chmod(p, 0o600)),
-    Case("readlink", lambda d: (os.symlink("target", d / "l"), d / "l")[1], os.readlink),
+    Case("readlink", lambda d: a_symlink(d / "l"), os.readlink),
     Case("mknod", lambda d: d / "fifo", os.mkfifo),
     Case("mkdir", lambda d: d / "sub", os.mkdir),
     Case("unlink", lambda d: write_file(d / "f"), os.unlink),
-    Case("rmdir", lambda d: (os.mkdir(d / "sub"), d / "sub")[1], os.rmdir),
+    Case("rmdir", lambda d: a_directory(d / "sub"), os.rmdir),
     Case("symlink", lambda d: d / "l", lambda p: os.symlink("target", p)),
     Case("rename", lambda d: write_file(d / "f"), lambda p: os.rename(p, p.parent / "g")),
     Case("link", lambda d: write_file(d / "f"), lambda p: os.link(p, p.parent / "g")),
@@ -138,11 +153,10 @@ CASES = [
     Case("fsyncdir", lambda d: _open(d, os.O_RDONLY | os.O_DIRECTORY), os.fsync),
     Case("statfs", lambda d: d, os.statvfs),
     Case("setxattr", lambda d: write_file(d / "f"), lambda p: os.setxattr(p, "user.t", b"v")),
-    Case("getxattr", lambda d: (os.setxattr(write_file(d / "f"), "user.t", b"v"), d / "f")[1],
-         lambda p: os.getxattr(p, "user.t")),
+    Case("getxattr", lambda d: with_xattr(d / "f"), lambda p: os.getxattr(p, "user.t")),
     Case("listxattr", lambda d: write_file(d / "f"), os.listxattr),
     Case("removexattr",
-         lambda d: (os.setxattr(write_file(d / "f"), "user.t", b"v"), d / "f")[1],
+         lambda d: with_xattr(d / "f"),
          lambda p: os.removexattr(p, "user.t")),
     Case("create", lambda d: d / "new",
          lambda p: os.close(os.open(p, os.O_CREAT | os.O_WRONLY, 0o644))),

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pyfuse3
 import pytest
@@ -169,7 +169,7 @@ async def test_a_failed_readdir_takes_back_its_lookups(monkeypatch: pytest.Monke
     monkeypatch.setattr(pyfuse3, "readdir_reply", reply)
     engine = Dir()
     with pytest.raises(pyfuse3.FUSEError):
-        await ops_over(engine).readdir(5, 0, None)
+        await ops_over(engine).readdir(5, 0, cast(pyfuse3.ReaddirToken, None))
     assert engine.lookups == [5, 6]
     assert engine.forgotten == [(5, 1), (6, 1)]
 
@@ -370,3 +370,16 @@ def test_metrics_export_received_answered_and_stuck() -> None:
     assert "zonefs_fuse_requests_in_flight 2.0" in text
     assert "zonefs_fuse_requests_stuck 1.0" in text
     assert "zonefs_fuse_oldest_stuck_request_seconds 45.0" in text
+
+
+@pytest.mark.expect_log("zonefs_py.fuseext", "WARNING", "imported before zonefs_py")
+def test_the_census_counts_only_when_pyfuse3_came_first(monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    import zonefs_py
+
+    monkeypatch.setattr(zonefs_py, "PYFUSE3_IMPORTED_FIRST", True)
+    with caplog.at_level(logging.WARNING, "zonefs_py.fuseext"):
+        assert fuseext.census_arm()
+    assert "counts requests received only" in caplog.text
+    monkeypatch.setattr(zonefs_py, "PYFUSE3_IMPORTED_FIRST", False)
+    assert fuseext.census_arm()  # as the daemon arms it
