@@ -43,6 +43,8 @@ uint64_t zfx_census_begin(const void *key, uint32_t opcode, uint64_t ino);
 int zfx_census_end(const void *key);
 void zfx_census_received(uint32_t opcode);
 void zfx_census_answered(uint32_t opcode);
+extern uint64_t zfx_current_seq;
+int zfx_census_fail(uint64_t seq, int err);
 const char *zfx_census_xattr(int i, uint64_t *count);
 void zfx_set_no_caps(int on);
 void zfx_set_no_system_ns(int on);

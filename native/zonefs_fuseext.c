@@ -468,12 +468,46 @@ static void zfx_after_dispatch(fuse_req_t req, uint32_t opcode)
     Py_XDECREF(tb);
 }
 
+/* The arrival number of the request being dispatched on the armed thread (0 between
+ * requests): zonefs_py.fuseext's guard around pyfuse3's request coroutines reads it
+ * (a cffi global, no call) when pyfuse3 creates the coroutine, to answer that
+ * request if the coroutine fails later (zfx_census_fail). Trio thread only. */
+uint64_t zfx_current_seq;
+
 #define ZC_GUARD(req, opcode, ino, call)                                             \
     do {                                                                             \
-        zfx_census_begin((req), (opcode), (ino));                                    \
+        zfx_current_seq = zfx_census_begin((req), (opcode), (ino));                  \
         call;                                                                        \
+        zfx_current_seq = 0;                                                         \
         zfx_after_dispatch((req), (opcode));                                         \
     } while (0)
+
+/* Answer the request with arrival number `seq` with `err` if it is still in flight
+ * (FORGET: end it, no answer by protocol); 1 if answered here, 0 if it had been. */
+int zfx_census_fail(uint64_t seq, int err)
+{
+    const void *key = NULL;
+    uint32_t op = 0;
+    size_t i;
+    if (seq == 0)
+        return 0;
+    pthread_mutex_lock(&zfx_flight_lock);
+    for (i = 0; i < zfx_flight_cap; i++)
+        if (zfx_flight[i].key != NULL && zfx_flight[i].seq == seq) {
+            key = zfx_flight[i].key;
+            op = zfx_flight[i].opcode;
+            break;
+        }
+    pthread_mutex_unlock(&zfx_flight_lock);
+    if (key == NULL)
+        return 0;
+    ZFX_ADD(zfx_dispatch_failures, 1);
+    if (op == ZO_FORGET || op == ZO_BATCH_FORGET)
+        fuse_reply_none((fuse_req_t)key);
+    else
+        fuse_reply_err((fuse_req_t)key, err);
+    return 1;
+}
 
 /* ---- the wrappers around pyfuse3's handlers ---------------------------------- */
 
@@ -592,7 +626,7 @@ static uint64_t zfx_caps_answered;
 
 static void zc_getxattr(fuse_req_t r, fuse_ino_t i, const char *n, size_t s)
 {
-    zfx_census_begin(r, ZO_GETXATTR, i);
+    uint64_t seq = zfx_census_begin(r, ZO_GETXATTR, i);
     zfx_count_xattr(n);
     /* The kernel asks this before every write(2) (security_inode_need_killpriv:
      * FUSE has no SB_NOSEC without FUSE_HANDLE_KILLPRIV_V2, which libfuse 3.14
@@ -607,7 +641,9 @@ static void zc_getxattr(fuse_req_t r, fuse_ino_t i, const char *n, size_t s)
         fuse_reply_err(r, EOPNOTSUPP);
         return;
     }
+    zfx_current_seq = seq;
     zfx_orig.getxattr(r, i, n, s);
+    zfx_current_seq = 0;
     zfx_after_dispatch(r, ZO_GETXATTR);
 }
 
@@ -616,23 +652,27 @@ static void zc_getxattr(fuse_req_t r, fuse_ino_t i, const char *n, size_t s)
 static void zc_setxattr(fuse_req_t r, fuse_ino_t i, const char *n, const char *v, size_t s,
                         int f)
 {
-    zfx_census_begin(r, ZO_SETXATTR, i);
+    uint64_t seq = zfx_census_begin(r, ZO_SETXATTR, i);
     if (zfx_no_system_ns && strncmp(n, "system.", 7) == 0) {
         fuse_reply_err(r, EOPNOTSUPP);
         return;
     }
+    zfx_current_seq = seq;
     zfx_orig.setxattr(r, i, n, v, s, f);
+    zfx_current_seq = 0;
     zfx_after_dispatch(r, ZO_SETXATTR);
 }
 
 static void zc_removexattr(fuse_req_t r, fuse_ino_t i, const char *n)
 {
-    zfx_census_begin(r, ZO_REMOVEXATTR, i);
+    uint64_t seq = zfx_census_begin(r, ZO_REMOVEXATTR, i);
     if (zfx_no_system_ns && strncmp(n, "system.", 7) == 0) {
         fuse_reply_err(r, EOPNOTSUPP);
         return;
     }
+    zfx_current_seq = seq;
     zfx_orig.removexattr(r, i, n);
+    zfx_current_seq = 0;
     zfx_after_dispatch(r, ZO_REMOVEXATTR);
 }
 

@@ -240,6 +240,10 @@ class _Garbage:
         return "<injected garbage>"
 
 
+class _Unchecked(_Garbage):
+    """TEST HOOK: garbage the wrapper lets through (`unchecked`), for pyfuse3 to fail on."""
+
+
 #: TEST HOOK (`FailureInjector`): None unless the daemon was started with
 #: `ZONEFS_PY_FUSE_TEST_FAIL` set; then the hook `_handler` consults.
 _injector: FailureInjector | None = None
@@ -282,6 +286,8 @@ def _handler(fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[A
                             f"{_safe_text(exc, str)}", exc)
             raise pyfuse3.FUSEError(errno.EIO) from None
         if not check(value, args):
+            if _injector is not None and type(value) is _Unchecked:
+                return value  # TEST HOOK: let pyfuse3's own conversion fail on it
             self.unexpected(f"{fn.__name__} returned {type(value).__name__} "
                             f"({_safe_text(value, repr):.80}), which pyfuse3 cannot answer "
                             "with", None)
@@ -308,6 +314,9 @@ class FailureInjector:
       * ``base``: the same with `InjectedBaseFailure` (a BaseException);
       * ``garbage``: the handler runs, then returns an object pyfuse3 cannot use;
       * ``none``: the handler runs, then returns None;
+      * ``unchecked``: as ``garbage``, but the wrapper lets the value through, so
+        pyfuse3's own conversion fails after the handler returned (its coroutine
+        raises: `fuseext.guard_pyfuse3` must answer);
       * ``dispatch``: the request fails before any handler runs: pyfuse3's C-level
         handler raises (its coroutine function is replaced for one call), or for
         fallocate / copy_file_range the fuseext callback does (`fuseext`);
@@ -320,7 +329,7 @@ class FailureInjector:
 
     XATTR = b"trusted.zonefs.test_fail"
     ENV = "ZONEFS_PY_FUSE_TEST_FAIL"
-    KINDS = ("raise", "base", "garbage", "none", "dispatch", "stall")
+    KINDS = ("raise", "base", "garbage", "none", "unchecked", "dispatch", "stall")
     STALL_MAX_S = 60.0
 
     def __init__(self, keep_writable: bool) -> None:
@@ -390,7 +399,9 @@ class FailureInjector:
                 if pending is not None:  # the handler made no engine call: fail here
                     raise pending(f"injected into {name} (no engine call)")
         await fn(*args, **kwargs)
-        return _Garbage() if kind == "garbage" else None
+        if kind == "none":
+            return None
+        return _Unchecked() if kind == "unchecked" else _Garbage()
 
     def engine_call(self, attr: str) -> None:
         """Raise the armed exception at the handler's first engine call."""
@@ -541,8 +552,11 @@ class Operations(pyfuse3.Operations):
             self._cached_version.pop(ino, None)
         try:
             self.fs.forget(inode_list)
-        except Exception as exc:  # noqa: BLE001 - forget cannot report errors
-            self.failsafe(f"unexpected {type(exc).__name__} in forget: {exc}", exc)
+        except BaseException as exc:  # noqa: BLE001 - forget cannot report errors
+            if fuseext.is_shutdown_cancel(exc):
+                raise
+            self.unexpected(f"unexpected {type(exc).__name__} in forget: "
+                            f"{_safe_text(exc, str)}", exc)
 
     @_handler
     async def getattr(self, inode: int,
@@ -727,7 +741,9 @@ class Operations(pyfuse3.Operations):
         request census for the next `pyfuse3.init`; False when the extension is not
         available."""
         fuseext.census_arm()
-        return fuseext.install(self.fallocate, self.copy_file_range)
+        installed = fuseext.install(self.fallocate, self.copy_file_range)
+        fuseext.guard_pyfuse3(pyfuse3)  # after census_arm: needs the extension loaded
+        return installed
 
     async def invalidate_changed(self) -> None:
         """Run for the mount's life: drop the kernel's cached attributes of every inode

@@ -235,6 +235,71 @@ def install(fallocate: FallocateHandler, copy_file_range: CopyHandler) -> bool:
     return True
 
 
+#: pyfuse3's request coroutine functions (3.5, handlers.pxi) and their opcodes: its C
+#: handlers look them up in the module at each request (`guard_pyfuse3`).
+PYFUSE3_REQUEST_COROUTINES = {
+    "fuse_lookup_async": "LOOKUP", "fuse_getattr_async": "GETATTR",
+    "fuse_setattr_async": "SETATTR", "fuse_readlink_async": "READLINK",
+    "fuse_mknod_async": "MKNOD", "fuse_mkdir_async": "MKDIR", "fuse_unlink_async": "UNLINK",
+    "fuse_rmdir_async": "RMDIR", "fuse_symlink_async": "SYMLINK",
+    "fuse_rename_async": "RENAME", "fuse_link_async": "LINK", "fuse_open_async": "OPEN",
+    "fuse_read_async": "READ", "fuse_write_async": "WRITE", "fuse_write_buf_async": "WRITE",
+    "fuse_flush_async": "FLUSH", "fuse_release_async": "RELEASE", "fuse_fsync_async": "FSYNC",
+    "fuse_opendir_async": "OPENDIR", "fuse_readdirplus_async": "READDIRPLUS",
+    "fuse_releasedir_async": "RELEASEDIR", "fuse_fsyncdir_async": "FSYNCDIR",
+    "fuse_statfs_async": "STATFS", "fuse_setxattr_async": "SETXATTR",
+    "fuse_getxattr_async": "GETXATTR", "fuse_listxattr_async": "LISTXATTR",
+    "fuse_removexattr_async": "REMOVEXATTR", "fuse_access_async": "ACCESS",
+    "fuse_poll_async": "POLL", "fuse_create_async": "CREATE",
+}
+
+
+def guard_pyfuse3(module: Any) -> int:
+    """Wrap pyfuse3's request coroutine functions (in `module`, pyfuse3 itself) so that
+    an exception escaping one, in pyfuse3's own code after our handler returned,
+    answers its request EIO (if unanswered) with one log line, instead of ending
+    pyfuse3's request loop with the request unanswered. Idempotent; returns how many
+    are guarded (0 without the census, which identifies the request)."""
+    if _ext is None:
+        return 0
+    guarded = 0
+    for name, opname in PYFUSE3_REQUEST_COROUTINES.items():
+        fn = getattr(module, name, None)
+        if fn is None:
+            log.debug("pyfuse3 has no %s: its requests are not guarded", name)
+            continue
+        if not getattr(fn, "_zonefs_guard", False):
+            setattr(module, name, _guard(fn, opname))
+        guarded += 1
+    return guarded
+
+
+def _guard(fn: Callable[..., Awaitable[None]], opname: str) -> Callable[..., Any]:
+    lib = _ext.lib
+
+    def start(*args: Any) -> Any:
+        # Called by pyfuse3's C handler while the census dispatches the request:
+        # zfx_current_seq is its arrival number (a C global read, no call).
+        return _guarded(fn(*args), int(lib.zfx_current_seq), opname)
+
+    start._zonefs_guard = True  # type: ignore[attr-defined]
+    start.__wrapped__ = fn  # type: ignore[attr-defined]
+    return start
+
+
+async def _guarded(coro: Awaitable[None], seq: int, opname: str) -> None:
+    """Await pyfuse3's request coroutine; answer EIO if it fails unanswered."""
+    try:
+        await coro
+    except BaseException as exc:
+        if is_shutdown_cancel(exc) or not seq:
+            raise  # without its arrival number the request cannot be answered here
+        answered = _ext.lib.zfx_census_fail(seq, errno.EIO)
+        log.error("pyfuse3 failed in a %s request after its handler (%s: %s); %s", opname,
+                  type(exc).__name__, exc,
+                  "answered EIO" if answered else "it had been answered", exc_info=exc)
+
+
 def census_arm() -> bool:
     """Count every request of the next `pyfuse3.init` by opcode; False if unavailable.
 
