@@ -12,6 +12,13 @@ answered with EIO, and switches the mount to read-only failsafe
 reads keep working so that data can be copied off, and a remount (which runs
 recovery) clears the failsafe. `CorruptionError` is treated the same way.
 
+Exactly one answer (issue 42): `_handler` lets out only a value pyfuse3 can
+convert (`REPLY_CHECKS`) or a `FUSEError`, so pyfuse3 always answers; any
+BaseException but trio's cancellation at shutdown, and any value of the wrong
+type, is EIO plus the failsafe. What fails before or after our handler, inside
+pyfuse3, is answered by the census's guards (`fuseext`, docs/DESIGN.md 4.1).
+TEST HOOK: `FailureInjector` (off unless ZONEFS_PY_FUSE_TEST_FAIL is set).
+
 Lookup counting: the kernel holds one reference per successful entry reply
 (lookup, mknod, mkdir, symlink, link, create) and one per entry it *accepts*
 from READDIRPLUS. The engine counts the first kind itself; for readdir the
