@@ -13,11 +13,11 @@ reads keep working so that data can be copied off, and a remount (which runs
 recovery) clears the failsafe. `CorruptionError` is treated the same way.
 
 Exactly one answer (issue 42): `_handler` lets out only a value pyfuse3 can
-convert (`REPLY_CHECKS`) or a `FUSEError`, so pyfuse3 always answers; any
+convert (`fuse_replies.REPLY_CHECKS`) or a `FUSEError`, so pyfuse3 always answers; any
 BaseException but trio's cancellation at shutdown, and any value of the wrong
 type, is EIO plus the failsafe. What fails before or after our handler, inside
 pyfuse3, is answered by the census's guards (`fuseext`, docs/DESIGN.md 4.1).
-TEST HOOK: `FailureInjector` (off unless ZONEFS_PY_FUSE_TEST_FAIL is set).
+TEST HOOK: `fuse_testhook` (off unless ZONEFS_PY_FUSE_TEST_FAIL is set).
 
 Lookup counting: the kernel holds one reference per successful entry reply
 (lookup, mknod, mkdir, symlink, link, create) and one per entry it *accepts*
@@ -75,6 +75,8 @@ from zonefs_py.fs.api import (
     SetAttrRequest,
     XattrFlags,
 )
+from zonefs_py.fuse_replies import REPLY_CHECKS
+from zonefs_py.fuse_testhook import FailingEngine, FailureInjector, Unchecked
 
 log = logging.getLogger(__name__)
 
@@ -128,101 +130,6 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-# -- what pyfuse3 does with each handler's return value (3.5, handlers.pxi) ------------
-# pyfuse3 converts the value after the handler returned, outside any try: a value of
-# the wrong type raises there, the request is never answered and the exception ends
-# pyfuse3's request loop (the whole mount). `_handler` checks the value first.
-def _is_none(value: object, args: tuple[Any, ...]) -> bool:
-    """unlink, rmdir, rename, flush, release, fsync, readdir, ...: answered 0."""
-    return value is None
-
-
-def _is_entry(value: object, args: tuple[Any, ...]) -> bool:
-    """`<EntryAttributes?>` cast, then fuse_reply_entry / fuse_reply_attr."""
-    return isinstance(value, pyfuse3.EntryAttributes)
-
-
-def _is_bytes(value: object, args: tuple[Any, ...]) -> bool:
-    """readlink (PyBytes_AsString), getxattr (PyBytes_AsStringAndSize)."""
-    return isinstance(value, bytes)
-
-
-def _is_read_reply(value: object, args: tuple[Any, ...]) -> bool:
-    """read: PyObject_GetBuffer(PyBUF_CONTIG_RO), at most the size asked (args[3])."""
-    if type(value) is bytes:  # the common case first, no view made
-        return len(value) <= args[3]
-    if not isinstance(value, bytes | bytearray | memoryview):
-        return False
-    try:
-        view = memoryview(value)
-    except ValueError:  # a released view
-        return False
-    return view.contiguous and view.nbytes <= args[3]
-
-
-def _is_write_reply(value: object, args: tuple[Any, ...]) -> bool:
-    """write: a size_t, at most the bytes given (args[3]); the kernel refuses more."""
-    return type(value) is int and 0 <= value <= len(args[3])
-
-
-def _is_file_info(value: object, args: tuple[Any, ...]) -> bool:
-    """open: `<FileInfo?>` cast."""
-    return isinstance(value, pyfuse3.FileInfo)
-
-
-def _is_create_reply(value: object, args: tuple[Any, ...]) -> bool:
-    """create: tmp[0] as FileInfo, tmp[1] as EntryAttributes."""
-    return (isinstance(value, tuple) and len(value) == 2
-            and isinstance(value[0], pyfuse3.FileInfo)
-            and isinstance(value[1], pyfuse3.EntryAttributes))
-
-
-def _is_fh(value: object, args: tuple[Any, ...]) -> bool:
-    """opendir: stored into fuse_file_info.fh, a uint64_t."""
-    return type(value) is int and 0 <= value < 1 << 64
-
-
-def _is_bool(value: object, args: tuple[Any, ...]) -> bool:
-    """access: its truth picks 0 or EACCES (a __bool__ could raise there)."""
-    return type(value) is bool
-
-
-def _is_statvfs(value: object, args: tuple[Any, ...]) -> bool:
-    """statfs: `<StatvfsData?>` cast."""
-    return isinstance(value, pyfuse3.StatvfsData)
-
-
-def _is_name_list(value: object, args: tuple[Any, ...]) -> bool:
-    """listxattr: b"\\0".join(value), so bytes names without NUL."""
-    return (isinstance(value, list | tuple)
-            and all(isinstance(n, bytes) and n and b"\0" not in n for n in value))
-
-
-def _is_int(value: object, args: tuple[Any, ...]) -> bool:
-    """The fuseext handlers: copy_file_range's byte count (answered by fuseext)."""
-    return type(value) is int and value >= 0
-
-
-def _is_poll_mask(value: object, args: tuple[Any, ...]) -> bool:
-    """poll: None or an unsigned event mask."""
-    return value is None or (type(value) is int and 0 <= value < 1 << 32)
-
-
-#: Handler name -> check of its return value. Every `_handler` must be listed here
-#: (decoration fails otherwise), so a new handler states what pyfuse3 will do with it.
-REPLY_CHECKS: dict[str, Callable[[object, tuple[Any, ...]], bool]] = {
-    "lookup": _is_entry, "getattr": _is_entry, "setattr": _is_entry,
-    "mknod": _is_entry, "mkdir": _is_entry, "symlink": _is_entry, "link": _is_entry,
-    "readlink": _is_bytes, "getxattr": _is_bytes, "listxattr": _is_name_list,
-    "access": _is_bool, "open": _is_file_info, "create": _is_create_reply,
-    "opendir": _is_fh, "read": _is_read_reply, "write": _is_write_reply,
-    "statfs": _is_statvfs, "poll": _is_poll_mask, "_copy_file_range": _is_int,
-    **{name: _is_none for name in (
-        "unlink", "rmdir", "rename", "flush", "release", "fsync", "readdir",
-        "releasedir", "fsyncdir", "setxattr", "removexattr", "_fallocate")},
-}
-
-
 def _safe_text(obj: object, how: Callable[[object], str]) -> str:
     """str() or repr() of `obj` for a log line; never raises (a broken __str__ of the
     very object being reported must not escape the wrapper)."""
@@ -230,25 +137,6 @@ def _safe_text(obj: object, how: Callable[[object], str]) -> str:
         return how(obj)
     except Exception:  # noqa: BLE001 - whatever it raises, the answer must go out
         return f"<{type(obj).__name__}: unprintable>"
-
-
-class InjectedFailure(RuntimeError):
-    """TEST HOOK: the exception `FailureInjector` raises (an Exception)."""
-
-
-class InjectedBaseFailure(BaseException):
-    """TEST HOOK: the BaseException (not an Exception) `FailureInjector` raises."""
-
-
-class _Garbage:
-    """TEST HOOK: what a handler returns under `garbage` (no handler accepts it)."""
-
-    def __repr__(self) -> str:
-        return "<injected garbage>"
-
-
-class _Unchecked(_Garbage):
-    """TEST HOOK: garbage the wrapper lets through (`unchecked`), for pyfuse3 to fail on."""
 
 
 #: TEST HOOK (`FailureInjector`): None unless the daemon was started with
@@ -293,7 +181,7 @@ def _handler(fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[A
                             f"{_safe_text(exc, str)}", exc)
             raise pyfuse3.FUSEError(errno.EIO) from None
         if not check(value, args):
-            if _injector is not None and type(value) is _Unchecked:
+            if _injector is not None and type(value) is Unchecked:
                 return value  # TEST HOOK: let pyfuse3's own conversion fail on it
             self.unexpected(f"{fn.__name__} returned {type(value).__name__} "
                             f"({_safe_text(value, repr):.80}), which pyfuse3 cannot answer "
@@ -302,140 +190,6 @@ def _handler(fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[A
         return value
 
     return wrapper
-
-
-#: pyfuse3's module-level coroutine functions its C handlers call, by handler name
-#: (TEST HOOK `dispatch`); the default is fuse_<name>_async.
-_PYFUSE3_ASYNC = {"readdir": ("fuse_readdirplus_async",),
-                  "write": ("fuse_write_async", "fuse_write_buf_async")}
-
-
-class FailureInjector:
-    """TEST HOOK: make the next call of a named handler fail, once (tests/integration/
-    test_answered.py). Off unless the daemon runs with `ZONEFS_PY_FUSE_TEST_FAIL`
-    set (`1`; `keep-writable`: injected failures do not enter the failsafe, so that
-    one mount can try every handler). Armed by setxattr of `trusted.zonefs.test_fail`
-    on the root, value `HANDLER=KIND`:
-
-      * ``raise``: the handler's first engine call raises `InjectedFailure`;
-      * ``base``: the same with `InjectedBaseFailure` (a BaseException);
-      * ``garbage``: the handler runs, then returns an object pyfuse3 cannot use;
-      * ``none``: the handler runs, then returns None;
-      * ``unchecked``: as ``garbage``, but the wrapper lets the value through, so
-        pyfuse3's own conversion fails after the handler returned (its coroutine
-        raises: `fuseext.guard_pyfuse3` must answer);
-      * ``dispatch``: the request fails before any handler runs: pyfuse3's C-level
-        handler raises (its coroutine function is replaced for one call), or for
-        fallocate / copy_file_range the fuseext callback does (`fuseext`);
-      * ``stall``: the handler waits until the value ``release`` is written (at
-        most 60 s), then runs: a stuck request for the stuck-request report.
-
-    With the hook off, `_handler` checks one module global and the engine is not
-    wrapped.
-    """
-
-    XATTR = b"trusted.zonefs.test_fail"
-    ENV = "ZONEFS_PY_FUSE_TEST_FAIL"
-    KINDS = ("raise", "base", "garbage", "none", "unchecked", "dispatch", "stall")
-    STALL_MAX_S = 60.0
-
-    def __init__(self, keep_writable: bool) -> None:
-        self.keep_writable = keep_writable
-        #: handler name -> kind, for its next call.
-        self.armed: dict[str, str] = {}
-        #: Set while a `raise`/`base` injection waits for the handler's engine call.
-        self.engine_fails: type[BaseException] | None = None
-        self._release = trio.Event()
-
-    @classmethod
-    def from_env(cls) -> FailureInjector | None:
-        value = os.environ.get(cls.ENV, "")
-        if not value:
-            return None
-        log.warning("TEST HOOK %s=%s: request handlers can be made to fail", cls.ENV, value)
-        return cls(keep_writable=value == "keep-writable")
-
-    def arm(self, value: bytes) -> None:
-        """Parse `HANDLER=KIND` (or `release`) and arm it; raises InvalidArgument."""
-        text = value.decode("ascii", errors="replace").strip()
-        if text == "release":
-            self._release.set()
-            return
-        name, _, kind = text.partition("=")
-        if name not in {n.lstrip("_") for n in REPLY_CHECKS} or kind not in self.KINDS:
-            raise errors.InvalidArgument(f"test_fail: bad value {value!r}")
-        if kind != "dispatch":
-            self.armed[name] = kind
-        elif name in ("fallocate", "copy_file_range"):
-            fuseext.fail_next_start(name)
-        else:
-            self._break_pyfuse3(name)
-
-    @staticmethod
-    def _break_pyfuse3(name: str) -> None:
-        """Make pyfuse3's C handler for `name` raise on its next call (then restore)."""
-        attrs = _PYFUSE3_ASYNC.get(name, (f"fuse_{name}_async",))
-        saved = {attr: getattr(pyfuse3, attr) for attr in attrs}
-
-        def failing(*args: Any) -> Any:
-            for attr, fn in saved.items():
-                setattr(pyfuse3, attr, fn)
-            raise InjectedFailure(f"injected into pyfuse3's dispatch of {name}")
-
-        log.warning("TEST HOOK: pyfuse3's dispatch of %s fails once", name)
-        for attr in attrs:
-            setattr(pyfuse3, attr, failing)
-
-    async def call(self, name: str, fn: Callable[..., Coroutine[Any, Any, Any]],
-                   args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        kind = self.armed.pop(name, None)
-        if kind is None:
-            return await fn(*args, **kwargs)
-        log.warning("TEST HOOK: %s fails once (%s)", name, kind)
-        if kind == "stall":
-            with trio.move_on_after(self.STALL_MAX_S):
-                await self._release.wait()
-            self._release = trio.Event()
-            return await fn(*args, **kwargs)
-        if kind in ("raise", "base"):
-            self.engine_fails = InjectedFailure if kind == "raise" else InjectedBaseFailure
-            try:
-                return await fn(*args, **kwargs)
-            finally:
-                pending, self.engine_fails = self.engine_fails, None
-                if pending is not None:  # the handler made no engine call: fail here
-                    raise pending(f"injected into {name} (no engine call)")
-        await fn(*args, **kwargs)
-        if kind == "none":
-            return None
-        return _Unchecked() if kind == "unchecked" else _Garbage()
-
-    def engine_call(self, attr: str) -> None:
-        """Raise the armed exception at the handler's first engine call."""
-        exc, self.engine_fails = self.engine_fails, None
-        if exc is not None:
-            raise exc(f"injected into the engine call {attr}")
-
-
-class _FailingEngine:
-    """TEST HOOK: the engine as the adapter sees it while `FailureInjector` is on: every
-    method call first lets the injector raise."""
-
-    def __init__(self, fs: FileSystemAPI, injector: FailureInjector) -> None:
-        self._fs = fs
-        self._injector = injector
-
-    def __getattr__(self, attr: str) -> Any:
-        value = getattr(self._fs, attr)
-        if not callable(value):
-            return value
-        injector = self._injector
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            injector.engine_call(attr)
-            return value(*args, **kwargs)
-
-        return call
 
 
 def ctx_of(rctx: pyfuse3.RequestContext) -> Ctx:
@@ -461,7 +215,7 @@ class Operations(pyfuse3.Operations):
         injector = FailureInjector.from_env()  # TEST HOOK: None unless the variable is set
         if injector is not None:
             _injector = injector
-            fs = cast(FileSystemAPI, _FailingEngine(fs, injector))
+            fs = cast(FileSystemAPI, FailingEngine(fs, injector))
         self.fs = fs
         self.enable_writeback_cache = writeback_cache
         self.attr_timeout_s = attr_timeout_s

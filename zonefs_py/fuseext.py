@@ -107,7 +107,7 @@ def _start(fn: Callable[..., Awaitable[None]], req: Any, *args: Any, name: str) 
 
 
 def fail_next_start(handler: str) -> None:
-    """TEST HOOK (fuse_ops.FailureInjector): the next `handler` request ("fallocate",
+    """TEST HOOK (fuse_testhook.FailureInjector): the next `handler` request ("fallocate",
     "copy_file_range") fails in its callback, before its task starts."""
     _fail_start.add("fuse-" + handler.replace("_", "-"))
 

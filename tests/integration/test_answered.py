@@ -1,7 +1,7 @@
 """Every request answered exactly once, whatever its handler does (issue 42).
 
 Through a real mount, a failure is injected into each request handler in turn
-(the daemon's TEST HOOK `fuse_ops.FailureInjector`, on with
+(the daemon's TEST HOOK `fuse_testhook.FailureInjector`, on with
 ZONEFS_PY_FUSE_TEST_FAIL): an exception inside the engine call (`raise`), a
 BaseException (`base`), a return value pyfuse3 cannot answer with
 (`garbage`, `none`), a failure inside pyfuse3's own C-level dispatch before
@@ -38,7 +38,7 @@ from .conftest import Mount
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.expect_log("zonefs_py.fuse_ops", "WARNING", "TEST HOOK"),
+    pytest.mark.expect_log("zonefs_py", "WARNING", "TEST HOOK"),
     pytest.mark.expect_log("zonefs_py.fuse_ops", "ERROR", "TEST HOOK: not entering failsafe"),
     pytest.mark.expect_log("zonefs_py.fuseext", "ERROR",
                            "pyfuse3 failed|could not be started|handler returned"),
