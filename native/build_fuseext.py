@@ -21,19 +21,33 @@ SOURCE = NATIVE_DIR / "zonefs_fuseext.c"
 DISPATCH_SOURCE = NATIVE_DIR / "zonefs_dispatch.c"
 
 CDEF = """
-extern "Python" void zfx_py_fallocate(void *req, uint64_t ino, int mode, int64_t offset,
-                                      int64_t length, uint64_t fh);
+extern "Python" int zfx_py_fallocate(void *req, uint64_t ino, int mode, int64_t offset,
+                                     int64_t length, uint64_t fh);
 void zfx_arm(int on);
 int zfx_installed_flag(void);
-extern "Python" void zfx_py_copy_file_range(void *req, uint64_t fh_in, int64_t off_in,
-                                            uint64_t fh_out, int64_t off_out,
-                                            uint64_t length, int flags);
+extern "Python" int zfx_py_copy_file_range(void *req, uint64_t fh_in, int64_t off_in,
+                                           uint64_t fh_out, int64_t off_out,
+                                           uint64_t length, int flags);
 int zfx_reply_err(void *req, int err);
 int zfx_reply_write(void *req, uint64_t count);
 void zfx_census_arm(int on);
 int zfx_census_slots(void);
 const char *zfx_census_name(int slot);
 uint64_t zfx_census_count(int slot);
+uint64_t zfx_census_answered_count(int slot);
+uint64_t zfx_census_forgotten(void);
+uint64_t zfx_census_dispatch_failures(void);
+uint64_t zfx_census_untracked(void);
+uint64_t zfx_census_in_flight(void);
+struct zfx_waiting { uint64_t seq; uint64_t ino; uint64_t age_ns; uint32_t opcode;
+                     uint32_t reserved; };
+int zfx_census_waiting(struct zfx_waiting *out, int max, uint64_t older_than_ns);
+uint64_t zfx_census_begin(const void *key, uint32_t opcode, uint64_t ino);
+int zfx_census_end(const void *key);
+void zfx_census_received(uint32_t opcode);
+void zfx_census_answered(uint32_t opcode);
+extern uint64_t zfx_current_seq;
+int zfx_census_fail(uint64_t seq, int err);
 const char *zfx_census_xattr(int i, uint64_t *count);
 void zfx_set_no_caps(int on);
 void zfx_set_no_system_ns(int on);
@@ -93,6 +107,8 @@ def _make_builder() -> FFI:
         "zonefs_py._fuseext",
         SOURCE.read_text() + "\n" + DISPATCH_SOURCE.read_text(),
         libraries=[*libs, "dl", "pthread"],
+        include_dirs=[str(NATIVE_DIR)],
+        depends=[str(NATIVE_DIR / "zonefs_census.h")],
         extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter",
                             *cflags],
     )

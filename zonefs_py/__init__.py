@@ -2,8 +2,14 @@
 
 import ctypes as _ctypes
 import os as _os
+import sys as _sys
 
 __version__ = "0.1.0"
+
+#: Whether pyfuse3 was imported before this package: then its calls to libfuse were
+#: bound before `_fuseext` could take them, and the census cannot see answers
+#: (fuseext.census_arm says so and tracks no request in flight).
+PYFUSE3_IMPORTED_FIRST = "pyfuse3" in _sys.modules
 
 
 def _preload_fuseext() -> None:

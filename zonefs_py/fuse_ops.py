@@ -12,6 +12,13 @@ answered with EIO, and switches the mount to read-only failsafe
 reads keep working so that data can be copied off, and a remount (which runs
 recovery) clears the failsafe. `CorruptionError` is treated the same way.
 
+Exactly one answer (issue 42): `_handler` lets out only a value pyfuse3 can
+convert (`fuse_replies.REPLY_CHECKS`) or a `FUSEError`, so pyfuse3 always answers; any
+BaseException but trio's cancellation at shutdown, and any value of the wrong
+type, is EIO plus the failsafe. What fails before or after our handler, inside
+pyfuse3, is answered by the census's guards (`fuseext`, docs/DESIGN.md 4.1).
+TEST HOOK: `fuse_testhook` (off unless ZONEFS_PY_FUSE_TEST_FAIL is set).
+
 Lookup counting: the kernel holds one reference per successful entry reply
 (lookup, mknod, mkdir, symlink, link, create) and one per entry it *accepts*
 from READDIRPLUS. The engine counts the first kind itself; for readdir the
@@ -52,13 +59,14 @@ import functools
 import logging
 import os
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar, cast
 
 import pyfuse3
 import trio
 
 from zonefs_py import control, errors, fuseext
 from zonefs_py.caller import proc_credentials
+from zonefs_py.census import STUCK_REQUEST_S, StuckRequestReport, census_status
 from zonefs_py.dataplane import wiring as dataplane_wiring
 from zonefs_py.fs.api import (
     CAPABILITY_XATTR,
@@ -72,6 +80,8 @@ from zonefs_py.fs.api import (
     XattrFlags,
 )
 from zonefs_py.fs.spacegate import SpaceGate
+from zonefs_py.fuse_replies import REPLY_CHECKS
+from zonefs_py.fuse_testhook import FailingEngine, FailureInjector, Unchecked
 from zonefs_py.writegate import WriteGate
 
 log = logging.getLogger(__name__)
@@ -126,27 +136,64 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
+def _safe_text(obj: object, how: Callable[[object], str]) -> str:
+    """str() or repr() of `obj` for a log line; never raises (a broken __str__ of the
+    very object being reported must not escape the wrapper)."""
+    try:
+        return how(obj)
+    except Exception:  # noqa: BLE001 - whatever it raises, the answer must go out
+        return f"<{type(obj).__name__}: unprintable>"
+
+
+#: TEST HOOK (`FailureInjector`): None unless the daemon was started with
+#: `ZONEFS_PY_FUSE_TEST_FAIL` set; then the hook `_handler` consults.
+_injector: FailureInjector | None = None
+
+
 def _handler(fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:
-    """Wrap a request handler: domain errors -> FUSEError, anything else -> EIO + failsafe."""
+    """Wrap a request handler so that pyfuse3 can always answer it, exactly once.
+
+    The wrapped handler either returns a value that passes its `REPLY_CHECKS`
+    entry (pyfuse3 converts it without error and answers) or raises
+    `pyfuse3.FUSEError` (pyfuse3 answers the errno): domain errors map through
+    `ERRNO_OF`; anything else (any exception or BaseException, a value of the
+    wrong type) is EIO, one log record and the failsafe. Only trio's
+    cancellation passes through: the serve is being torn down and the kernel
+    fails what is still in flight when the session closes.
+    """
+    check = REPLY_CHECKS[fn.__name__]
+    hook_name = fn.__name__.lstrip("_")
 
     @functools.wraps(fn)
     async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        self = args[0]
+        assert isinstance(self, Operations)
         try:
-            return await fn(*args, **kwargs)
+            if _injector is None:
+                value = await fn(*args, **kwargs)
+            else:
+                value = await _injector.call(hook_name, fn, args, kwargs)
         except pyfuse3.FUSEError:
             raise
         except FAILSAFE_ERRORS as exc:
-            self = args[0]
-            assert isinstance(self, Operations)
             self.failsafe(f"{fn.__name__}: {exc}", exc)
             raise pyfuse3.FUSEError(errno_of(exc)) from None
         except errors.ZoneFSError as exc:
             raise pyfuse3.FUSEError(errno_of(exc)) from None
-        except Exception as exc:  # noqa: BLE001 - the failsafe boundary
-            self = args[0]
-            assert isinstance(self, Operations)
-            self.failsafe(f"unexpected {type(exc).__name__} in {fn.__name__}: {exc}", exc)
+        except BaseException as exc:  # noqa: BLE001 - the failsafe boundary
+            if fuseext.is_shutdown_cancel(exc):
+                raise
+            self.unexpected(f"unexpected {type(exc).__name__} in {fn.__name__}: "
+                            f"{_safe_text(exc, str)}", exc)
             raise pyfuse3.FUSEError(errno.EIO) from None
+        if not check(value, args):
+            if _injector is not None and type(value) is Unchecked:
+                return value  # TEST HOOK: let pyfuse3's own conversion fail on it
+            self.unexpected(f"{fn.__name__} returned {type(value).__name__} "
+                            f"({_safe_text(value, repr):.80}), which pyfuse3 cannot answer "
+                            "with", None)
+            raise pyfuse3.FUSEError(errno.EIO)
+        return value
 
     return wrapper
 
@@ -170,13 +217,21 @@ class Operations(pyfuse3.Operations):
 
     def __init__(self, fs: FileSystemAPI, *, writeback_cache: bool = True,
                  attr_timeout_s: float = 3600.0, entry_timeout_s: float = 3600.0,
-                 negative_timeout_s: float = 3600.0) -> None:
+                 negative_timeout_s: float = 3600.0,
+                 stuck_request_s: float = STUCK_REQUEST_S) -> None:
         super().__init__()
+        global _injector
+        injector = FailureInjector.from_env()  # TEST HOOK: None unless the variable is set
+        if injector is not None:
+            _injector = injector
+            fs = cast(FileSystemAPI, FailingEngine(fs, injector))
         self.fs = fs
         self.enable_writeback_cache = writeback_cache
         self.attr_timeout_s = attr_timeout_s
         self.entry_timeout_s = entry_timeout_s
         self.negative_timeout_s = negative_timeout_s
+        #: Logs requests waiting longer than stuck_request_s (the daemon runs it).
+        self.stuck_requests = StuckRequestReport(stuck_request_s)
         #: Set once the first unexpected error switched the mount to failsafe.
         self.failsafe_reason: str | None = None
         self._failsafe_repeats = 0
@@ -198,8 +253,11 @@ class Operations(pyfuse3.Operations):
         self.install_extra_handlers()
 
     # -- helpers -----------------------------------------------------------------------
-    def failsafe(self, reason: str, exc: BaseException) -> None:
+    def failsafe(self, reason: str, exc: BaseException | None) -> None:
         """Log `exc` with its traceback and put the filesystem into read-only failsafe."""
+        if _injector is not None and _injector.keep_writable:
+            log.error("TEST HOOK: not entering failsafe: %s", reason, exc_info=exc)
+            return
         if self.failsafe_reason is None:
             self.failsafe_reason = reason
             log.error("switching to read-only failsafe: %s", reason, exc_info=exc)
@@ -214,6 +272,14 @@ class Operations(pyfuse3.Operations):
                 enter(reason)
             except Exception:  # noqa: BLE001 - never let the failsafe itself fail a request
                 log.exception("enter_failsafe failed")
+
+    def unexpected(self, reason: str, exc: BaseException | None) -> None:
+        """`failsafe` for the handler wrapper: whatever goes wrong in reporting (a
+        logging handler that fails on the exception's text), the EIO answer goes out."""
+        try:
+            self.failsafe(reason, exc)
+        except Exception:  # noqa: BLE001 - nothing more can be said; answer anyway
+            pass
 
     def entry(self, attr: Attr) -> pyfuse3.EntryAttributes:
         """Convert an engine `Attr` to pyfuse3's EntryAttributes with our timeouts."""
@@ -266,8 +332,11 @@ class Operations(pyfuse3.Operations):
             self._cached_version.pop(ino, None)
         try:
             self.fs.forget(inode_list)
-        except Exception as exc:  # noqa: BLE001 - forget cannot report errors
-            self.failsafe(f"unexpected {type(exc).__name__} in forget: {exc}", exc)
+        except BaseException as exc:  # noqa: BLE001 - forget cannot report errors
+            if fuseext.is_shutdown_cancel(exc):
+                raise
+            self.unexpected(f"unexpected {type(exc).__name__} in forget: "
+                            f"{_safe_text(exc, str)}", exc)
         self.write_gate.space_may_be_back()  # the last reference to an unlinked file
 
     @_handler
@@ -472,7 +541,9 @@ class Operations(pyfuse3.Operations):
         request census for the next `pyfuse3.init`; False when the extension is not
         available."""
         fuseext.census_arm()
-        return fuseext.install(self.fallocate, self.copy_file_range)
+        installed = fuseext.install(self.fallocate, self.copy_file_range)
+        fuseext.guard_pyfuse3(pyfuse3)  # after census_arm: needs the extension loaded
+        return installed
 
     async def invalidate_changed(self) -> None:
         """Run for the mount's life: drop the kernel's cached attributes of every inode
@@ -496,8 +567,9 @@ class Operations(pyfuse3.Operations):
 
     def status_extra(self) -> dict[str, Any]:
         """The adapter's part of the status document: FUSE requests by opcode since
-        the mount (the census, issue 29), so that every round trip is visible."""
-        extra = {"requests": fuseext.census(), "kernel_invalidations": self.invalidations,
+        the mount, received and answered, and those waiting too long (the census,
+        issues 29 and 42), so that every round trip is visible."""
+        extra = {**census_status(self.stuck_requests), "kernel_invalidations": self.invalidations,
                  "write_gate": self.write_gate.status()}
         # READs served in C (zonefs_py/dataplane) join the census, with where each went.
         return dataplane_wiring.with_c_reads(self.fs, extra)
@@ -516,6 +588,13 @@ class Operations(pyfuse3.Operations):
             log.warning("fallocate is not served (libfuse's fuse_session_new was not "
                         "intercepted): fallocate(2) gets EOPNOTSUPP")
 
+    @_handler
+    async def poll(self, inode: int, fh: int, poll_handle: Any,
+                   ctx: pyfuse3.RequestContext) -> int:
+        """FUSE_POLL (pyfuse3 3.5 passes it on): not supported; after ENOSYS the kernel
+        stops asking and treats files as always ready, as for a regular file."""
+        raise pyfuse3.FUSEError(errno.ENOSYS)
+
     # -- directories ----------------------------------------------------------------------
     @_handler
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
@@ -525,17 +604,29 @@ class Operations(pyfuse3.Operations):
     async def readdir(self, fh: int, start_id: int,
                       token: pyfuse3.ReaddirToken) -> None:
         offset = start_id
-        while True:
-            batch = await self.fs.readdir(fh, offset)
-            if not batch:
-                return
-            for ent in batch:
-                if not pyfuse3.readdir_reply(token, ent.name, self.entry(ent.attr),
-                                             ent.next_offset):
+        counted: list[int] = []
+        try:
+            while True:
+                batch = await self.fs.readdir(fh, offset)
+                if not batch:
                     return
-                if ent.name not in (b".", b".."):
-                    self._add_lookup(ent.attr.ino)
-                offset = ent.next_offset
+                for ent in batch:
+                    if not pyfuse3.readdir_reply(token, ent.name, self.entry(ent.attr),
+                                                 ent.next_offset):
+                        return
+                    if ent.name not in (b".", b".."):
+                        self._add_lookup(ent.attr.ino)
+                        counted.append(ent.attr.ino)
+                    offset = ent.next_offset
+        except BaseException:
+            # pyfuse3 answers the error and drops the entries already added: the
+            # kernel takes no reference to them, so neither may we.
+            if counted:
+                try:
+                    self.fs.forget([(ino, 1) for ino in counted])
+                except Exception:  # noqa: BLE001 - the first failure is the one reported
+                    log.exception("undoing the lookups of a failed readdir")
+            raise
 
     @_handler
     async def releasedir(self, fh: int) -> None:
@@ -574,6 +665,11 @@ class Operations(pyfuse3.Operations):
     @_handler
     async def setxattr(self, inode: int, name: bytes, value: bytes,
                        ctx: pyfuse3.RequestContext) -> None:
+        if inode == ROOT_INO and _injector is not None and name == FailureInjector.XATTR:
+            if ctx.uid != 0:
+                raise errors.NotPermitted("the test hook is for root only")
+            _injector.arm(value)  # TEST HOOK (FailureInjector)
+            return
         if inode == ROOT_INO and control.is_control_name(name):
             await control.command(self.fs, name, value, ctx_of(ctx))
             # A command that changed files (an eviction) returns once the kernel has

@@ -139,6 +139,29 @@ def families(doc: dict[str, Any]) -> Iterator[Metric]:
             if op.startswith("GETXATTR:"):
                 probe.add_metric([op.partition(":")[2]], _num(count))
         yield probe
+    answered = doc.get("requests_answered")
+    if isinstance(answered, dict):
+        done = CounterMetricFamily("zonefs_fuse_requests_answered",
+                                   "FUSE requests answered since the mount, by opcode (FORGET: "
+                                   "done; it gets no answer by protocol).", labels=["op"])
+        for op, count in sorted(answered.items()):
+            done.add_metric([op], _num(count))
+        yield done
+        yield GaugeMetricFamily("zonefs_fuse_requests_in_flight",
+                                "FUSE requests received and not answered yet.",
+                                value=_num(doc.get("requests_in_flight")))
+    stuck = doc.get("stuck_requests")
+    if isinstance(stuck, dict):
+        yield GaugeMetricFamily("zonefs_fuse_requests_stuck",
+                                "FUSE requests unanswered for longer than stuck_request_s.",
+                                value=_num(stuck.get("waiting_total")))
+        yield CounterMetricFamily("zonefs_fuse_requests_stuck_reported",
+                                  "FUSE requests logged as stuck since the mount.",
+                                  value=_num(stuck.get("reported_total")))
+        oldest = max((_num(r.get("age_s")) for r in stuck.get("waiting") or []
+                      if isinstance(r, dict)), default=0.0)
+        yield GaugeMetricFamily("zonefs_fuse_oldest_stuck_request_seconds",
+                                "Age of the oldest stuck FUSE request (0: none).", value=oldest)
     daemon = doc.get("daemon", {})
     fs = doc.get("filesystem", {})
     yield GaugeMetricFamily("zonefs_failsafe", "1 while the mount is in read-only failsafe.",

@@ -173,6 +173,8 @@ def summary_lines(doc: dict[str, Any], now: float | None = None) -> list[str]:
                        f" ({_int(s.get('count'))} {op}s)")
     rows.append(("latency", "; ".join(lat) or "no reads or writes yet this mount"))
     rows.append(("requests", requests_line(doc.get("requests") or {})))
+    if isinstance(doc.get("stuck_requests"), dict):
+        rows.append(("stuck", stuck_line(doc)))
     rows.append(("drain", drain_line(drain)))
     reason = failsafe_reason(doc)
     rows.append(("health", f"READ-ONLY failsafe: {reason}" if reason else
@@ -203,6 +205,23 @@ def requests_line(census: dict[str, Any]) -> str:
     top = sorted(ops.items(), key=lambda kv: (-_int(kv[1]), kv[0]))[:8]
     return (f"{total_requests(census)} FUSE requests this mount: "
             + ", ".join(f"{k} {_int(v)}" for k, v in top))
+
+
+def stuck_line(doc: dict[str, Any]) -> str:
+    """Requests in flight and those waiting longer than the threshold (issue 42)."""
+    stuck = _section(doc, "stuck_requests")
+    threshold = stuck.get("threshold_s")
+    threshold = f"{threshold:g}" if isinstance(threshold, int | float) else "?"
+    # The GETXATTR that asked for this document is one of those in flight.
+    text = (f"{_int(doc.get('requests_in_flight'))} in flight (this status request is one); "
+            f"{_int(stuck.get('waiting_total'))} waiting over {threshold} s")
+    rows = stuck.get("waiting") or []
+    if rows:
+        text += ": " + ", ".join(f"{r.get('opcode', '?')} of inode {r.get('inode', '?')} "
+                                 f"for {human_seconds(float(r.get('age_s') or 0))}"
+                                 for r in rows[:4] if isinstance(r, dict))
+    reported = _int(stuck.get("reported_total"))
+    return text + (f"; {reported} logged this mount" if reported else "")
 
 
 def drain_line(drain: dict[str, Any]) -> str:

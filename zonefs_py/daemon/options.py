@@ -47,6 +47,8 @@ DAEMON_OPTIONS = {
     "metrics_textfile": "DIR: rewrite DIR/zonefs_<device>.prom (node_exporter textfile "
                         "collector) atomically every metrics_interval seconds (default off)",
     "metrics_interval": "S: seconds between textfile rewrites (default 15)",
+    "stuck_request_s": "S: a FUSE request unanswered this long is logged once and listed "
+                       "by `zonefs-py stat` (default 30)",
 }
 DEFAULT_SUBTYPE = "zonefs-py"
 
@@ -103,6 +105,7 @@ class MountConfig:
     metrics_addr: tuple[str, int] | None = None
     metrics_textfile_dir: str | None = None
     metrics_interval_s: float = 15.0
+    stuck_request_s: float = 30.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -189,6 +192,10 @@ class MountConfig:
             elif name == "metrics_interval":
                 self.metrics_interval_s = float(value)
                 if not 0.1 <= self.metrics_interval_s <= 86400:
+                    raise ValueError(value)
+            elif name == "stuck_request_s":
+                self.stuck_request_s = float(value)
+                if not 0.1 <= self.stuck_request_s <= 86400:
                     raise ValueError(value)
         except ValueError:
             raise MountError(f"bad value for mount option {name}: {value!r}") from None

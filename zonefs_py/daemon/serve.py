@@ -237,7 +237,8 @@ async def serve(cfg: MountConfig, report: Reporter, state: RunState,
                 ops = Operations(fs, writeback_cache=cfg.writeback_cache,
                                  attr_timeout_s=cfg.attr_timeout_s,
                                  entry_timeout_s=cfg.attr_timeout_s,
-                                 negative_timeout_s=cfg.attr_timeout_s)
+                                 negative_timeout_s=cfg.attr_timeout_s,
+                                 stuck_request_s=cfg.stuck_request_s)
                 control.DAEMON_INFO.update(log_file=cfg.log_file, mountpoint=cfg.mountpoint,
                                            uid=os.getuid(), started=time.time(),
                                            journal=logs_to_journal(cfg.log_file))
@@ -319,6 +320,7 @@ async def _serve_mounted(cfg: MountConfig, fs: Any, ops: Any, signals: Any,
         nursery.start_soon(_run_background, fs, ops)
         nursery.start_soon(ops.invalidate_changed)
         nursery.start_soon(run_write_gate, cfg, ops, serving)  # ENOSPC from write(2)
+        nursery.start_soon(ops.stuck_requests.run)  # logs requests unanswered too long
         if getattr(fs, "drain", None) is not None:  # uploads to an object store (drain/)
             from zonefs_py.drain.drainer import Drainer
 

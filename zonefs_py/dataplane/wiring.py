@@ -54,7 +54,9 @@ def attach_after_init(fs: Any) -> bool:
 
 def with_c_reads(fs: Any, extra: dict[str, Any]) -> dict[str, Any]:
     """The adapter's status part with the data plane's counters: READs served in C
-    join the census's READ count, and `dataplane` says where each READ went."""
+    join the census's READ counts, received and answered (the dispatcher answers
+    each one it reads, in the same step), and `dataplane` says where each READ
+    went."""
     data = getattr(fs, "data", None)
     maps = data.reads.maps if data is not None else None
     if maps is None:
@@ -62,10 +64,11 @@ def with_c_reads(fs: Any, extra: dict[str, Any]) -> dict[str, Any]:
     stats = maps.stats()
     out = dict(extra)
     out["dataplane"] = stats
-    census = dict(out.get("requests") or {})
-    if census and stats.get("reads_c"):
-        census["READ"] = census.get("READ", 0) + stats["reads_c"]
-    out["requests"] = census
+    for key in ("requests", "requests_answered"):
+        census = dict(out.get(key) or {})
+        if census and stats.get("reads_c"):
+            census["READ"] = census.get("READ", 0) + stats["reads_c"]
+        out[key] = census
     return out
 
 
