@@ -5,18 +5,31 @@ zone before the append is issued from a worker thread, so two appends never
 race for the same bytes and the device's write pointer never surprises us.
 
 Write heads are keyed by (stream, owner): owner 0 is the shared head of a
-stream (small files are packed together per stream); a file that is written
-sequentially and grows past `private_head_bytes` (a zone's capacity), and every
-checkpoint-stream file, gets a head of its own, so its
-zones hold nothing else and deleting it frees them whole (INV-9).
+stream (small files are packed together per stream); a file written
+sequentially past `private_head_bytes` (a quarter of a zone's capacity) gets
+a head of its own (owner = its inode), so its zones hold little else and
+deleting it frees them whole (INV-9). Checkpoint-stream files get, from their
+first byte, a head of their *group*: the files of one directory (the shards
+of one step: they die together) share up to `group_lanes` heads, interleaved,
+whatever the number of files written at once (`owner_for`; DESIGN 3.7).
+
+Space written once, not wasted (issue 44): a zone is never finished because
+its writer stopped. When a file (or the last file of a group) stops writing,
+its head becomes a *spare* zone of its stream, and the next head the stream
+needs takes the fullest spare before an empty zone (`_take_spare`). So a file
+of exactly two zones' bytes, which spills a few blocks past two zones (each
+keeps its summary room), leaves those blocks at the start of the zone the
+stream's next file fills; files written one after the other (a rotation)
+share only the zone at their boundary, which is reset once both are deleted.
 
 Budget (ZenFS-style tokens): the device's max active zones, less what the
 superblock (1) and the metadata log (2: current and next zone) may hold
 active, and less one zone kept for the cleaner, is the number of data heads
-that may be open at once. When a new head is needed and the budget is spent,
-the private head with the least space left is finished (becomes FULL), which
-frees its token; shared heads are never taken from. A device without limits
-gets a soft budget of 64 heads.
+that may be open at once. When a new head is needed, the budget is spent and
+the stream has no spare, an idle zone (a spare of another stream, then the
+private head with the least space left) is finished (becomes FULL), which
+frees its token; its unused capacity counts in `wasted_bytes`. Shared heads
+are never taken from. A device without limits gets a soft budget of 64 heads.
 
 Zone summaries (format/zonesum.py): every data zone keeps the last
 `room_blocks` of its capacity for the summary written when it is sealed, so
@@ -54,6 +67,8 @@ log = logging.getLogger(__name__)
 #: Active zones kept back from data heads: superblock 1, metadata log 2, cleaner 1.
 RESERVED_ACTIVE = 4
 SOFT_HEAD_BUDGET = 64
+#: Heads a group of files that die together (`owner_for`) writes at most.
+MAX_GROUP_LANES = 4
 
 
 @dataclass(slots=True)
@@ -165,7 +180,7 @@ class Allocator:
                 dz.reserved = dz.capacity
             self.zones[z.index] = dz
         cap = max((z.capacity for z in self.zones.values()), default=0)
-        self.private_head_bytes = private_head_bytes or max(cap, 1 << 20)
+        self.private_head_bytes = private_head_bytes or max(cap // 4, 1 << 20)
         #: Empty zones only the cleaner may take, so cleaning always has room (INV-14).
         self.reserve_zones = max(2, -(-sb.reserve_bytes // cap)) if cap else 2
         # What users can never fill: the mkfs over-provisioning, but at least the
@@ -180,6 +195,12 @@ class Allocator:
         # Never let partly written zones take more than a quarter of the data zones.
         self.head_budget = min(self.head_budget, max(4, len(self.zones) // 4))
         self.heads: dict[tuple[int, int], int] = {}
+        #: Heads per group (`owner_for`): a quarter of the budget, 1 to 4.
+        self.group_lanes = max(1, min(MAX_GROUP_LANES, self.head_budget // 4))
+        #: The owner each file writing to a head of its own or of its group writes as.
+        self.file_owner: dict[int, int] = {}
+        #: Files writing as each group owner (a group's heads are let go at 0).
+        self.owner_users: dict[int, int] = {}
         #: (zone, journal transaction that must be durable first)
         self.pending_resets: list[tuple[int, int]] = []
         #: Device reads in flight per zone: a zone is not reset under a read that
@@ -321,27 +342,47 @@ class Allocator:
         dz.inflight -= 1
         self._maybe_dead(zone_idx)
 
-    def release_owner(self, owner: int, to_finish: list[int]) -> None:
-        """Give up the private heads of a file (closed or deleted).
+    def owner_for(self, ino: int, group: int | None) -> int:
+        """The owner whose heads file `ino` writes to (its own: `ino`; or a lane of
+        `group`, a directory whose files die together). The file keeps it until
+        `release_owner`. A group's lanes are negative owners, never an inode;
+        a file joins the lane with the fewest files writing, so files written
+        one after the other stay on lane 0 and files written at once spread
+        over `group_lanes` heads."""
+        owner = self.file_owner.get(ino)
+        if owner is not None:
+            return owner
+        if group is None:
+            owner = ino
+        else:
+            lanes = [-(1 + group * MAX_GROUP_LANES + lane) for lane in range(self.group_lanes)]
+            owner = min(lanes, key=lambda o: (self.owner_users.get(o, 0), -o))
+            self.owner_users[owner] = self.owner_users.get(owner, 0) + 1
+        self.file_owner[ino] = owner
+        return owner
 
-        A private zone that is still mostly empty becomes the stream's shared
-        head if the stream has none; otherwise it is finished (appended to
-        `to_finish`) so that it stops holding an active-zone token.
+    def release_owner(self, owner: int, to_finish: list[int]) -> None:
+        """File `owner` (an inode) stops writing (closed or deleted): let go of its
+        private heads, or of its group's once no file of the group writes.
+
+        A head let go with room left becomes a spare zone of its stream, taken by
+        the stream's next new head (`_take_spare`), never finished here: its room
+        is written, not wasted. `to_finish` is kept for callers; nothing is
+        appended to it now (zones are finished only for a token, `_new_head`).
         """
+        group_owner = self.file_owner.pop(owner, owner)
+        if group_owner != owner:
+            users = self.owner_users.get(group_owner, 0) - 1
+            if users > 0:
+                self.owner_users[group_owner] = users
+                return
+            self.owner_users.pop(group_owner, None)
+            owner = group_owner
         for key in [k for k in self.heads if k[1] == owner]:
-            zone_idx = self.heads[key]
-            dz = self.zones[zone_idx]
+            # With appends in flight (another file of the stream shares this
+            # zone while empty zones are scarce) the zone is left active and
+            # headless too: it takes no new data until a head takes it.
             self._drop_head(key)
-            shared = (key[0], 0)
-            if shared not in self.heads and dz.remaining * 4 > dz.capacity:
-                self.heads[shared] = zone_idx
-                dz.head_of = shared
-            elif dz.remaining > 0 and not dz.inflight:
-                self._mark_finished(dz, to_finish)
-            # With appends in flight (another file of the stream shares this zone
-            # while empty zones are scarce) the zone is left active and headless:
-            # finishing it now would fail those appends. `_new_head` finishes it
-            # once idle if the token is needed.
 
     def _mark_finished(self, dz: DataZone, to_finish: list[int]) -> None:
         """Stop writing the zone; the caller seals it (if `seal_at` is set) and
@@ -364,8 +405,27 @@ class Allocator:
         return [dz for dz in self.zones.values()
                 if not dz.unusable and 0 < dz.reserved < dz.capacity]
 
+    def _take_spare(self, key: tuple[int, int]) -> int | None:
+        """Make the fullest spare zone of the key's stream (partly written, no
+        head, not dead) the key's head; return it, or None if there is none."""
+        pending = {z for z, _ in self.pending_resets}
+        spare = [dz for dz in self.zones.values()
+                 if dz.stream == key[0] and dz.head_of is None and not dz.unusable
+                 and 0 < dz.reserved < dz.capacity and dz.seal_at is None
+                 and dz.idx not in pending
+                 and (dz.inflight or self.state.zone_live_blocks.get(dz.idx))]
+        if not spare:
+            return None
+        dz = max(spare, key=lambda z: (z.reserved, -z.idx))
+        dz.head_of = key
+        self.heads[key] = dz.idx
+        return dz.idx
+
     def _new_head(self, key: tuple[int, int], journal_ops: list[Op],
                   to_finish: list[int]) -> int:
+        spare = self._take_spare(key)
+        if spare is not None:
+            return spare
         active = self.active_zones()
         if len(active) >= self.head_budget:
             idle = [dz for dz in active if dz.head_of is None and not dz.inflight]

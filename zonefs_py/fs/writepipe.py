@@ -203,7 +203,12 @@ class WritePipeline:
             op = inode.op(flags=(inode.flags & ~0xFF) | stream | FLAG_STREAM_SET)
             self.state.apply(op)
         stream = inode.stream
-        owner = inode.ino if self._wants_private_head(inode, fblock, len(data)) else 0
+        owner = 0
+        if self._wants_private_head(inode, fblock, len(data)):
+            # A checkpoint's files die together with their directory (the shards
+            # of one step): they share their group's heads (DESIGN 3.7).
+            group = inode.parent if stream == Stream.CHECKPOINT and inode.parent else None
+            owner = self.alloc.owner_for(inode.ino, group)
         placed: list[tuple[Op, int]] = []
         try:
             await self._place_pieces(inode, fblock, data, stream, owner, placed)
@@ -427,8 +432,9 @@ class WritePipeline:
         return ops
 
     def _wants_private_head(self, inode: Inode, fblock: int, nbytes: int) -> bool:
-        """Checkpoint files, and files written sequentially past a zone's worth, get zones
-        of their own: they die together, so their zones are reset, never cleaned."""
+        """Checkpoint files, and files written sequentially past a quarter of a zone,
+        get heads of their own (checkpoints: of their directory's group): their
+        data dies together, so their zones are reset, never cleaned."""
         end = fblock * self.bs + nbytes
         if inode.stream != Stream.CHECKPOINT and end < self.alloc.private_head_bytes:
             return False
