@@ -47,6 +47,9 @@ DAEMON_OPTIONS = {
     "metrics_textfile": "DIR: rewrite DIR/zonefs_<device>.prom (node_exporter textfile "
                         "collector) atomically every metrics_interval seconds (default off)",
     "metrics_interval": "S: seconds between textfile rewrites (default 15)",
+    "stop_grace": "S: seconds requests in flight may take to finish once the daemon stops "
+                  "(SIGTERM, or an unmount with requests stuck); then they are cancelled "
+                  "and their callers get an error (default 10)",
 }
 DEFAULT_SUBTYPE = "zonefs-py"
 
@@ -103,6 +106,7 @@ class MountConfig:
     metrics_addr: tuple[str, int] | None = None
     metrics_textfile_dir: str | None = None
     metrics_interval_s: float = 15.0
+    stop_grace_s: float = 10.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -189,6 +193,10 @@ class MountConfig:
             elif name == "metrics_interval":
                 self.metrics_interval_s = float(value)
                 if not 0.1 <= self.metrics_interval_s <= 86400:
+                    raise ValueError(value)
+            elif name == "stop_grace":
+                self.stop_grace_s = float(value)
+                if not 0 <= self.stop_grace_s <= 3600:
                     raise ValueError(value)
         except ValueError:
             raise MountError(f"bad value for mount option {name}: {value!r}") from None
