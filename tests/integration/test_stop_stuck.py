@@ -130,7 +130,7 @@ def test_a_lazy_unmount_without_stuck_requests_serves_the_open_files(
         image: Path, mount_factory: Mount) -> None:
     """After `umount -l` the files still open keep working (the kernel's contract);
     closing the last one ends the daemon cleanly."""
-    m = mount_factory.start(f"stop_grace={GRACE_S}").path
+    m = mount_factory.start("stop_grace=5").path  # a loaded machine's slow fsync is no stop
     fd = os.open(m / "f", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         os.write(fd, b"before")

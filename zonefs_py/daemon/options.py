@@ -107,6 +107,9 @@ class MountConfig:
     metrics_textfile_dir: str | None = None
     metrics_interval_s: float = 15.0
     stop_grace_s: float = 10.0
+    #: The mount point with symlinks resolved, before the mount (the daemon must
+    #: not stat its own mount from the trio thread: daemon/stopping.py).
+    resolved_mountpoint: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -135,7 +138,8 @@ class MountConfig:
         except ValueError as exc:
             raise MountError(str(exc)) from None
         cfg = cls(device=device, mountpoint=mountpoint, fs_options=fs_options,
-                  fuse_options=set(), **kwargs)
+                  fuse_options=set(), resolved_mountpoint=os.path.realpath(mountpoint),
+                  **kwargs)
         fsname, subtype = device, DEFAULT_SUBTYPE
         for name, value in rest.items():
             if is_ignored(name):

@@ -355,7 +355,8 @@ async def _serve_mounted(cfg: MountConfig, fs: Any, ops: Any, signals: Any,
         closing = trio.Event()  # set once the FUSE session is being closed
         stopper = Stopper(nursery, cfg.stop_grace_s, closing, pyfuse3.terminate)
         nursery.start_soon(_watch_signals, signals, stopper)
-        nursery.start_soon(watch_unmount, cfg.mountpoint, stopper, serving, _received)
+        nursery.start_soon(watch_unmount, cfg.resolved_mountpoint or cfg.mountpoint, stopper,
+                           serving, lambda: _received() + _write_activity(fs))
         nursery.start_soon(_become_ready, cfg, report, state, failed, notifier, serving,
                            status_line)
         nursery.start_soon(notifier.run, serving, status_line)

@@ -22,8 +22,9 @@ so the session never ends; a plain unmount is EBUSY then). Once our mount
 (its device number) is gone from /proc/self/mountinfo it reads the kernel's
 count of unanswered requests (`/sys/fs/fuse/connections/N/waiting`): while
 files stay open and requests come and go the daemon serves on, as the kernel
-expects after a lazy unmount; when requests have waited with none arriving for
-`grace_s`, or the connection is gone, it stops.
+expects after a lazy unmount; when requests have waited for `grace_s` with
+none arriving and no byte written to the device (a long fsync writes), or
+the connection is gone, it stops.
 
 Caveats: the watch polls once a second (only a file read); without fusectl
 (/sys/fs/fuse/connections) a lazily unmounted mount with a stuck request is
@@ -120,10 +121,11 @@ class Stopper:
 
 
 def mount_device(mountpoint: str) -> str | None:
-    """The device number ("0:NN") of the FUSE mount at `mountpoint` (the last mounted
-    there), from /proc/self/mountinfo; None if there is none."""
+    """The device number ("0:NN") of the FUSE mount at `mountpoint` (a path without
+    symlinks: resolved before the mount), the last mounted there, from
+    /proc/self/mountinfo; None if there is none."""
     found = None
-    target = _escape(os.path.realpath(mountpoint))
+    target = _escape(mountpoint)
     for fields in _mountinfo():
         if fields[4] == target and _fstype(fields).startswith("fuse"):
             found = fields[2]
@@ -153,10 +155,14 @@ def has_fusectl() -> bool:
 
 
 async def watch_unmount(mountpoint: str, stopper: Stopper, serving: trio.Event,
-                        received: Callable[[], int]) -> None:
+                        progress: Callable[[], int]) -> None:
     """Stop once our mount left the mount table and its connection is gone, or its
     requests wait unanswered with none arriving for `stopper.grace_s` (module
-    docstring). `received`: requests received since the mount (the census)."""
+    docstring). `mountpoint`: its path with symlinks resolved *before* the
+    mount: nothing here may touch the mount (a stat of it from the trio thread
+    would wait for an answer only this thread can give). `progress`: a number
+    that moves while the daemon gets anywhere (requests received, bytes
+    written to the device)."""
     await serving.wait()
     device = mount_device(mountpoint)
     if device is None:
@@ -165,7 +171,7 @@ async def watch_unmount(mountpoint: str, stopper: Stopper, serving: trio.Event,
         return
     detached_logged = False
     stuck_since: float | None = None
-    last = received()
+    last = progress()
     while True:
         await trio.sleep(POLL_S)
         if is_mounted(device):
@@ -180,7 +186,7 @@ async def watch_unmount(mountpoint: str, stopper: Stopper, serving: trio.Event,
                 stopper.stop(f"{mountpoint} unmounted, its FUSE connection gone")
                 return
             continue
-        now, count = time.monotonic(), received()
+        now, count = time.monotonic(), progress()
         if waiting > 0 and count == last:
             stuck_since = now if stuck_since is None else stuck_since
             if now - stuck_since >= stopper.grace_s:  # they had their grace: cancel now
