@@ -37,7 +37,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 
 import trio
@@ -186,7 +185,7 @@ async def watch_unmount(mountpoint: str, stopper: Stopper, serving: trio.Event,
                 stopper.stop(f"{mountpoint} unmounted, its FUSE connection gone")
                 return
             continue
-        now, count = time.monotonic(), progress()
+        now, count = trio.current_time(), progress()
         if waiting > 0 and count == last:
             stuck_since = now if stuck_since is None else stuck_since
             if now - stuck_since >= stopper.grace_s:  # they had their grace: cancel now
