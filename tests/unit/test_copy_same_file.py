@@ -143,3 +143,29 @@ async def test_a_copy_waits_for_earlier_writes_of_its_source_only(tmp_path: Path
             await trio.testing.wait_all_tasks_blocked()
             assert done == ["after-first"]
         await fs.release(fh)
+
+
+async def test_the_cleaner_moves_a_range_one_file_maps_twice(tmp_path: Path) -> None:
+    """A zone holding blocks that one file maps twice (a same-file copy) is cleaned:
+    the range moves once, both mappings follow, the file stays exact."""
+    async with mounted(tmp_path / "a.img", create=True) as fs:
+        kept = pattern(5, 600 * KiB)
+        fh = await new_file(fs, b"f", kept)
+        gone = await new_file(fs, b"gone", pattern(6, 1448 * KiB))  # fills the 2 MiB zone
+        await fs.release(gone)
+        model = bytearray(kept)
+        assert await copy(fs, fh, 0, 1200 * KiB, 600 * KiB, model) == 600 * KiB
+        assert fs.copier.shared_copies == 1
+        await fs.unlink(ROOT_INO, b"gone")
+        await fs.sync()
+        victim = fs.cleaner.pick_victim()
+        assert victim is not None
+        distinct = fs.alloc.live_bytes(victim.zone_idx)
+        assert fs.state.zone_live_blocks[victim.zone_idx] * BS - distinct == 600 * KiB
+        copied = await fs.cleaner.clean_zone(victim.zone_idx, throttle=False)
+        await fs.reclaim.commit_and_reset()
+        assert copied == distinct  # each live block once
+        assert fs.alloc.zones[victim.zone_idx].reserved == 0, "the victim must be reset"
+        assert fs.state.shared.extra_total == 600 * KiB // BS
+        assert await content(fs, fh) == bytes(model)
+        await fs.release(fh)
