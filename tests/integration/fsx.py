@@ -21,6 +21,8 @@ Operations, on files of up to `--max-size` bytes (default 8 MiB):
   copy      copy_file_range from the process's other private file (with
             `--falloc`): aligned ones share blocks, others the daemon copies;
             a = destination offset, b = length, data seed = source offset
+  copyself  the same within one file (ranges that do not overlap: the kernel
+            refuses those), forwards, backwards and past EOF (issue 42)
 
 Several processes (`--procs`) run at once, each on files of its own, and all
 of them on one shared file, where each owns a disjoint, unaligned stripe (so
@@ -218,8 +220,9 @@ class Runner:
             self.expect(st, a, b, got, "mmap read")
         elif op == "dread":
             self.expect(st, a, b, _direct_read(st.path, a, b), "O_DIRECT read")
-        elif op == "copy":
-            other = self.file(f"p{self.proc}-b" if name.endswith("-a") else f"p{self.proc}-a")
+        elif op in ("copy", "copyself"):
+            other = st if op == "copyself" else self.file(
+                f"p{self.proc}-b" if name.endswith("-a") else f"p{self.proc}-a")
             src_off, done = dseed, 0
             while done < b:
                 n = os.copy_file_range(other.fd, st.fd, b - done, src_off + done, a + done)
@@ -269,7 +272,10 @@ def generate(rnd: random.Random, proc: int, max_size: int, use_mmap: bool, use_d
     size = sizes.get(name, 0)
     dseed = rnd.randrange(1 << 30)
     if use_falloc and name != "shared" and rnd.random() < 0.04:
-        other = f"p{proc}-b" if name == f"p{proc}-a" else f"p{proc}-a"
+        # One copy in four within the file itself (from dseed: the random sequence
+        # of a seed stays what it was before).
+        same = dseed % 4 == 0
+        other = name if same else f"p{proc}-b" if name == f"p{proc}-a" else f"p{proc}-a"
         src_size = sizes.get(other, 0)
         aligned = rnd.random() < 0.7
         src_off = rnd.randrange(0, max(1, src_size))
@@ -280,9 +286,11 @@ def generate(rnd: random.Random, proc: int, max_size: int, use_mmap: bool, use_d
             off -= off % BLOCK
             length = -(-length // BLOCK) * BLOCK
         length = max(0, min(length, src_size - src_off, max_size - off))
+        if same:  # the ranges must not overlap
+            length = min(length, abs(off - src_off))
         if length:
             sizes[name] = max(size, off + length)
-        return "copy", name, off, length, src_off
+        return ("copyself" if same else "copy"), name, off, length, src_off
     if use_falloc and rnd.random() < 0.12:
         mode = rnd.choice(FALLOC_MODES)
         off = rnd.randrange(lo, hi - 1)

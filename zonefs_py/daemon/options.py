@@ -49,6 +49,9 @@ DAEMON_OPTIONS = {
     "metrics_interval": "S: seconds between textfile rewrites (default 15)",
     "stuck_request_s": "S: a FUSE request unanswered this long is logged once and listed "
                        "by `zonefs-py stat` (default 30)",
+    "stop_grace": "S: seconds requests in flight may take to finish once the daemon stops "
+                  "(SIGTERM, or an unmount with requests stuck); then they are cancelled "
+                  "and their callers get an error (default 10)",
 }
 DEFAULT_SUBTYPE = "zonefs-py"
 
@@ -106,6 +109,10 @@ class MountConfig:
     metrics_textfile_dir: str | None = None
     metrics_interval_s: float = 15.0
     stuck_request_s: float = 30.0
+    stop_grace_s: float = 10.0
+    #: The mount point with symlinks resolved, before the mount (the daemon must
+    #: not stat its own mount from the trio thread: daemon/stopping.py).
+    resolved_mountpoint: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -134,7 +141,8 @@ class MountConfig:
         except ValueError as exc:
             raise MountError(str(exc)) from None
         cfg = cls(device=device, mountpoint=mountpoint, fs_options=fs_options,
-                  fuse_options=set(), **kwargs)
+                  fuse_options=set(), resolved_mountpoint=os.path.realpath(mountpoint),
+                  **kwargs)
         fsname, subtype = device, DEFAULT_SUBTYPE
         for name, value in rest.items():
             if is_ignored(name):
@@ -196,6 +204,10 @@ class MountConfig:
             elif name == "stuck_request_s":
                 self.stuck_request_s = float(value)
                 if not 0.1 <= self.stuck_request_s <= 86400:
+                    raise ValueError(value)
+            elif name == "stop_grace":
+                self.stop_grace_s = float(value)
+                if not 0 <= self.stop_grace_s <= 3600:
                     raise ValueError(value)
         except ValueError:
             raise MountError(f"bad value for mount option {name}: {value!r}") from None

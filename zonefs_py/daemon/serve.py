@@ -19,8 +19,12 @@ in the foreground with `-f`):
      filesystem serves. A failure before that unmounts, closes the
      filesystem and is reported as one line (traceback in the log);
   3. on `fusermount3 -u` / `umount` (the session ends) or SIGTERM / SIGINT
-     (we call `pyfuse3.terminate`): unmount, then `fs.close()` (buffered data
-     written, journal checkpointed, device flushed), then the engine's task
+     (we call `pyfuse3.terminate`), or a lazy unmount that leaves requests
+     unanswered: a stop (`stopping.Stopper`), which cancels requests still
+     running `stop_grace` seconds later (a handler that never returns no
+     longer keeps the daemon alive); unmount, then `fs.close()` (buffered data
+     written, journal checkpointed, device flushed; at most
+     `stopping.CLOSE_DEADLINE_S`), then the engine's task
      group is cancelled and waited for (leaving `ZoneFS.mount`) and the device
      closed; remove the state record and release (and remove) the lock, exit 0.
      A bug raised by an engine task cancels the whole serve and leaves the
@@ -39,7 +43,10 @@ TEST HOOK: the environment variable ZONEFS_PY_MOUNT_TEST_FAIL=init|tune makes
 the daemon fail on purpose once the kernel mount exists (`init`: before
 INIT is answered; `tune`: after the connection was tuned, just before
 reporting ready). Tests use it to check that `mount` exits non-zero and the
-log holds the traceback; it has no other use.
+log holds the traceback; it has no other use. ZONEFS_PY_MOUNT_TEST_FAIL=hang
+makes a GETXATTR of `HANG_XATTR` and a FALLOCATE of `HANG_LENGTH` bytes never
+return (until cancelled): tests of a stop with a request stuck
+(tests/integration/test_stop_stuck.py).
 
 Caveats:
   * After `umount` returns the daemon still runs `fs.close()`; a script that
@@ -70,6 +77,7 @@ from zonefs_py.daemon.memtrim import MemoryTrimmer
 from zonefs_py.daemon.options import MountConfig, MountError
 from zonefs_py.daemon.runstate import DeviceLock, LockHeld, RunState, sweep_stale
 from zonefs_py.daemon.sdnotify import Notifier
+from zonefs_py.daemon.stopping import CLOSE_DEADLINE_S, Stopper, watch_unmount
 from zonefs_py.daemon.tuning import run_write_gate, setup_write_gate, tune_after_init, wait_serving
 from zonefs_py.dataplane import wiring as dataplane_wiring
 from zonefs_py.progress import progress_printer
@@ -77,6 +85,10 @@ from zonefs_py.progress import progress_printer
 log = logging.getLogger("zonefs_py.daemon")
 
 TEST_HOOK_ENV = "ZONEFS_PY_MOUNT_TEST_FAIL"
+#: TEST HOOK (=hang): the extended attribute whose GETXATTR never returns.
+HANG_XATTR = b"user.zonefs_test.hang"
+#: TEST HOOK (=hang): the length of a FALLOCATE that never returns.
+HANG_LENGTH = 12345
 
 #: glibc mallopt() parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -196,6 +208,28 @@ def _test_hook(point: str) -> None:
         raise RuntimeError(f"injected failure ({TEST_HOOK_ENV}={point})")
 
 
+def _arm_hang_hook(ops: Any) -> None:
+    """TEST HOOK (module docstring): a GETXATTR of HANG_XATTR (a pyfuse3 request)
+    and a FALLOCATE of HANG_LENGTH bytes (a fuseext one) never return."""
+    getxattr, fallocate = ops.getxattr, ops.fallocate
+
+    async def hanging_getxattr(inode: int, name: bytes, ctx: Any) -> bytes:
+        if name == HANG_XATTR:
+            log.info("TEST HOOK: GETXATTR %s never returns", name.decode())
+            await trio.sleep_forever()
+        return bytes(await getxattr(inode, name, ctx))
+
+    async def hanging_fallocate(ino: int, fh: int, mode: int, offset: int,
+                                length: int) -> int:
+        if length == HANG_LENGTH:
+            log.info("TEST HOOK: FALLOCATE of %d bytes never returns", length)
+            await trio.sleep_forever()
+        return int(await fallocate(ino, fh, mode, offset, length))
+
+    ops.getxattr = hanging_getxattr
+    fuseext.install(hanging_fallocate, ops.copy_file_range)
+
+
 async def serve(cfg: MountConfig, report: Reporter, state: RunState,
                 notifier: Notifier | None = None) -> int:
     """Lock, open, recover, mount and serve until unmounted; return the exit status.
@@ -239,6 +273,8 @@ async def serve(cfg: MountConfig, report: Reporter, state: RunState,
                                  entry_timeout_s=cfg.attr_timeout_s,
                                  negative_timeout_s=cfg.attr_timeout_s,
                                  stuck_request_s=cfg.stuck_request_s)
+                if os.environ.get(TEST_HOOK_ENV) == "hang":
+                    _arm_hang_hook(ops)
                 control.DAEMON_INFO.update(log_file=cfg.log_file, mountpoint=cfg.mountpoint,
                                            uid=os.getuid(), started=time.time(),
                                            journal=logs_to_journal(cfg.log_file))
@@ -326,7 +362,10 @@ async def _serve_mounted(cfg: MountConfig, fs: Any, ops: Any, signals: Any,
 
             nursery.start_soon(Drainer(fs.drain).run)
         closing = trio.Event()  # set once the FUSE session is being closed
-        nursery.start_soon(_watch_signals, signals, closing)
+        stopper = Stopper(nursery, cfg.stop_grace_s, closing, pyfuse3.terminate)
+        nursery.start_soon(_watch_signals, signals, stopper)
+        nursery.start_soon(watch_unmount, cfg.resolved_mountpoint or cfg.mountpoint, stopper,
+                           serving, lambda: _received() + _write_activity(fs))
         nursery.start_soon(_become_ready, cfg, report, state, failed, notifier, serving,
                            status_line, ops)
         nursery.start_soon(notifier.run, serving, status_line)
@@ -341,9 +380,17 @@ async def _serve_mounted(cfg: MountConfig, fs: Any, ops: Any, signals: Any,
             # for a request, and starts one whenever none waits: with min_tasks=1
             # a queue-depth-16 reader made it start and end a task per request or
             # so (Nursery.start_soon and the idle tasks' lock hand-offs in py-spy).
-            # FALLOCATE and COPY_FILE_RANGE requests (fuseext) run in this nursery.
-            with fuseext.serving(nursery):
-                await pyfuse3.main(min_tasks=cfg.min_tasks, max_tasks=cfg.max_tasks)
+            # FALLOCATE and COPY_FILE_RANGE requests (fuseext) run in a nursery of
+            # their own, inside the stop's cancel scope with pyfuse3's loop: a stop
+            # cancels whatever still runs after the grace, while the session is open
+            # (an answer after pyfuse3.close would use a freed session).
+            with stopper.loop_scope:
+                async with trio.open_nursery() as requests:
+                    with fuseext.serving(requests):
+                        await pyfuse3.main(min_tasks=cfg.min_tasks, max_tasks=cfg.max_tasks)
+                    # The session ended: requests still running get the grace.
+                    stopper.stop("the FUSE session ended", terminate=False)
+            stopper.loop_ended()
         except (OSError, BaseExceptionGroup) as exc:
             # An unmount racing requests still in flight (e.g. RELEASEDIR of many
             # descriptors closed just before fusermount3 -u) aborts the session with
@@ -360,15 +407,23 @@ async def _serve_mounted(cfg: MountConfig, fs: Any, ops: Any, signals: Any,
                                   "buffered data, checkpoint, device flush")
                     state.update(state="stopping")
                 closing.set()
-                pyfuse3.close(unmount=True)
+                # After a lazy unmount nothing is left to unmount (libfuse would try).
+                pyfuse3.close(unmount=not stopper.detached)
                 log.info("unmounted %s; closing the filesystem", cfg.mountpoint)
                 try:
-                    await fs.close()
+                    with trio.move_on_after(CLOSE_DEADLINE_S) as close_scope:
+                        await fs.close()
+                    if close_scope.cancelled_caught:
+                        log.error("closing the filesystem took over %g s: given up; the next "
+                                  "mount will recover", CLOSE_DEADLINE_S)
+                        state.update(last_error="closing the filesystem did not finish")
+                        status = 1
                 except Exception as exc:  # noqa: BLE001 - report, exit non-zero, recover later
                     log.exception("closing the filesystem failed; the next mount will recover")
                     state.update(last_error=f"closing the filesystem failed: {exc}")
                     status = 1
                 nursery.cancel_scope.cancel()
+                stopper.finished()
     if failed:
         raise failed[0]
     if status == 0:
@@ -399,23 +454,27 @@ async def _run_background(fs: Any, ops: Any) -> None:
         ops.failsafe(f"background task failed: {type(exc).__name__}: {exc}", exc)
 
 
-async def _watch_signals(signals: Any, closing: trio.Event) -> None:
-    """SIGTERM / SIGINT end the FUSE loop (then the clean shutdown runs); SIGHUP is ignored.
+def _received() -> int:
+    """FUSE requests received since the mount (the census; 0 when it is not armed)."""
+    return sum(n for name, n in fuseext.census().items()
+               if ":" not in name and name != "forgotten_inodes")
+
+
+async def _watch_signals(signals: Any, stopper: Stopper) -> None:
+    """SIGTERM / SIGINT stop the FUSE loop (`Stopper`: then the clean shutdown runs);
+    SIGHUP is ignored.
 
     Once the session is being closed (`closing`: after an unmount, or a first
     SIGTERM) a signal is only logged: the shutdown is under way, and
     `pyfuse3.terminate()` on a closed session crashed the daemon (SIGSEGV,
     seen with systemd's SIGTERM after `umount` of an fstab mount).
     """
-    import pyfuse3
-
     async for signum in signals:
         name = signal.Signals(signum).name
         if signum == signal.SIGHUP:
             log.info("SIGHUP ignored (the daemon has no terminal)")
-        elif closing.is_set():
-            log.info("%s received while closing the filesystem: the clean shutdown goes on",
-                     name)
+        elif stopper.closing.is_set() or stopper.reason is not None:
+            log.info("%s received while stopping: the clean shutdown goes on", name)
         else:
             log.info("%s received: unmounting", name)
-            pyfuse3.terminate()
+            stopper.stop(name)

@@ -279,15 +279,18 @@ class HandleOps:
             raise errors.InvalidArgument(f"copy_file_range flags {flags:#x}")
         src = self._fh_inode(fh_in)
         dst = self._fh_inode(fh_out)
-        with self.data.write_arriving(dst.ino):
-            copied = await self.copier.copy(src, off_in, dst, off_out, length)
+        with self.data.write_arriving(dst.ino) as arrival:
+            copied = await self.copier.copy(src, off_in, dst, off_out, length, arrival)
         self.space_gate.check()
         return copied
 
-    async def _read_inode(self, inode: Inode, offset: int, length: int) -> bytes | memoryview:
-        """Read an inode's bytes (inline or in blocks), as `read` does for a handle."""
+    async def _read_inode(self, inode: Inode, offset: int, length: int,
+                          before: int | None = None) -> bytes | memoryview:
+        """Read an inode's bytes (inline or in blocks), as `read` does for a handle,
+        after the write requests that arrived before now (or before request
+        `before`: `WriteState.after_earlier_writes`)."""
         if self.data.writes_arriving(inode.ino):
-            await self.data.after_earlier_writes(inode.ino)
+            await self.data.after_earlier_writes(inode.ino, before)
         if inode.inline:
             return self.inline.read(inode, self.data.visible_size(inode), offset, length)
         return await self.data.read(inode, offset, length)

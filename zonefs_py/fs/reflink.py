@@ -12,11 +12,22 @@ Copy-on-write needs nothing more: no block is ever written in place, so a
 later write to either file goes to new blocks and releases only its own
 reference.
 
-Every other copy (unaligned, a destination that has inline data, a copy
-within one file) is copied by the daemon itself: read through the engine
-and written through the ordinary write path (no data through the kernel),
-at most `FALLBACK_MAX_BYTES` a call (copy_file_range may copy less; callers
-loop).
+A copy within one file shares the same way (its ranges never overlap: the
+kernel refuses that with EINVAL, and so do we): the file then maps some
+device blocks twice, which the reference counts, the cleaner (one EXTENT
+op per mapping) and fsck take as they take two files.
+
+Every other copy (unaligned, a destination that has inline data) is copied
+by the daemon itself: read through the engine and written through the
+ordinary write path (no data through the kernel), at most
+`FALLBACK_MAX_BYTES` a call (copy_file_range may copy less; callers loop).
+
+A copy is a write request of the destination (`write_arriving`) that also
+reads: it waits for the write requests of the source that arrived before it,
+never for itself nor later ones (`arrival`), and takes each file's lock
+once. Issue 42: a copy within one file waited for its own unfinished
+request (its reads waited for every write of the file that had arrived,
+itself included) and was never answered.
 
 Quotas charge the destination for the blocks it maps, shared or not (the
 source keeps its charge). Drain: the destination is a file of its own; a
@@ -25,6 +36,7 @@ drained destination becomes LOCAL first, as for a truncate.
 
 from __future__ import annotations
 
+from contextlib import AsyncExitStack
 from typing import Protocol
 
 from zonefs_py import errors
@@ -61,8 +73,8 @@ class CopyHost(Protocol):
 
     async def _write(self, inode: Inode, offset: int, data: bytes) -> int: ...
 
-    async def _read_inode(self, inode: Inode, offset: int, length: int
-                          ) -> bytes | memoryview: ...
+    async def _read_inode(self, inode: Inode, offset: int, length: int,
+                          before: int | None = None) -> bytes | memoryview: ...
 
 
 class Copier:
@@ -78,8 +90,14 @@ class Copier:
         self.shared_bytes = 0
 
     async def copy(self, src: Inode, off_in: int, dst: Inode, off_out: int,
-                   length: int) -> int:
+                   length: int, arrival: int | None = None) -> int:
         """Copy up to `length` bytes; return how many (0 at or past the source's EOF).
+
+        `arrival`: the copy's own arrival number as a write request of `dst`
+        (`DataPath.write_arriving`); the copy reads `src` after the write
+        requests of `src` that arrived before it, never waiting for itself
+        (None: after every one that arrived before now, for a caller that is no
+        write request).
 
         Raises InvalidArgument (negative offsets, overlapping ranges of one
         file, a file that is not regular), FileTooBig, QuotaExceeded, NoSpace
@@ -89,6 +107,8 @@ class Copier:
             raise errors.InvalidArgument("negative offset or length")
         if not src.is_reg or not dst.is_reg:
             raise errors.InvalidArgument("copy_file_range of a file that is not regular")
+        if self.data.writes_arriving(src.ino):
+            await self.data.after_earlier_writes(src.ino, arrival)
         size_in = self.data.visible_size(src)
         length = min(length, max(0, size_in - off_in))
         if length == 0:
@@ -99,10 +119,12 @@ class Copier:
             raise errors.InvalidArgument("overlapping ranges of one file")
         if self._shareable(src, off_in, dst, off_out, length, size_in):
             await self.fs.drain.before_truncate(dst, max(dst.size, off_out + length))
-            first, second = sorted((src, dst), key=lambda i: i.ino)
-            async with self.data.lock(first.ino), self.data.lock(second.ino):
-                await self.data.flush_locked(src)
-                await self.data.flush_locked(dst)
+            files = (src,) if src is dst else tuple(sorted((src, dst), key=lambda i: i.ino))
+            async with AsyncExitStack() as locked:
+                for inode in files:  # each lock once, in inode order
+                    await locked.enter_async_context(self.data.lock(inode.ino))
+                for inode in files:
+                    await self.data.flush_locked(inode)
                 # Checked again: the flushes awaited, and may have changed either file.
                 if self._shareable(src, off_in, dst, off_out, length,
                                    self.data.visible_size(src)):
@@ -110,12 +132,12 @@ class Copier:
                     self._share_locked(src, off_in, dst, off_out, length)
                     return length
         return await self._copy_bytes(src, off_in, dst, off_out,
-                                      min(length, FALLBACK_MAX_BYTES))
+                                      min(length, FALLBACK_MAX_BYTES), arrival)
 
     def _shareable(self, src: Inode, off_in: int, dst: Inode, off_out: int, length: int,
                    size_in: int) -> bool:
         bs = self.bs
-        if src is dst or src.inline or dst.inline or off_in % bs or off_out % bs:
+        if src.inline or dst.inline or off_in % bs or off_out % bs:
             return False
         if length % bs == 0:
             return True
@@ -145,11 +167,12 @@ class Copier:
         self.shared_bytes += length
 
     async def _copy_bytes(self, src: Inode, off_in: int, dst: Inode, off_out: int,
-                          length: int) -> int:
+                          length: int, arrival: int | None) -> int:
         """The fallback: read and write through the engine, `_STEP` at a time."""
         done = 0
         while done < length:
-            data = await self.fs._read_inode(src, off_in + done, min(_STEP, length - done))
+            data = await self.fs._read_inode(src, off_in + done, min(_STEP, length - done),
+                                             arrival)
             if not data:
                 break
             await self.fs._write(dst, off_out + done, bytes(data))

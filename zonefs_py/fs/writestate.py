@@ -106,9 +106,12 @@ class FileWrites:
 
     # -- request order ---------------------------------------------------------------
     @contextmanager
-    def write_arriving(self, ino: int) -> Iterator[None]:
+    def write_arriving(self, ino: int) -> Iterator[int]:
         """Mark a write request of `ino` as arrived, from before its first await to
         its end, so that a read arriving after it waits for it (`after_earlier_writes`).
+        Yields the request's arrival number: a request that reads as well as
+        writes (a copy within one file) passes it to `after_earlier_writes` as
+        `before`, or it would wait for itself (issue 42).
 
         The kernel sends requests in order, but every request runs in its own
         task: a WRITE parked on the file's lock, or on anything before it buffers
@@ -129,7 +132,7 @@ class FileWrites:
             arr = self._arrivals[ino] = ({}, [])
         arr[0][seq] = None
         try:
-            yield
+            yield seq
         finally:
             pending, waiters = arr
             del pending[seq]
@@ -144,13 +147,19 @@ class FileWrites:
         """Whether write requests of `ino` are unfinished (no await: a dict lookup)."""
         return ino in self._arrivals
 
-    async def after_earlier_writes(self, ino: int) -> None:
+    async def after_earlier_writes(self, ino: int, before: int | None = None) -> None:
         """Wait until every write request of `ino` that arrived before now has finished
-        (its appends pass the QoS gate at once meanwhile: a read is waiting)."""
+        (its appends pass the QoS gate at once meanwhile: a read is waiting).
+
+        `before`: wait only for those that arrived before the request of that
+        arrival number (`write_arriving`'s), never for it nor later ones: the
+        reads of a copy within one file, whose own request is unfinished until
+        they are done.
+        """
         arr = self._arrivals.get(ino)
         if arr is None:
             return
-        last = self._arrival
+        last = self._arrival if before is None else before - 1
         pending, waiters = arr
         with self.qos.expedited(ino):
             while pending and next(iter(pending)) <= last:
