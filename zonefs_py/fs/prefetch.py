@@ -30,7 +30,8 @@ dropped). The rule that keeps read-ahead off random reads (issue 42):
     The read-ahead grows linearly with the bytes the run really read, not by
     doubling per request served: fio's random map makes chance runs of a few
     adjacent blocks near the end of each pass, and doubling took those to 4-5
-    MiB ahead (1 MiB at most now for 128 KiB reads, 5 requests' worth).
+    MiB ahead (now, two passes over 2 GiB at 128 KiB: at most 7 requests past
+    one, 0.23% of the bytes read; tests/unit/test_prefetch_rules.py).
   * At most `max_filling` segment reads are in flight at once (mount-wide):
     past that a request reads the device itself.
 ("Near the last read" is not enough: random 32 KiB samples of a 32 MiB shard
