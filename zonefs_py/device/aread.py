@@ -455,7 +455,8 @@ class AsyncReader:
         """Put slot `n` back on the ring's free list and wake one task waiting for a
         slot (every path that frees a slot comes here: no wake-up is lost)."""
         ring.free.append(n)
-        ring.slot_waiters.unpark()
+        if ring.slot_waiters:  # (len: 0.2 us; unpark of nobody 1.4 us, every read)
+            ring.slot_waiters.unpark()
 
     def _ensure_reaper(self, ring: _Ring) -> None:
         if not ring.reaper_started:
