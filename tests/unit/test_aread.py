@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 from engine_helpers import CTX, TEST_OPTIONS, Geometry, assert_fsck_clean, mounted, new_image
 
 from zonefs_py import errors
+from zonefs_py.device import aread
 from zonefs_py.device.aread import SQPOLL_MIN_INFLIGHT, AsyncReader
 from zonefs_py.device.emulated import EmulatedZonedDevice
 from zonefs_py.fs.api import ROOT_INO
@@ -283,3 +285,40 @@ async def test_read_many_of_more_spans_than_the_ring_holds(dev: EmulatedZonedDev
         for ring in (reader._ring, reader._polled):
             if ring is not None:
                 assert len(ring.free) == len(ring.slots)  # every slot came back
+
+
+async def test_a_read_waiting_for_a_slot_wakes_when_the_slot_is_freed(
+        dev: EmulatedZonedDevice, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 42, the READ never answered: a slot is freed when its reader takes the
+    result, after the reap that woke the reads waiting for room. A waiter that ran
+    first found no free slot and waited again; the readers then freed every slot
+    without waking it, and with nothing left in flight it slept forever (fio
+    randread 128 KiB QD1: 640 read-ahead segments parked on an empty ring, the
+    request waiting on one of them). Driven step by step on a one-slot ring."""
+    monkeypatch.setattr(aread, "RING_ENTRIES", 1)
+    async with ring_reader(dev) as (reader, at, blob):
+        ring = reader._ring
+        assert ring is not None
+        assert len(ring.slots) == 1
+        target = reader._target(at, 4096)
+        assert target is not None
+        n = await reader._submit(ring, *target, at, 4096, None)  # the only slot, held
+        reaped = ring.room  # set by the reap of that read's completion
+        got: list[bytes] = []
+
+        async def waiter() -> None:
+            got.append(bytes(await reader.read(at + 4096, 4096)))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(waiter)
+            await reaped.wait()  # the completion is reaped: the slot is not free yet
+            await trio.testing.wait_all_tasks_blocked()
+            assert not got  # the waiter ran and waits again
+            assert not ring.free
+            first = await reader._complete(ring, n, at, 4096, None)  # frees the slot
+            assert bytes(first) == blob[:4096]
+            await trio.testing.wait_all_tasks_blocked()
+            # Woken by the freed slot: its read is in flight or done (never parked
+            # on a free slot; before the fix it stayed parked here for good).
+            assert got or ring.inflight == 1
+        assert got == [blob[4096:8192]]

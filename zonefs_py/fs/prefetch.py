@@ -17,14 +17,35 @@ request/reply loop (29%) and checksum verification (10%). The kernel's own
 readahead (readahead_kb=4096) already keeps several requests in flight.
 
 Streams: one per file (inode), at most `MAX_STREAMS` (least recently read
-dropped). A read continues the stream when it starts exactly where one of
-the stream's last `RECENT_ENDS` requests ended (the kernel's readahead
-requests may reach the engine slightly out of order) or inside the segments
-already read ahead; after `TRIGGER_READS` reads in a row that continue it,
-the stream reads ahead. Any other read resets the run and drops the segments.
+dropped). The rule that keeps read-ahead off random reads (issue 42):
+  * A read continues the stream's run when it starts exactly where one of the
+    last `RECENT_ENDS` requests *of this run* ended (the kernel's readahead
+    requests may reach the engine slightly out of order) or inside the
+    segments already read ahead. Any other read starts a new run of its own:
+    run 1, the segments dropped, the remembered ends forgotten (only this
+    read's end is kept).
+  * After `TRIGGER_READS` reads in a row that continue the run, the stream
+    reads ahead of the run's furthest end as far as the run itself has come
+    (at least `START_REQUESTS` of its requests' length, at most the window).
+    The read-ahead grows linearly with the bytes the run really read, not by
+    doubling per request served: fio's random map makes chance runs of a few
+    adjacent blocks near the end of each pass, and doubling took those to 4-5
+    MiB ahead (now, two passes over 2 GiB at 128 KiB: at most 7 requests past
+    one, 0.23% of the bytes read; tests/unit/test_prefetch_rules.py).
+  * At most `max_filling` segment reads are in flight at once (mount-wide):
+    past that a request reads the device itself.
 ("Near the last read" is not enough: random 32 KiB samples of a 32 MiB shard
 are often near each other, and the first bench run of this code read 9,000
-2 MiB segments ahead for one DataLoader epoch of 10,000 samples.)
+2 MiB segments ahead for one DataLoader epoch of 10,000 samples.) Issue 42:
+the ends of earlier runs were kept across a reset and the run's reach was the
+furthest end of any of them, so under fio randread 128 KiB (whose random map
+picks the next free block when it draws a taken one, i.e. often the end of
+some earlier read) three reads at old ends made a "run" that read ahead from
+the request to the furthest read ever seen: one stream had 1,549 segments
+(1.6 GB) queued, and every random read inside them continued it. Those
+hundreds of segment reads filled the io_uring reader and met its lost
+wake-up (device/aread.py `_submit`, fixed there): the READ waiting on a
+segment was never answered.
 
 Correctness: `State.apply` calls `forget(ino)` (through
 `DataPath.data_changed`) before every EXTENT, TRUNCATE and INODE_FREE op of
@@ -40,7 +61,8 @@ request reads the device itself, so errors surface exactly as without
 read-ahead. Segment reads run in the mount's task group (fs/tasks.py); nothing
 here holds a lock.
 
-Memory: at most MAX_STREAMS x (window + request + SEGMENT_BYTES) of segments.
+Memory: at most MAX_STREAMS x (window + RECENT_ENDS x request + SEGMENT_BYTES)
+of segments kept, and `max_filling` segment reads in flight.
 """
 
 from __future__ import annotations
@@ -60,7 +82,8 @@ from zonefs_py.fs.tasks import MountTasks
 SEGMENT_BYTES = 1 << 20
 #: How far ahead of the newest request segments are kept in flight (default).
 WINDOW_BYTES = 8 << 20
-#: A new stream reads ahead this many of its requests' length (then doubles).
+#: A stream that starts reading ahead reads at least this many of its requests'
+#: length ahead (then as far as its run has come, up to the window).
 START_REQUESTS = 4
 #: Reads in a row continuing a stream before it reads ahead.
 TRIGGER_READS = 3
@@ -85,15 +108,16 @@ class _Segment:
 
 
 class _Stream:
-    __slots__ = ("ahead", "ends", "reach", "run", "segments")
+    __slots__ = ("ahead", "ends", "first", "reach", "run", "segments")
 
-    def __init__(self, end: int) -> None:
-        self.reach = end  # end of the furthest request so far
+    def __init__(self, offset: int, end: int) -> None:
+        self.first = offset  # start of the run's first request
+        self.reach = end  # end of the run's furthest request
         self.ends: deque[int] = deque((end,), maxlen=RECENT_ENDS)
         self.run = 1  # reads in a row continuing the stream
         self.segments: list[_Segment] = []  # by offset, not overlapping
-        #: How far ahead of `reach` this stream reads now (0: not started); grows
-        #: with every request served from read-ahead, up to the window.
+        #: How far ahead of `reach` this stream reads now (0: not started): as far
+        #: as the run has come, at least START_REQUESTS requests, at most the window.
         self.ahead = 0
 
     def continues(self, offset: int) -> bool:
@@ -119,6 +143,15 @@ class Prefetcher:
         self.hits = 0
         self.segments_read = 0
         self.segments_dropped = 0
+        #: Runs that began to read ahead, and reads that started a new run (broke one).
+        self.runs_started = 0
+        self.run_breaks = 0
+        #: Segments not read because `max_filling` were in flight.
+        self.segments_refused = 0
+        #: Segment reads in flight at most, mount-wide: every stream's window and one
+        #: more segment (72 at the default window, below the io_uring reader's 128
+        #: slots), so no rule gone wrong can queue thousands of device reads again.
+        self.max_filling = MAX_STREAMS * (-(-window_bytes // SEGMENT_BYTES) + 1)
         #: Segment reads in flight, and an event set whenever there are none.
         self._filling = 0
         self._idle = trio.Event()
@@ -133,7 +166,10 @@ class Prefetcher:
         """Read-ahead figures for `zonefs-py stat`."""
         return {"window_bytes": self.window, "streams": len(self._streams),
                 "hits": self.hits, "segments_read": self.segments_read,
-                "segments_dropped": self.segments_dropped}
+                "segments_dropped": self.segments_dropped,
+                "segments_in_flight": self._filling,
+                "segments_refused": self.segments_refused,
+                "runs_started": self.runs_started, "run_breaks": self.run_breaks}
 
     def forget(self, ino: int) -> None:
         """Drop the file's stream and make its segments stale (its data changes now)."""
@@ -152,55 +188,59 @@ class Prefetcher:
             return None
         if st.run >= TRIGGER_READS:
             self._top_up(ino, st, offset, length, size)
-        out = await self._serve(st, offset, length)
-        if out is not None:
-            st.ahead = min(self.window, 2 * st.ahead)
-        return out
+        return await self._serve(st, offset, length)
 
     def _track(self, ino: int, offset: int, length: int) -> _Stream | None:
         st = self._streams.get(ino)
         if st is None:
-            self._streams[ino] = _Stream(offset + length)
+            self._streams[ino] = _Stream(offset, offset + length)
             while len(self._streams) > MAX_STREAMS:
                 self.forget(next(iter(self._streams)))
             return None
         self._streams.move_to_end(ino)
         if st.continues(offset):
             st.run += 1
+            if st.run == TRIGGER_READS:
+                self.runs_started += 1
+            st.ends.append(offset + length)
+            st.reach = max(st.reach, offset + length)
         else:
+            # A new run of this one read: nothing of the old run may continue it
+            # (its ends, its reach, its segments).
+            self.run_breaks += 1
             st.run = 1
-            st.reach = 0
             st.ahead = 0
             self.segments_dropped += len(st.segments)
             st.segments = []
-        st.ends.append(offset + length)
-        st.reach = max(st.reach, offset + length)
+            st.ends.clear()
+            st.ends.append(offset + length)
+            st.first = offset
+            st.reach = offset + length
         return st
 
     def _top_up(self, ino: int, st: _Stream, offset: int, length: int, size: int) -> None:
         """Drop the segments behind the request; read ahead up to the stream's reach.
 
-        The reach ramps up as the kernel's readahead does: a stream that just
-        started reads ahead `START_REQUESTS` of its requests, and twice as far
-        after every request read-ahead served, up to the window. A run of a few
-        requests that happen to follow each other (random 128 KiB reads: fio's
-        random map picks the next free block when it draws a taken one) then
-        costs a few hundred KiB of device reads, not the whole window.
+        How far: as far as the run has come (`reach - first`), at least
+        `START_REQUESTS` requests, at most the window. A run of a few requests
+        that happen to follow each other (random 128 KiB reads: fio's random
+        map picks the next free block when it draws a taken one) then costs a
+        few hundred KiB of device reads, not the whole window.
         """
         keep = [seg for seg in st.segments if seg.end > offset]
         st.segments = keep
-        if st.ahead == 0:
-            st.ahead = min(self.window, START_REQUESTS * length)
+        st.ahead = min(self.window, max(START_REQUESTS * length, st.reach - st.first))
         start = keep[-1].end if keep else offset
         limit = min(size, st.reach + st.ahead)
         while start < limit:
+            if not self.tasks.is_open:
+                return  # no mount runs (an engine from ZoneFS.load): no read-ahead
+            if self._filling >= self.max_filling:
+                self.segments_refused += 1
+                return
             end = min(start + SEGMENT_BYTES, limit)
             seg = _Segment(start, end)
             st.segments.append(seg)
-            if not self.tasks.is_open:
-                # No mount runs (an engine from ZoneFS.load): no read-ahead.
-                st.segments.pop()
-                return
             self.tasks.start_soon(self._fill, ino, seg, name=f"zonefs-readahead-{ino}")
             if not self._filling:
                 self._idle = trio.Event()
