@@ -23,6 +23,17 @@ Operations, on files of up to `--max-size` bytes (default 8 MiB):
             a = destination offset, b = length, data seed = source offset
   copyself  the same within one file (ranges that do not overlap: the kernel
             refuses those), forwards, backwards and past EOF (issue 42)
+  scopy     copy_file_range within one private file (with `--all-ops`):
+            forwards and backwards, aligned or not, reaching past EOF; an
+            overlapping one must fail with EINVAL (the kernel refuses it);
+            a = destination offset, b = length, data seed = source offset
+  clone     FICLONERANGE from the other private file (with `--all-ops`):
+            a filesystem without it answers EOPNOTSUPP/EXDEV/EINVAL and nothing
+            changes; if it clones, the model changes as for a copy
+  dedupe    FIDEDUPERANGE of a range onto itself in the other private file
+            (with `--all-ops`): never changes bytes, whatever it answers
+  awrite    an O_DIRECT write of aligned blocks through Linux AIO (libaio's
+  aread     io_submit; with `--all-ops`), and the same read, compared
 
 Several processes (`--procs`) run at once, each on files of its own, and all
 of them on one shared file, where each owns a disjoint, unaligned stripe (so
@@ -41,6 +52,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import errno
 import mmap
 import multiprocessing
 import os
@@ -48,6 +60,11 @@ import random
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+try:
+    from . import fsstress
+except ImportError:  # run as a script: tests/integration is on sys.path
+    import fsstress  # type: ignore[no-redef]
 
 BLOCK = 4096
 #: A stripe of the shared file: unaligned, so neighbours share a block.
@@ -114,6 +131,7 @@ class Runner:
 
     def __init__(self, directory: Path, proc: int, log_path: Path, use_mmap: bool,
                  use_direct: bool) -> None:
+        self.aio: fsstress.Aio | None = None
         self.dir = directory
         self.proc = proc
         self.log_path = log_path
@@ -139,7 +157,13 @@ class Runner:
     def close(self) -> None:
         for st in self.files.values():
             st.close()
+        if self.aio is not None:
+            self.aio.close()
         self.log.close()
+
+    def other(self, name: str) -> FileState:
+        """The process's other private file."""
+        return self.file(f"p{self.proc}-b" if name.endswith("-a") else f"p{self.proc}-a")
 
     # -- checking ----------------------------------------------------------------
     def expect(self, st: FileState, off: int, requested: int, got: bytes, what: str) -> None:
@@ -230,6 +254,25 @@ class Runner:
                     break
                 done += n
             self._model_write(st, a, bytes(other.model[src_off:src_off + done]))
+        elif op == "scopy":
+            self._same_file_copy(st, dseed, a, b)
+        elif op == "clone":
+            src = self.other(name)
+            try:
+                fsstress.clone_range(src.fd, dseed, b, st.fd, a)
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EXDEV, errno.EINVAL,
+                                     errno.ENOTTY):
+                    raise
+            else:
+                self._model_write(st, a, bytes(src.model[dseed:dseed + b]))
+        elif op == "dedupe":
+            # A range deduped with itself (same bytes by construction): success or
+            # a refusal, the bytes stay as they are.
+            with contextlib.suppress(OSError):
+                fsstress.dedupe_range(st.fd, a, b, st.fd, a)
+        elif op in ("awrite", "aread"):
+            self._aio(st, op == "awrite", a, b, dseed)
         elif op == "falloc":
             _fallocate(st.fd, dseed, a, b)
             end = a + b
@@ -240,6 +283,53 @@ class Runner:
                 st.model.extend(bytes(end - len(st.model)))
         else:
             raise ValueError(f"unknown operation {op!r}")
+
+    def _same_file_copy(self, st: FileState, src_off: int, dst_off: int, length: int) -> None:
+        """copy_file_range within `st`. The kernel first shortens the copy to the
+        source's end, then refuses ranges that overlap (EINVAL)."""
+        data = bytes(st.model[src_off:src_off + length])
+        count = len(data)
+        overlap = count > 0 and dst_off + count > src_off and dst_off < src_off + count
+        done = 0
+        try:
+            # Up to the source's end as it was: a copy that extends the file must
+            # not go on to copy the bytes it just wrote.
+            while done < count:
+                n = os.copy_file_range(st.fd, st.fd, count - done, src_off + done,
+                                       dst_off + done)
+                if n == 0:
+                    break
+                done += n
+        except OSError as exc:
+            if overlap and done == 0 and exc.errno == errno.EINVAL:
+                return
+            raise
+        if overlap:
+            raise Mismatch(f"proc {self.proc} op #{self.count}: overlapping copy within "
+                           f"{st.path.name} ({src_off:#x} -> {dst_off:#x}, {count:#x}) "
+                           f"copied {done:#x} bytes instead of failing with EINVAL")
+        self._model_write(st, dst_off, data[:done])
+
+    def _aio(self, st: FileState, write: bool, off: int, length: int, dseed: int) -> None:
+        """An O_DIRECT write or read of aligned blocks through io_submit."""
+        if self.aio is None:
+            self.aio = fsstress.Aio()
+        if self.aio.lib is None:
+            return  # no libaio on this machine: nothing done, nothing to check
+        fd = os.open(st.path, os.O_RDWR | os.O_DIRECT)
+        buf = mmap.mmap(-1, length)
+        try:
+            if write:
+                data = data_for(dseed, length)
+                buf.write(data)
+                n = self.aio.submit_wait(fsstress.Aio.PWRITE, fd, buf, length, off)
+                self._model_write(st, off, data[:n])
+            else:
+                n = self.aio.submit_wait(fsstress.Aio.PREAD, fd, buf, length, off)
+                self.expect(st, off, length, bytes(buf[:n]), "aio read")
+        finally:
+            buf.close()
+            os.close(fd)
 
     def _model_write(self, st: FileState, off: int, data: bytes) -> None:
         if not data:
@@ -262,15 +352,61 @@ class Runner:
                     self.expect(st, lo, hi - lo, f.read(hi - lo), "final read")
 
 
+def generate_more(rnd: random.Random, name: str, proc: int, max_size: int,
+                  sizes: dict[str, int]) -> tuple[str, str, int, int, int]:
+    """One of the `--all-ops` operations on a private file (module docstring)."""
+    size = sizes.get(name, 0)
+    other = f"p{proc}-b" if name == f"p{proc}-a" else f"p{proc}-a"
+    op = rnd.choice(["scopy", "scopy", "scopy", "clone", "dedupe", "awrite", "aread"])
+    if op == "scopy":
+        length = rnd.choice([rnd.randrange(1, 8192), rnd.randrange(1, 1 << 20)])
+        src = rnd.randrange(0, max(1, size + BLOCK))
+        if rnd.random() < 0.15:  # overlapping: EINVAL
+            dst = max(0, src + rnd.randrange(-length + 1, length))
+        elif rnd.random() < 0.5 and src >= length:  # backwards
+            dst = rnd.randrange(0, src - length + 1)
+        else:  # forwards, possibly past EOF
+            dst = src + length + rnd.randrange(0, 1 << 20)
+        if rnd.random() < 0.5:
+            src, dst = src - src % BLOCK, dst - dst % BLOCK
+            length = -(-length // BLOCK) * BLOCK
+        length = max(1, min(length, max_size - dst))
+        if dst + length > max_size or src >= max_size:
+            return "read", name, 0, 1, 0
+        copied = max(0, min(length, size - src))  # the kernel shortens to the source's end
+        overlap = copied > 0 and src < dst + copied and dst < src + copied
+        if not overlap and copied:
+            sizes[name] = max(size, dst + copied)
+        return "scopy", name, dst, length, src
+    if op in ("clone", "dedupe"):
+        src_size = sizes.get(other, 0)
+        src = rnd.randrange(0, max(1, src_size)) // BLOCK * BLOCK
+        length = rnd.randrange(1, 64) * BLOCK
+        dst = rnd.randrange(0, max_size // 2) // BLOCK * BLOCK
+        if op == "dedupe":
+            return "dedupe", name, src, length, 0
+        # Cloning fails on this filesystem (FUSE has no clone); the sizes the
+        # generator tracks stay, and Runner applies a success to the model.
+        return "clone", name, dst, length, src
+    first = rnd.randrange(0, max_size // BLOCK)
+    count = rnd.randrange(1, min(max_size // BLOCK - first, 128) + 1)
+    if op == "awrite":
+        sizes[name] = max(size, (first + count) * BLOCK)
+    return op, name, first * BLOCK, count * BLOCK, rnd.randrange(1 << 30)
+
+
 def generate(rnd: random.Random, proc: int, max_size: int, use_mmap: bool, use_direct: bool,
-             sizes: dict[str, int], use_falloc: bool = False
+             sizes: dict[str, int], use_falloc: bool = False, use_more: bool = False
              ) -> tuple[str, str, int, int, int]:
     """One random operation (op, file, a, b, data seed); `sizes` tracks model sizes.
-    Without `use_falloc` the sequence of a seed is what it was before `falloc`."""
+    Without `use_falloc` the sequence of a seed is what it was before `falloc`, and
+    without `use_more` what it was before `--all-ops`."""
     name = rnd.choice([f"p{proc}-a", f"p{proc}-b", "shared"])
     lo, hi = (proc * STRIPE, (proc + 1) * STRIPE) if name == "shared" else (0, max_size)
     size = sizes.get(name, 0)
     dseed = rnd.randrange(1 << 30)
+    if use_more and name != "shared" and rnd.random() < 0.08:
+        return generate_more(rnd, name, proc, max_size, sizes)
     if use_falloc and name != "shared" and rnd.random() < 0.04:
         # One copy in four within the file itself (from dseed: the random sequence
         # of a seed stays what it was before).
@@ -339,7 +475,8 @@ def generate(rnd: random.Random, proc: int, max_size: int, use_mmap: bool, use_d
 
 
 def run_proc(directory: str, seed: int, proc: int, ops: int, max_size: int, use_mmap: bool,
-             use_direct: bool, log_dir: str, use_falloc: bool = False) -> str | None:
+             use_direct: bool, log_dir: str, use_falloc: bool = False,
+             use_more: bool = False) -> str | None:
     """One worker: `ops` random operations; return an error message or None."""
     rnd = random.Random(seed * 1000 + proc)
     log_path = Path(log_dir) / f"fsx-{seed}.p{proc}.log"
@@ -349,7 +486,7 @@ def run_proc(directory: str, seed: int, proc: int, ops: int, max_size: int, use_
     try:
         for _ in range(ops):
             runner.apply(*generate(rnd, proc, max_size, use_mmap, use_direct, sizes,
-                                   use_falloc))
+                                   use_falloc, use_more))
         runner.final_check()
     except Mismatch as exc:
         return f"seed {seed}: {exc}"
@@ -362,12 +499,12 @@ def run_proc(directory: str, seed: int, proc: int, ops: int, max_size: int, use_
 
 def run(directory: Path, seed: int, ops: int, procs: int = 1, max_size: int = 8 << 20,
         use_mmap: bool = True, use_direct: bool = True, log_dir: Path | None = None,
-        use_falloc: bool = False) -> list[str]:
+        use_falloc: bool = False, use_more: bool = False) -> list[str]:
     """Run `procs` workers at once; return their error messages (empty: all passed)."""
     log_dir = log_dir or directory
     (directory / "shared").unlink(missing_ok=True)
     args = [(str(directory), seed, p, ops, max_size, use_mmap, use_direct, str(log_dir),
-             use_falloc) for p in range(procs)]
+             use_falloc, use_more) for p in range(procs)]
     if procs == 1:
         results = [run_proc(*args[0])]
     else:
@@ -411,6 +548,9 @@ def main() -> int:
     ap.add_argument("--no-mmap", action="store_true")
     ap.add_argument("--no-direct", action="store_true")
     ap.add_argument("--falloc", action="store_true", help="add fallocate operations")
+    ap.add_argument("--all-ops", action="store_true",
+                    help="every operation: --falloc's, and copies within a file, clone, "
+                         "dedupe, Linux AIO")
     ap.add_argument("--log-dir", type=Path, help="where logs and good/bad copies go")
     ap.add_argument("--replay", type=Path, help="replay this operation log instead")
     args = ap.parse_args()
@@ -419,7 +559,7 @@ def main() -> int:
         print(err or f"replay of {args.replay}: all operations matched the model")
         return 1 if err else 0
     errs = run(args.dir, args.seed, args.ops, args.procs, args.max_size, not args.no_mmap,
-               not args.no_direct, args.log_dir, args.falloc)
+               not args.no_direct, args.log_dir, args.falloc or args.all_ops, args.all_ops)
     for e in errs:
         print(e, file=sys.stderr)
     print(f"seed {args.seed}: {args.ops * args.procs} operations in {args.procs} process(es): "
