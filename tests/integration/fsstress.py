@@ -91,7 +91,8 @@ def renameat2(old: str, new: str, flags: int) -> None:
 
 
 def clone_range(src_fd: int, src_off: int, length: int, dst_fd: int, dst_off: int) -> None:
-    """FICLONERANGE: struct file_clone_range {s64 src_fd; u64 src_offset, src_length, dest_offset}."""
+    """FICLONERANGE (struct file_clone_range {s64 src_fd; u64 src_offset, src_length,
+    dest_offset})."""
     arg = bytearray(struct.pack("=qQQQ", src_fd, src_off, length, dst_off))
     fcntl.ioctl(dst_fd, FICLONERANGE, arg)
 
