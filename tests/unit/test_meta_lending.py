@@ -15,7 +15,8 @@ import pytest
 from engine_helpers import CTX, Geometry, KiB, MiB, assert_fsck_clean, create_files, new_image5
 
 from zonefs_py.device.emulated import EmulatedZonedDevice
-from zonefs_py.format.constants import LENDING_DISK_VERSION
+from zonefs_py.errors import CorruptionError
+from zonefs_py.format.constants import INDEX_DISK_VERSION, LENDING_DISK_VERSION
 from zonefs_py.format.superblock import Superblock
 from zonefs_py.fs.api import ROOT_INO
 from zonefs_py.fs.filesystem import ZoneFS
@@ -114,3 +115,31 @@ async def test_lent_zones_go_back_to_data_once_the_index_shrinks(tmp_path: Path)
     finally:
         dev.close()
     assert_fsck_clean(path)
+
+
+async def test_a_version_5_log_whose_index_lists_a_data_zone_is_refused(
+        tmp_path: Path) -> None:
+    """Only version 6 lends data zones to the index: an older image's
+    CHECKPOINT_INDEX naming one is damage, never loaded as index pages."""
+    path = tmp_path / "a.img"
+    new_image5(path, GEO)
+    dev = EmulatedZonedDevice.open(path)
+    try:
+        async with ZoneFS.mount(dev, OPTIONS) as fs:
+            await fill(fs, 2000)
+            lent = sorted(fs.alloc.lent)
+            assert lent
+    finally:
+        dev.close()
+    dev = EmulatedZonedDevice.open(path)
+    try:
+        store = SuperblockStore(dev, *superblock_zones(dev))
+        sb = store.read_latest()
+        assert sb is not None
+        assert sb.disk_version == LENDING_DISK_VERSION
+        store.write(sb.as_version(INDEX_DISK_VERSION))
+        with pytest.raises(CorruptionError, match=f"lists data zone {lent[0]}"):
+            async with ZoneFS.mount(dev, OPTIONS):
+                pass
+    finally:
+        dev.close()
