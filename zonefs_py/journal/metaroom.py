@@ -208,7 +208,12 @@ class MetaRoom:
         if lender is None:
             return 0
         index = getattr(self, "index", None)
-        held = len(index.store.data_zones()) if index is not None else 0
+        # The zones lent for a checkpoint under way (`MetaPageStore.lent`, the
+        # need's worst case) count too: out of the lender's empty zones until the
+        # commit gives back what it did not take, they are no less room; without
+        # them a create racing a checkpoint got ENOSPC that `df -i` then denied.
+        held = (len(index.store.data_zones()) + len(index.store.lent)
+                if index is not None else 0)
         return held + lender.lendable_zones()
 
     def estimated_checkpoint_bytes(self, inodes: int) -> int:
