@@ -823,6 +823,8 @@ async def test_power_cut_with_appends_landing_out_of_order(tmp_path: Path, name:
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 async def test_scenario_without_cut_keeps_everything(tmp_path: Path, name: str) -> None:
+    if name == "index_lending" and TEST_DISK_VERSION == 4:
+        pytest.skip("format 6's lending needs the index (format 4's meta area is full first)")
     scenario, geo = SCENARIOS[name]
     image = tmp_path / "a.img"
     new_image(image, geo)

@@ -377,7 +377,12 @@ async def test_statfs_figures(fs: ZoneFS) -> None:
     await write_file(fs, "/big", b"b" * (3 << 20))
     after = await fs.statfs()
     assert after.free_blocks <= before.free_blocks - (3 << 20) // 4096
-    assert after.free_inodes == before.free_inodes - 1
+    if fs.journal.zone_lender is None:
+        assert after.free_inodes == before.free_inodes - 1
+    else:
+        # Format 6: `df -i` counts the empty data zones the index may borrow as
+        # room for files (DESIGN.md 3.14), so the data written lowers it too.
+        assert after.free_inodes < before.free_inodes
 
 
 async def test_everything_persists_across_clean_close_and_load(tmp_path: Path) -> None:

@@ -345,10 +345,11 @@ class Journal(GroupCommit):
         writes (each changed entry at most DIRTY_ENTRY_BYTES, plus the zones
         cleaning relocates, plus the current zone's tail), borrow empty data zones
         from `zone_lender` for the store to take once the meta zones are down to
-        LOG_KEEP_ZONES. Memory only, but for the first lend of an image of
-        version 5: its superblock is rewritten as version 6 first (same
-        checkpoint), so that no build reading only version 5 ever finds index
-        pages in its data zones."""
+        LOG_KEEP_ZONES. Memory only; on an image of version 5 the store
+        rewrites the superblock as version 6 before its first page goes to a
+        lent zone (`_rewrite_as_lending`; same checkpoint), so that no build
+        reading only version 5 ever finds index pages in its data zones, and an
+        image whose index never needed a data zone keeps version 5."""
         lender = self.zone_lender
         if lender is None:
             return
@@ -362,19 +363,23 @@ class Journal(GroupCommit):
         if not lent:
             return
         if self.sb.disk_version < LENDING_DISK_VERSION:
-            sb = self.sb.as_version(LENDING_DISK_VERSION)
-            try:
-                await self._run(self.sbstore.write, sb)
-            except BaseException:
-                lender.take_back_zones(lent)
-                raise
-            self.sb = sb
-            log.info("on-disk format %d: the namespace index may borrow data zones",
-                     LENDING_DISK_VERSION)
+            index.store.before_lent_use = self._rewrite_as_lending
         index.store.lent = lent
+
+    def _rewrite_as_lending(self) -> None:
+        """Worker thread (the commit's, before the store's first page in a lent
+        zone): the superblock as version 6, durable, same checkpoint fields. The
+        trio thread is awaiting that commit, so `self.sb` changes under no reader
+        that could write it back."""
+        sb = self.sb.as_version(LENDING_DISK_VERSION)
+        self.sbstore.write(sb)
+        self.sb = sb
+        log.info("on-disk format %d: the namespace index borrows data zones",
+                 LENDING_DISK_VERSION)
 
     def _take_back_lent(self, index: NamespaceIndex) -> None:
         """After the commit: lent zones it did not take are data zones again."""
+        index.store.before_lent_use = None
         unused, index.store.lent = index.store.lent, []
         if unused and self.zone_lender is not None:
             self.zone_lender.take_back_zones(unused)

@@ -17,6 +17,7 @@ from typing import Protocol
 
 from zonefs_py.format.constants import OpType
 from zonefs_py.journal.log import MetaLog
+from zonefs_py.journal.nsindex import LOG_KEEP_ZONES
 from zonefs_py.journal.nsindex import SPACE_FACTOR as INDEX_SPACE_FACTOR
 from zonefs_py.model.state import State
 
@@ -158,8 +159,20 @@ class MetaRoom:
             dirty = self.state.dirty
             pending = 0 if dirty is None else len(dirty) * DIRTY_ENTRY_BYTES
             needed = (2 * (self.last_checkpoint_disk_bytes + pending)) // max(cap, 1) + 3
-            lendable = 0 if self.zone_lender is None else self.zone_lender.lendable_zones()
-            return self.log.free_zone_count() + lendable < needed
+            free = self.log.free_zone_count()
+            if self.zone_lender is None or free >= needed:
+                return free < needed
+            # Format 6: the index's pages may go to data zones lent to it, the
+            # log's records never. The log keeps its own LOG_KEEP_ZONES meta zones
+            # whatever the lender holds (its fresh zone for the checkpoint, the
+            # journal meanwhile, the one kept for a mount after a crash that tore
+            # it); and while a checkpoint would give meta zones back (the log holds
+            # zones before its current one) it is asked for as without a lender, so
+            # that the index borrows data zones only where the meta zones are short
+            # of it, not of a journal that ran them down.
+            if free < LOG_KEEP_ZONES or len(self.log.zone_first_seq) > 1:
+                return True
+            return free + self.zone_lender.lendable_zones() < needed
         # Twice the newest checkpoint as stored: the next one, grown by what the
         # journal meanwhile added (since `checkpoint_needed` lets the journal
         # reach the checkpoint's own size, it may be up to twice as large); +3:
@@ -195,7 +208,12 @@ class MetaRoom:
         if lender is None:
             return 0
         index = getattr(self, "index", None)
-        held = len(index.store.data_zones()) if index is not None else 0
+        # The zones lent for a checkpoint under way (`MetaPageStore.lent`, the
+        # need's worst case) count too: out of the lender's empty zones until the
+        # commit gives back what it did not take, they are no less room; without
+        # them a create racing a checkpoint got ENOSPC that `df -i` then denied.
+        held = (len(index.store.data_zones()) + len(index.store.lent)
+                if index is not None else 0)
         return held + lender.lendable_zones()
 
     def estimated_checkpoint_bytes(self, inodes: int) -> int:

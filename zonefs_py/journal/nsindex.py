@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from zonefs_py import errors
 from zonefs_py.device.base import ZonedDevice
@@ -142,6 +142,10 @@ class MetaPageStore:
         #: gives them (trio thread, before the commit's worker thread) and takes
         #: back those left unused.
         self.lent: list[int] = []
+        #: Called (worker thread) before the first page goes to a lent zone: the
+        #: journal's rewrite of a version 5 superblock as version 6, so that only
+        #: an image whose index really holds a data zone changes version.
+        self.before_lent_use: Callable[[], None] | None = None
 
     def _zone_end(self, zone: int) -> int:
         return zone * self.zone_size + self.mlog.capacity_bytes(zone)
@@ -187,6 +191,9 @@ class MetaPageStore:
             self.dev.finish_zone(old)  # its active token back; nothing more goes there
             self._wp[old] = self._zone_end(old)
         if self.lent and self.mlog.free_zone_count() <= LOG_KEEP_ZONES:
+            first_use, self.before_lent_use = self.before_lent_use, None
+            if first_use is not None:
+                first_use()  # the superblock as version 6 (raises: the zone stays lent)
             zone = self.lent.pop(0)
         else:
             zone = self.mlog.take_zone()

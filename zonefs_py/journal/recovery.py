@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from zonefs_py import errors
 from zonefs_py.device.base import ZonedDevice
-from zonefs_py.format.constants import DISK_VERSION, RecordType
+from zonefs_py.format.constants import DISK_VERSION, LENDING_DISK_VERSION, RecordType
 from zonefs_py.format.nsindex import IndexRecordError, IndexRoot
 from zonefs_py.format.ops import Op, OpDecodeError, decode_ops, record_body
 from zonefs_py.format.superblock import Superblock
@@ -213,6 +213,7 @@ def _recover(dev: ZonedDevice, *, salvage: bool = False,
                     root = IndexRoot.decode(rec.payload)
                 except IndexRecordError as exc:
                     raise LogCorrupt(f"checkpoint index at {off}: {exc}") from None
+                _check_index_zones(sb, root, off)
                 # Loaded at END only: a torn checkpoint's tree is never read (its
                 # zones may be reset by then; DESIGN.md 3.14).
                 loading_root = root
@@ -315,6 +316,26 @@ def _recover(dev: ZonedDevice, *, salvage: bool = False,
     if progress is not None:
         progress(total_bytes, total_bytes)
     return res
+
+
+def _check_index_zones(sb: Superblock, root: IndexRoot, off: int) -> None:
+    """The zones a CHECKPOINT_INDEX lists are meta zones, or from version 6 on
+    (`LENDING_DISK_VERSION`) data zones lent to the index too; anything else (a
+    data zone in an older image, a superblock zone, a zone past the device) is
+    corruption, never loaded as index pages."""
+    meta = range(sb.meta_first_zone, sb.meta_first_zone + sb.meta_zone_count)
+    data = range(sb.data_first_zone, sb.data_first_zone + sb.data_zone_count)
+    for zone in root.zones:
+        if zone in meta:
+            continue
+        if zone in data:
+            if sb.disk_version >= LENDING_DISK_VERSION:
+                continue
+            raise LogCorrupt(f"checkpoint index at {off} lists data zone {zone}, which "
+                             f"an image of version {sb.disk_version} never lends to the "
+                             f"index (version {LENDING_DISK_VERSION} does)")
+        raise LogCorrupt(f"checkpoint index at {off} lists zone {zone}, neither a meta "
+                         f"nor a data zone")
 
 
 def _mark_everything(state: State) -> None:
