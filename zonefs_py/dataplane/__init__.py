@@ -26,8 +26,9 @@ relocation, copies; TRUNCATE, PUNCH, PREALLOC, INLINE, INODE, DRAIN,
 INODE_FREE). What C promises Python: DESIGN 4.10 and the C file's header.
 
 Caveats: one mount per process (as pyfuse3 and fuseext). Only the device's
-O_DIRECT fd is read (pread, one READ at a time on the C thread); a device
-without `direct_read_target` (or with faults armed) publishes nothing.
+O_DIRECT fd is read (io_uring, one submit per batch of READs; pread when the
+ring cannot be set up, `io_mode()` says which); a device without
+`direct_read_target` (or with faults armed) publishes nothing.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 
 #: Why a READ went to Python, in the C side's order (zdp_stats).
 REASONS = ("not_published", "mutated", "no_checksums", "checksum_mismatch",
-           "device_error", "too_large")
+           "device_error", "too_large", "no_memory")
 #: Latency histogram buckets (bucket b: [2**b, 2**(b+1)) ns).
 LAT_BUCKETS = 32
 ZDP_HOLE = 1
@@ -87,12 +88,20 @@ def why_not() -> str:
     return str(ext.ffi.string(ext.lib.zdp_why_not()).decode(errors="replace"))
 
 
+def io_mode() -> str:
+    """"io_uring", or "pread: why" (how the dispatcher reads the device)."""
+    ext = _ext()
+    if ext is None:
+        return "pread: zonefs_py._fuseext is not built"
+    return str(ext.ffi.string(ext.lib.zdp_io_mode()).decode(errors="replace"))
+
+
 def raw_stats() -> list[int]:
     """The C counters (zdp_stats order), [] without the extension."""
     ext = _ext()
     if ext is None:
         return []
-    n = 4 + len(REASONS) + LAT_BUCKETS
+    n = 4 + len(REASONS) + LAT_BUCKETS + 2
     out = ext.ffi.new("uint64_t[]", n)
     got = ext.lib.zdp_stats(out, n)
     return [int(out[i]) for i in range(got)]
@@ -195,6 +204,7 @@ class ReadMaps:
             return {}
         served, nbytes, lat_ns, requests = raw[:4]
         handed = dict(zip(REASONS, raw[4:4 + len(REASONS)], strict=True))
+        submits, submitted = raw[4 + len(REASONS) + LAT_BUCKETS:][:2] or (0, 0)
         return {
             "running": started(),
             "reads_c": served,
@@ -202,6 +212,9 @@ class ReadMaps:
             "reads_c_mean_us": round(lat_ns / served / 1000, 1) if served else 0.0,
             "reads_python": handed,
             "requests_read": requests,
+            "io": io_mode(),
+            "uring_submits": submits,
+            "uring_reads": submitted,
             "maps_published": len(self.published),
             "publishes": self.publishes,
             "publishes_refused": self.refused,
@@ -213,7 +226,7 @@ class ReadMaps:
         raw = raw_stats()
         if not raw:
             return []
-        lat = raw[4 + len(REASONS):]
+        lat = raw[4 + len(REASONS):4 + len(REASONS) + LAT_BUCKETS]
         out: list[float] = []
         for b, count in enumerate(lat):
             new = count - self._lat_seen[b]

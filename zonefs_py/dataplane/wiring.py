@@ -47,8 +47,11 @@ def attach_after_init(fs: Any) -> bool:
     maps = dataplane.ReadMaps(fs.dev, fs.state, fs.data.writes, reads.sums)
     reads.maps = maps
     fs.alloc.c_pins = maps.zone_pins
+    mode = dataplane.io_mode()
     log.info("C reads on: the request dispatcher reads /dev/fuse and serves READs of "
-             "settled files")
+             "settled files (device reads: %s)", mode)
+    if mode != "io_uring":
+        log.warning("C reads: device reads by pread, one at a time (%s)", mode)
     return True
 
 
