@@ -619,6 +619,8 @@ static void zdp_submit(void)
     }
 }
 
+static int zdp_reap(void);
+
 /* Take a READ: look it up and pin (under zdp_lock), then queue its device reads
  * (io_uring) or read them now (pread mode). 1 taken, 0 handed on (counted). */
 static int zdp_take_read(const struct zdp_in_header *in, const struct zdp_read_in *rd,
@@ -661,6 +663,15 @@ static int zdp_take_read(const struct zdp_in_header *in, const struct zdp_read_i
         zdp_finish(sl);
         return 1;
     }
+    /* Never more device reads in flight than CQ entries: no completion overflows
+     * (an overflowed CQ makes submits fail with EBUSY until it is drained). */
+    while (zdp_sq_inflight + zdp_sq_prepped + (uint32_t)need > zdp_ring.cq.ring_entries) {
+        struct io_uring_cqe *cqe;
+        zdp_submit();
+        if (io_uring_wait_cqe(&zdp_ring, &cqe) == 0)
+            zdp_reap();
+    }
+    sl->pending = need;   /* all up front: a reap below cannot finish the slot early */
     for (k = 0; k < n; k++) {
         struct zdp_span *s = &sl->spans[k];
         struct io_uring_sqe *sqe;
@@ -671,7 +682,6 @@ static int zdp_take_read(const struct zdp_in_header *in, const struct zdp_read_i
         io_uring_prep_read(sqe, s->fd, sl->buf + s->buf_off, (unsigned)s->length,
                            s->dev_off);
         io_uring_sqe_set_data64(sqe, ((uint64_t)(sl - zdp_slots) << 16) | (uint64_t)k);
-        sl->pending++;
         zdp_sq_prepped++;
     }
     return 1;
