@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import random
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,28 @@ def test_read_after_overwrite_truncate_punch_sees_new_bytes(image: Path,
     finally:
         os.close(fd)
     assert _odirect_read(f, 0, 2 * BS) == bytes(BS) + b"a" * BS
+
+
+def test_after_a_remount_the_checksums_are_warmed(image: Path, mount_factory: Mount) -> None:
+    """A cold mount has no zone summaries cached: the first map of a file lacks the
+    checksums of its sealed zones. They are read in the background and the map
+    published again, so the file's READs are then served in C, not one per summary
+    block in Python."""
+    m = mount_factory.start("c_reads=on")
+    data = random.Random(5).randbytes(40 << 20)  # over two 16 MiB zones: sealed ones
+    f = m.path / "w"
+    f.write_bytes(data)
+    _settle(f)
+    assert m.unmount() == 0
+    m.start("c_reads=on")
+    assert _odirect_read(f, 0, BS) == data[:BS]  # Python serves it, publishes, warms
+    while _dataplane(m)["maps_warmed"] < 1:  # type: ignore[operator]
+        pass
+    before = _dataplane(m)
+    for off in range(0, len(data), 1 << 20):
+        assert _odirect_read(f, off, 1 << 20) == data[off:off + (1 << 20)]
+    after = _dataplane(m)
+    assert after["reads_c"] - before["reads_c"] == 40  # type: ignore[operator]
 
 
 @pytest.mark.expect_log("zonefs_py.fs.readpath", "ERROR", "checksum mismatch")
@@ -333,7 +356,7 @@ def test_readers_of_a_file_the_cleaner_relocates(image: Path, mount_factory: Mou
     until the cleaner must relocate the live rest: its first block moves in the image,
     `stat` counts zones cleaned and bytes copied. Every read returns the file's bytes
     (never a reset zone's), and reads of the relocated file are served in C again."""
-    m = mount_factory.start("c_reads=on", "cleaner_rate=1000")
+    m = mount_factory.start("c_reads=on", "cleaner_rate=1000", "commit=0.5")
     blocks = 6144  # 24 MiB: its first zone is full
     f = m.path / "r"
     content = b"".join(_static_block(i) for i in range(blocks))
@@ -355,18 +378,22 @@ def test_readers_of_a_file_the_cleaner_relocates(image: Path, mount_factory: Mou
             fh.write(content[64 * BS:])
             fh.flush()
             os.fsync(fh.fileno())
-        for n in range(200):  # fill (kept live): the old zone is the garbage to clean
+        deadline = time.monotonic() + 120
+        n = 0
+        while time.monotonic() < deadline:  # fill (kept live) until the cleaner must run
             doc = json.loads(zonefs("stat", "--json", str(m.path)).stdout)
-            if doc["cleaner"]["zones_cleaned"] > 0 and doc["cleaner_bytes_copied"] > 0:
+            cleaner = doc["cleaner"]
+            if cleaner["zones_cleaned"] > 0 and doc["cleaner_bytes_copied"] > 0:
                 os.sync()
                 if _image_offsets(image, first) - before:
                     moved = True
                     break
-            if doc["space"]["free_bytes"] < (16 << 20):
-                break
+            if cleaner["empty_zones"] < cleaner["low_watermark_zones"]:
+                continue  # the cleaner's next background pass (every commit interval)
             more = m.path / f"more-{n:04d}"
             more.write_bytes(os.urandom(8 << 20))
             _settle(more)
+            n += 1
         if moved:
             _odirect_read(m.path / "r", 0, BS)  # Python serves it once, publishes the map
             served_before = _dataplane(m)["reads_c"]
