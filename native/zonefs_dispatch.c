@@ -104,6 +104,7 @@ _Static_assert(sizeof(struct zdp_out_header) == 16, "fuse_out_header");
 _Static_assert(sizeof(struct zdp_read_in) == 40, "fuse_read_in");
 
 enum {
+    ZOP_FORGET = 2, ZOP_INTERRUPT = 36, ZOP_BATCH_FORGET = 42,
     ZOP_SETATTR = 4, ZOP_OPEN = 14, ZOP_READ = 15, ZOP_WRITE = 16, ZOP_SETXATTR = 21,
     ZOP_REMOVEXATTR = 24, ZOP_IOCTL = 39, ZOP_FALLOCATE = 43, ZOP_COPY_FILE_RANGE = 47,
     ZOP_KNOWN_MAX = 51,
@@ -1151,7 +1152,23 @@ int64_t zdp_test_take(uint8_t *out, uint64_t max, uint64_t *seq)
     return n;
 }
 
-/* Stop the dispatcher (idempotent): the thread is joined, its fds closed. */
+/* Answer a request nobody will process (session over) with ENOTCONN; not the
+ * ones the kernel expects no answer to. */
+static void zdp_answer_gone(const void *mem, size_t size)
+{
+    const struct zdp_in_header *in = mem;
+    struct zdp_out_header out;
+    if (size < sizeof *in || in->unique == 0 || in->opcode == ZOP_FORGET
+            || in->opcode == ZOP_BATCH_FORGET || in->opcode == ZOP_INTERRUPT)
+        return;
+    out.len = sizeof out;
+    out.error = -ENOTCONN;
+    out.unique = in->unique;
+    (void)!write(zdp_fd, &out, sizeof out);
+}
+
+/* Stop the dispatcher (idempotent): the thread is joined, what it queued and
+ * pyfuse3 did not take is answered, its fds closed. */
 void zdp_shutdown(void)
 {
     struct zdp_node *node;
@@ -1163,13 +1180,18 @@ void zdp_shutdown(void)
     }
     pthread_join(zdp_thread, NULL);
     zdp_running = 0;
-    close(zdp_fd);
     close(zdp_stopfd);
-    zdp_fd = zdp_stopfd = -1;
-    /* zdp_qfd stays open: pyfuse3 may still hold it registered with trio */
+    zdp_stopfd = -1;
+    /* zdp_qfd stays open: pyfuse3 may still hold it registered with trio.
+     * Every request read and not taken by pyfuse3 (its loop has ended) is
+     * answered ENOTCONN: a caller waits for an answer once its request was read,
+     * uninterruptibly, and when that caller is a thread of this process (a
+     * statvfs of the mount point) the connection is never aborted (its fd table
+     * lives on) and the process never exits. */
     pthread_mutex_lock(&zdp_qlock);
     while ((node = zdp_qhead) != NULL) {
         zdp_qhead = node->next;
+        zdp_answer_gone(node->mem, node->size);
         free(node->mem);
         free(node);
     }
@@ -1177,6 +1199,8 @@ void zdp_shutdown(void)
     while (zdp_npool > 0)
         free(zdp_pool[--zdp_npool]);
     pthread_mutex_unlock(&zdp_qlock);
+    close(zdp_fd);
+    zdp_fd = -1;
     zdp_uring_teardown();
     if (zdp_slots != NULL) {
         int i;
