@@ -154,8 +154,9 @@ def c_read_share(before: dict[str, Any] | None, after: dict[str, Any] | None
     if "reads_c" not in dp1:
         return None
     c_reads, reads = dp1["reads_c"], req1.get("READ", 0)
-    if (dp0.get("reads_c", 0) <= c_reads and req0.get("READ", 0) <= reads
-            and dp0.get("reads_c") is not None):
+    c0, r0 = dp0.get("reads_c"), req0.get("READ", 0)
+    # the same mount (no counter went back, the Python READs neither): deltas
+    if c0 is not None and c0 <= c_reads and r0 <= reads and r0 - c0 <= reads - c_reads:
         c_reads -= dp0["reads_c"]
         reads -= req0.get("READ", 0)
     if reads <= 0 or not 0 <= c_reads <= reads:
