@@ -533,6 +533,17 @@ static void zdp_record_latency(uint64_t t0)
 static void zdp_enqueue(void *mem, size_t size, uint64_t seq);
 static void *zdp_buf_get(void);
 
+/* Answer a request with -err here, for a request that cannot be handed on (no
+ * memory to queue it): every request gets an answer, an error rather than none.
+ * FORGET and BATCH_FORGET (2, 42) get none by protocol. */
+static void zdp_reply_err(const struct zdp_in_header *in, int err)
+{
+    struct zdp_out_header out = {(uint32_t)sizeof out, -err, in->unique};
+    if (in->opcode == 2 || in->opcode == 42)
+        return;
+    (void)!write(zdp_fd, &out, sizeof out);
+}
+
 /* Hand a READ to Python (its request copied into a queue buffer), counted. */
 static void zdp_hand_read(const struct zdp_in_header *in, const struct zdp_read_in *rd,
                           uint64_t seq, int reason)
@@ -540,7 +551,8 @@ static void zdp_hand_read(const struct zdp_in_header *in, const struct zdp_read_
     void *mem = zdp_buf_get();
     BUMP(zdp_handed_reads[reason], 1);
     if (mem == NULL) {
-        fprintf(stderr, "zonefs-py dispatcher: out of memory, READ dropped\n");
+        fprintf(stderr, "zonefs-py dispatcher: out of memory, READ answered EIO\n");
+        zdp_reply_err(in, EIO);
         return;
     }
     memcpy(mem, in, sizeof *in);
@@ -836,9 +848,11 @@ static void zdp_signal_locked(void)
 static void zdp_enqueue(void *mem, size_t size, uint64_t seq)
 {
     struct zdp_node *node = malloc(sizeof *node);
-    if (node == NULL) {   /* no memory for a queue node: the request is lost, as */
-        free(mem);        /* a failed malloc in libfuse loses it; say so loudly  */
-        fprintf(stderr, "zonefs-py dispatcher: out of memory, request dropped\n");
+    if (node == NULL) {   /* no memory for a queue node: answered EIO, never lost */
+        fprintf(stderr, "zonefs-py dispatcher: out of memory, request answered EIO\n");
+        if (size >= sizeof(struct zdp_in_header))
+            zdp_reply_err(mem, EIO);
+        free(mem);
         return;
     }
     node->next = NULL;
