@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import subprocess
+import time
 from typing import Any
 
 import trio
@@ -242,26 +243,30 @@ class BdiLimit:
 
 def open_bdi_limit(mountpoint: str) -> BdiLimit | None:
     """The mount's `BdiLimit`, or None (logged) when its bdi cannot be read.
-    Call from a worker thread (it reads sysfs)."""
-    dev = "?"
-    try:
-        dev = _mount_dev(mountpoint)
-        bdi = BdiLimit(f"/sys/class/bdi/{dev}", dirty_max_bytes())
-        bdi.bound_bytes()
-    except MountGone as exc:
-        log.debug("no write gate: %s (unmounted already)", exc)
-        return None
-    except (OSError, ValueError) as exc:
-        # An unmount racing the setup (a mount stopped right after it started) takes
-        # the bdi away before the mount leaves mountinfo: only a live mount's
-        # missing knob is worth a warning.
-        if _in_mountinfo(mountpoint) and os.path.isdir(f"/sys/class/bdi/{dev}"):
-            log.warning("no write gate (write(2) near full is not refused): the dirty "
-                        "limit of %s cannot be read: %s", mountpoint, exc)
-        else:
-            log.debug("no write gate: %s (unmounted meanwhile)", exc)
-        return None
-    return bdi
+    Call from a worker thread (it reads sysfs, and may sleep a little)."""
+    for attempt in range(3):
+        dev = "?"
+        try:
+            dev = _mount_dev(mountpoint)
+            bdi = BdiLimit(f"/sys/class/bdi/{dev}", dirty_max_bytes())
+            bdi.bound_bytes()
+            return bdi
+        except MountGone as exc:
+            log.debug("no write gate: %s (unmounted already)", exc)
+            return None
+        except (OSError, ValueError) as exc:
+            # A mount stopped right after it started takes its bdi away (ENOENT,
+            # ENODEV from sysfs) while mountinfo may still list it for a moment:
+            # look again shortly, and warn only about a live mount's missing knob.
+            if attempt < 2:
+                time.sleep(0.2)
+                continue
+            if _in_mountinfo(mountpoint) and os.path.isdir(f"/sys/class/bdi/{dev}"):
+                log.warning("no write gate (write(2) near full is not refused): the dirty "
+                            "limit of %s cannot be read: %s", mountpoint, exc)
+            else:
+                log.debug("no write gate: %s (unmounted meanwhile)", exc)
+    return None
 
 
 async def setup_write_gate(cfg: MountConfig, ops: Any) -> None:
