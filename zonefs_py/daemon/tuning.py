@@ -237,7 +237,10 @@ class BdiLimit:
             self._write("max_ratio_fine", ratio)
             return self.bound_bytes()
         except OSError as exc:
-            log.warning("could not set the dirty limit in %s: %s", self.dir, exc)
+            if os.path.isdir(self.dir):
+                log.warning("could not set the dirty limit in %s: %s", self.dir, exc)
+            else:  # the mount went away meanwhile
+                log.debug("could not set the dirty limit in %s: %s", self.dir, exc)
             return None
 
 
@@ -261,12 +264,18 @@ def open_bdi_limit(mountpoint: str) -> BdiLimit | None:
             if attempt < 2:
                 time.sleep(0.2)
                 continue
-            if _in_mountinfo(mountpoint) and os.path.isdir(f"/sys/class/bdi/{dev}"):
-                log.warning("no write gate (write(2) near full is not refused): the dirty "
-                            "limit of %s cannot be read: %s", mountpoint, exc)
-            else:
-                log.debug("no write gate: %s (unmounted meanwhile)", exc)
+            _warn_if_live(mountpoint, dev, exc)
     return None
+
+
+def _warn_if_live(mountpoint: str, dev: str, exc: Exception) -> None:
+    """Warn that the mount has no write gate, unless the mount is gone (a mount
+    stopped right after it started takes its bdi away mid-read: that is no fault)."""
+    if _in_mountinfo(mountpoint) and os.path.isdir(f"/sys/class/bdi/{dev}"):
+        log.warning("no write gate (write(2) near full is not refused): the dirty "
+                    "limit of %s cannot be read: %s", mountpoint, exc)
+    else:
+        log.debug("no write gate: %s (unmounted meanwhile)", exc)
 
 
 async def setup_write_gate(cfg: MountConfig, ops: Any) -> None:
@@ -282,7 +291,8 @@ async def setup_write_gate(cfg: MountConfig, ops: Any) -> None:
         default = await trio.to_thread.run_sync(bdi.bound_bytes)
         tunable = await trio.to_thread.run_sync(bdi.tunable)
     except (OSError, ValueError) as exc:  # the mount went away meanwhile, or a bad file
-        log.warning("no write gate: the dirty limit of %s: %s", cfg.mountpoint, exc)
+        dev = os.path.basename(bdi.dir)
+        await trio.to_thread.run_sync(_warn_if_live, cfg.mountpoint, dev, exc)
         return
     if tunable:
         gate.set_limit = bdi.set
