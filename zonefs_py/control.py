@@ -105,7 +105,14 @@ async def command(fs: FileSystemAPI, name: bytes, value: bytes, ctx: Ctx) -> Non
         raise errors.NotPermitted(f"{name.decode(errors='replace')} is read-only")
     word = value.strip(b"\0 \n").decode("ascii", errors="replace")
     if word.startswith("tenant-"):
-        await tenant_command(fs, word.split())
+        try:
+            await tenant_command(fs, word.split())
+        except errors.ZoneFSError as exc:
+            # The errno alone says little ("Invalid argument"): `zonefs-py tenant`
+            # shows this from the status document's daemon object.
+            DAEMON_INFO["last_control_error"] = str(exc)
+            raise
+        DAEMON_INFO.pop("last_control_error", None)
     elif word == "sync":
         await fs.sync()
     elif word == "checkpoint":
