@@ -378,3 +378,19 @@ async def test_fsck_is_clean_with_tenants_on_a_fresh_image(tmp_path: Path) -> No
         a = await _mkdir(fs, "/a")
         fs.tenants.declare(a, 2, 5)
     assert_fsck_clean(image)
+
+
+def test_prometheus_shows_the_declared_tenants_figures() -> None:
+    from zonefs_py.metrics import render
+
+    doc = {"tenants": {"jobs/b": {"declared": True, "zones_owned": 3, "zones_reserved": 2,
+                                  "zones_max": None, "device_bytes_written_users": 100,
+                                  "device_bytes_written_cleaner": 7, "zone_resets": 4,
+                                  "wear": {"max": 2, "mean": 1.5}},
+                       "plain": {"bytes_written": 5, "bytes_stored": 5, "quota_bytes": None}}}
+    text = render(doc)
+    assert 'zonefs_tenant_zones{kind="owned",tenant="jobs/b"} 3.0' in text
+    assert 'zonefs_tenant_device_written_bytes_total{tenant="jobs/b",writer="cleaner"} 7.0' \
+        in text
+    assert 'zonefs_tenant_zone_wear_resets{stat="mean",tenant="jobs/b"} 1.5' in text
+    assert 'tenant="plain",' not in text.split("zonefs_tenant_zones")[1].split("# HELP")[0]

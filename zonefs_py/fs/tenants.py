@@ -54,6 +54,9 @@ from zonefs_py.model.tenants import TenantPolicy, tenant_of, tenant_of_dir
 
 #: Inodes a declaration examines at most below the directory (it is refused beyond).
 SUBTREE_MAX = 1 << 20
+#: Zone numbers the figures list at most, over all tenants (the status document must
+#: fit an xattr, 64 KiB); a tenant whose list was cut says so ("zones_truncated").
+ZONES_LISTED_MAX = 2048
 
 
 class UnwrittenData(Protocol):
@@ -201,15 +204,19 @@ class TenantAdmin:
         for dz in self.alloc.zones.values():
             if dz.tenant in by_tenant and (dz.reserved or dz.head_of is not None):
                 by_tenant[dz.tenant].append(dz.idx)
+        budget = ZONES_LISTED_MAX
         for tid, policy in sorted(self.state.tenants.by_id.items()):
             zones = sorted(by_tenant[tid])
+            listed = zones[:max(0, budget)]
+            budget -= len(listed)
             resets = [self.alloc.zones[z].resets for z in zones]
             user = c.get(C_TENANT_USER_BASE + tid, 0)
             cleaner = c.get(C_TENANT_CLEANER_BASE + tid, 0)
             out[self.path_of(policy.dir_ino).lstrip("/")] = {
                 "declared": True,
                 "tenant_id": tid,
-                "zones": zones,
+                "zones": listed,
+                "zones_truncated": len(listed) < len(zones),
                 "zones_owned": len(zones),
                 "zones_reserved": policy.min_zones,
                 "zones_max": policy.max_zones or None,
