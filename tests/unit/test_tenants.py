@@ -394,3 +394,30 @@ def test_prometheus_shows_the_declared_tenants_figures() -> None:
         in text
     assert 'zonefs_tenant_zone_wear_resets{stat="mean",tenant="jobs/b"} 1.5' in text
     assert 'tenant="plain",' not in text.split("zonefs_tenant_zones")[1].split("# HELP")[0]
+
+
+async def test_control_commands_declare_change_and_remove(tmp_path: Path) -> None:
+    from zonefs_py import control
+    from zonefs_py.fs.api import Ctx
+
+    async with mounted(tmp_path / "fs.img", create=True) as fs:
+        a = await _mkdir(fs, "/a")
+        await control.command(fs, control.CTL_XATTR, f"tenant-add {a} 1 3".encode(), CTX)
+        policy = fs.state.tenants.by_id[fs.state.tenants.by_dir[a]]
+        assert (policy.min_zones, policy.max_zones) == (1, 3)
+        await control.command(fs, control.CTL_XATTR, f"tenant-set {a} - 5\n".encode(), CTX)
+        policy = fs.state.tenants.by_id[fs.state.tenants.by_dir[a]]
+        assert (policy.min_zones, policy.max_zones) == (1, 5)
+        with pytest.raises(errors.InvalidArgument, match="malformed"):
+            await control.command(fs, control.CTL_XATTR, f"tenant-add {a} 1".encode(), CTX)
+        with pytest.raises(errors.InvalidArgument, match="not a number"):
+            await control.command(fs, control.CTL_XATTR, f"tenant-set {a} x 1".encode(), CTX)
+        with pytest.raises(errors.Exists):
+            await control.command(fs, control.CTL_XATTR, f"tenant-add {a} 0 0".encode(), CTX)
+        assert "tenant already" in control.DAEMON_INFO["last_control_error"]
+        with pytest.raises(errors.NotPermitted):
+            await control.command(fs, control.CTL_XATTR, f"tenant-remove {a}".encode(),
+                                  Ctx(uid=1000, gid=1000, pid=1, umask=0))
+        await control.command(fs, control.CTL_XATTR, f"tenant-remove {a}".encode(), CTX)
+        assert "last_control_error" not in control.DAEMON_INFO
+        assert not fs.state.tenants

@@ -290,6 +290,8 @@ class Allocator:
         when no zone can take the data (NeedCleaning / TenantFull when cleaning may
         make room).
         """
+        if tenant and self.state.tenants.get(tenant) is None:
+            tenant = 0  # removed while this write waited (for the cleaner): shared now
         key = (stream, owner, tenant)
         zone_idx = self.heads.get(key)
         if zone_idx is None or self.zones[zone_idx].remaining <= 0:

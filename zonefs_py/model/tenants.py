@@ -84,7 +84,11 @@ class TenantTable:
         del self.by_dir[old.dir_ino]
 
     def free_id(self) -> int:
-        """The lowest unused id; raises StateError when all are taken."""
+        """An unused id: one past the highest in use, else the lowest free (so an id
+        is seldom reused at once). Raises StateError when all are taken."""
+        top = max(self.by_id, default=0)
+        if top < TENANT_MAX_ID:
+            return top + 1
         for tid in range(1, TENANT_MAX_ID + 1):
             if tid not in self.by_id:
                 return tid
