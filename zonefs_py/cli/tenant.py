@@ -56,7 +56,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         q.add_argument("--min-zones", type=int, default=None, metavar="N",
                        help="zones kept empty for it (default 0)")
         q.add_argument("--max-zones", type=int, default=None, metavar="N",
-                       help="zones it may own at most (default 0: no cap)")
+                       help="zones it may own at most (default 0: no cap); leave one "
+                       "for each stream it writes (checkpoints, datasets, logs, others)")
         q.set_defaults(func=run_change)
     q = sub.add_parser("remove", help="remove a tenant (its data stays)")
     q.add_argument("dir", metavar="DIR")
