@@ -16,11 +16,13 @@ they are not stored anywhere:
                         tests; a remount clears it).
       - ``drain-pause`` / ``drain-resume``  stop / restart uploads to the object
                         store (resume also retries at once after an error).
-      - ``tenant-add INO MIN MAX`` / ``tenant-set INO MIN MAX`` / ``tenant-remove INO``
-                        declare directory inode INO a tenant with MIN reserved and
-                        at most MAX zones (0: no cap; ``-`` keeps a value in
-                        tenant-set), change or remove it (fs/tenants.py); durable
-                        when the setxattr returns. `zonefs-py tenant` writes these.
+      - ``tenant-add INO MIN MAX [ACTIVE]`` / ``tenant-set INO MIN MAX [ACTIVE]`` /
+        ``tenant-remove INO``
+                        declare directory inode INO a tenant with MIN reserved, at
+                        most MAX zones and at most ACTIVE active zones (0: no cap;
+                        ``-`` keeps a value in tenant-set; ACTIVE left out: 0 /
+                        kept), change or remove it (fs/tenants.py); durable when
+                        the setxattr returns. `zonefs-py tenant` writes these.
     Reading it gives ENODATA; unknown commands give EINVAL.
 
 Why xattrs: no extra socket, no daemon lookup by pid file, works through
@@ -129,7 +131,7 @@ async def command(fs: FileSystemAPI, name: bytes, value: bytes, ctx: Ctx) -> Non
 
 
 async def tenant_command(fs: FileSystemAPI, words: list[str]) -> None:
-    """Run `tenant-add|tenant-set INO MIN MAX` or `tenant-remove INO`, then make it
+    """Run `tenant-add|tenant-set INO MIN MAX [ACTIVE]` or `tenant-remove INO`, then make it
     durable. Raises InvalidArgument for a malformed command, and what
     fs/tenants.py raises."""
     admin = getattr(fs, "tenants", None)
@@ -144,16 +146,19 @@ async def tenant_command(fs: FileSystemAPI, words: list[str]) -> None:
             raise errors.InvalidArgument(f"{verb}: {text!r} is not a number")
         return int(text)
 
-    if verb in ("tenant-add", "tenant-set") and len(args) == 3:
+    if verb in ("tenant-add", "tenant-set") and len(args) in (3, 4):
         ino = number(args[0])
         assert ino is not None
         if verb == "tenant-add":
             lo, hi = number(args[1]), number(args[2])
+            active = number(args[3]) if len(args) == 4 else 0
             assert lo is not None
             assert hi is not None
-            admin.declare(ino, lo, hi)
+            assert active is not None
+            admin.declare(ino, lo, hi, active)
         else:
-            admin.change(ino, number(args[1], keep=True), number(args[2], keep=True))
+            admin.change(ino, number(args[1], keep=True), number(args[2], keep=True),
+                         number(args[3], keep=True) if len(args) == 4 else None)
     elif verb == "tenant-remove" and len(args) == 1:
         ino = number(args[0])
         assert ino is not None

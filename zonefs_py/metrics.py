@@ -206,7 +206,8 @@ def _stream_families(doc: dict[str, Any]) -> Iterator[Metric]:
 def _declared_tenant_families(doc: dict[str, Any]) -> Iterator[Metric]:
     """Declared tenants (issue 45): zones, device bytes by users and cleaner, wear."""
     zones = GaugeMetricFamily("zonefs_tenant_zones",
-                              "Zones of each declared tenant: owned, reserved (min), max.",
+                              "Zones of each declared tenant: owned, reserved (min), max, "
+                              "active (partly written), active_max.",
                               labels=["tenant", "kind"])
     device = CounterMetricFamily("zonefs_tenant_device_written_bytes",
                                  "Device bytes written for each declared tenant, by writer.",
@@ -223,6 +224,9 @@ def _declared_tenant_families(doc: dict[str, Any]) -> Iterator[Metric]:
         zones.add_metric([name, "reserved"], _num(t.get("zones_reserved")))
         if t.get("zones_max") is not None:
             zones.add_metric([name, "max"], _num(t.get("zones_max")))
+        zones.add_metric([name, "active"], _num(t.get("active_zones")))
+        if t.get("active_zones_max") is not None:
+            zones.add_metric([name, "active_max"], _num(t.get("active_zones_max")))
         device.add_metric([name, "users"], _num(t.get("device_bytes_written_users")))
         device.add_metric([name, "cleaner"], _num(t.get("device_bytes_written_cleaner")))
         resets.add_metric([name], _num(t.get("zone_resets")))

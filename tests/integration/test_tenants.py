@@ -75,10 +75,11 @@ def test_declare_fill_enospc_of_one_tenant_remount(image: Path, mount_factory: M
     listing = json.loads(zonefs("tenant", "list", str(m.path), "--json").stdout)
     assert set(listing["ckpt"]["zones"]) == zones_a
     assert set(listing["data"]["zones"]) >= zones_b
-    zonefs("tenant", "set", str(a), "--max-zones", "4")
+    zonefs("tenant", "set", str(a), "--max-zones", "4", "--active-zones", "2")
     (a / "after-raise").write_bytes(os.urandom(4 * MiB))
     zonefs("tenant", "remove", str(b))
     listing = json.loads(zonefs("tenant", "list", str(m.path), "--json").stdout)
     assert set(listing) == {"ckpt"}
     assert listing["ckpt"]["zones_max"] == 4
+    assert listing["ckpt"]["active_zones_max"] == 2
     assert m.unmount() == 0

@@ -152,7 +152,7 @@ OP_STRATEGIES = {
     OpType.ZONE_LIVE: st.tuples(st.just(OpType.ZONE_LIVE), u32, u64),
     OpType.INODE_COUNT: st.tuples(st.just(OpType.INODE_COUNT), u64),
     OpType.INO_GENERATION: st.tuples(st.just(OpType.INO_GENERATION), u64, u32),
-    OpType.TENANT: st.tuples(st.just(OpType.TENANT), u16, u16, u64, u32, u32),
+    OpType.TENANT: st.tuples(st.just(OpType.TENANT), u16, u16, u64, u32, u32, u32),
     OpType.TENANT_DEL: st.tuples(st.just(OpType.TENANT_DEL), u16),
     OpType.ZONE_TENANT: st.tuples(st.just(OpType.ZONE_TENANT), u32, u16),
     OpType.RESIDENT: st.tuples(st.just(OpType.RESIDENT),

@@ -36,24 +36,24 @@ from zonefs_py.model.state import State, StateError
 
 
 def declare(state: State, tid: int, dir_ino: int, min_zones: int = 0,
-            max_zones: int = 0) -> None:
-    state.apply((OpType.TENANT, tid, 0, dir_ino, min_zones, max_zones))
+            max_zones: int = 0, max_active: int = 0) -> None:
+    state.apply((OpType.TENANT, tid, 0, dir_ino, min_zones, max_zones, max_active))
 
 
 # -- format and model -----------------------------------------------------------------
 
 def test_tenant_ops_round_trip_and_rebuild_from_a_checkpoint() -> None:
-    ops: list[Op] = [(OpType.TENANT, 3, 0, 42, 2, 5), (OpType.TENANT_DEL, 3),
+    ops: list[Op] = [(OpType.TENANT, 3, 0, 42, 2, 5, 1), (OpType.TENANT_DEL, 3),
                      (OpType.ZONE_TENANT, 17, 3)]
     assert decode_ops(encode_ops(ops)) == ops
     state = State(BS, 1 << 20)
-    declare(state, 3, 42, 2, 5)
+    declare(state, 3, 42, 2, 5, 4)
     state.apply((OpType.ZONE_STATE, 17, Stream.DEFAULT, 0, 0))
     state.apply((OpType.ZONE_TENANT, 17, 3))
     again = State(BS, 1 << 20)
     for op in snapshot_ops(state):
         again.apply(op)
-    assert again.tenants.by_id[3].op() == (OpType.TENANT, 3, 0, 42, 2, 5)
+    assert again.tenants.by_id[3].op() == (OpType.TENANT, 3, 0, 42, 2, 5, 4)
     assert again.zone_tenant == {17: 3}
 
 
@@ -129,6 +129,37 @@ def test_zones_reserved_for_a_tenant_are_not_taken_by_others() -> None:
     assert len(taken) == 3
     assert alloc.owed_zones() == 0
     assert len(alloc.empty_zones()) == alloc.reserve_zones
+
+
+def test_a_tenant_at_its_active_zone_count_finishes_its_own_zones_only() -> None:
+    alloc = make_alloc(nr_data=16)
+    declare(alloc.state, 1, 100, max_active=2)
+    ops: list[Op] = []
+    finish: list[int] = []
+    other, _ = alloc.reserve(Stream.DEFAULT, 0, 8 * BS, ops, finish)  # shared, active
+    alloc.append_done(other, ok=True)
+    zones = []
+    for owner, stream in ((11, Stream.CHECKPOINT), (12, Stream.CHECKPOINT)):
+        zone, _ = alloc.reserve(stream, owner, 8 * BS, ops, finish, tenant=1)
+        alloc.append_done(zone, ok=True)
+        zones.append(zone)
+    assert not finish
+    third, _ = alloc.reserve(Stream.LOG, 0, 8 * BS, ops, finish, tenant=1)
+    assert finish == [zones[0]] or finish == [zones[1]]  # one of its own, never `other`
+    assert alloc.zones[third].tenant == 1
+    mine = [dz for dz in alloc.active_zones() if dz.tenant == 1]
+    assert len(mine) == 2
+    assert alloc.zones[other] in alloc.active_zones()
+
+
+def test_a_tenant_goes_over_its_count_rather_than_fail_when_all_are_busy() -> None:
+    alloc = make_alloc(nr_data=16)
+    declare(alloc.state, 1, 100, max_active=1)
+    ops: list[Op] = []
+    busy, _ = alloc.reserve(Stream.DEFAULT, 0, 8 * BS, ops, [], tenant=1)  # in flight
+    second, _ = alloc.reserve(Stream.LOG, 0, 8 * BS, ops, [], tenant=1)
+    assert second != busy
+    assert alloc.zones[second].tenant == 1
 
 
 def test_a_reset_ends_ownership_and_counts_toward_the_tenants_wear() -> None:
@@ -408,6 +439,11 @@ async def test_control_commands_declare_change_and_remove(tmp_path: Path) -> Non
         await control.command(fs, control.CTL_XATTR, f"tenant-set {a} - 5\n".encode(), CTX)
         policy = fs.state.tenants.by_id[fs.state.tenants.by_dir[a]]
         assert (policy.min_zones, policy.max_zones) == (1, 5)
+        await control.command(fs, control.CTL_XATTR, f"tenant-set {a} - - 3".encode(), CTX)
+        policy = fs.state.tenants.by_id[fs.state.tenants.by_dir[a]]
+        assert (policy.min_zones, policy.max_zones, policy.max_active) == (1, 5, 3)
+        figures = fs.tenants.report()["a"]
+        assert (figures["active_zones"], figures["active_zones_max"]) == (0, 3)
         with pytest.raises(errors.InvalidArgument, match="malformed"):
             await control.command(fs, control.CTL_XATTR, f"tenant-add {a} 1".encode(), CTX)
         with pytest.raises(errors.InvalidArgument, match="not a number"):

@@ -403,28 +403,25 @@ class Allocator:
             if capped is not None:
                 return capped
         active = self.active_zones()
+        policy = self.state.tenants.get(tenant) if tenant else None
+        if policy is not None and policy.max_active:
+            mine = [dz for dz in active if dz.tenant == tenant]
+            if len(mine) >= policy.max_active:
+                # The tenant's own tokens first (issue 45): finish one of its zones
+                # or share one of its heads; never another tenant's zone for it. If
+                # every one of its zones has an append in flight it goes over its
+                # count rather than fail (the device budget below still holds).
+                freed, share = self._free_token(mine, key, to_finish)
+                if share is not None:
+                    return share
+                if freed:
+                    active = self.active_zones()
         if len(active) >= self.head_budget:
-            idle = [dz for dz in active if dz.head_of is None and not dz.inflight]
-            private = [dz for dz in active
-                       if dz.head_of is not None and dz.head_of[1] != 0 and not dz.inflight]
-            if idle:
-                self._mark_finished(max(idle, key=lambda z: z.reserved), to_finish)
-            elif private:
-                victim = max(private, key=lambda z: z.reserved)
-                assert victim.head_of is not None
-                self._drop_head(victim.head_of)
-                self._mark_finished(victim, to_finish)
-            elif key[1] != 0 and (key[0], 0, tenant) in self.heads:
-                # No token for a private head: share the stream's head.
-                return self.heads[(key[0], 0, tenant)]
-            else:
-                shared = [dz for dz in active if dz.head_of is not None and not dz.inflight]
-                if not shared:
-                    raise errors.NoSpace("every active zone has a write in flight")
-                victim = max(shared, key=lambda z: z.reserved)
-                assert victim.head_of is not None
-                self._drop_head(victim.head_of)
-                self._mark_finished(victim, to_finish)
+            freed, share = self._free_token(active, key, to_finish)
+            if share is not None:
+                return share
+            if not freed:
+                raise errors.NoSpace("every active zone has a write in flight")
         empty = self.empty_zones()
         # Empty zones owed to other tenants under their min_zones are not ours.
         owed = self.owed_zones(exclude=tenant)
@@ -461,6 +458,38 @@ class Allocator:
             self.state.apply(top)
             journal_ops.append(top)
         return dz.idx
+
+    def _free_token(self, active: list[DataZone], key: tuple[int, int, int],
+                    to_finish: list[int]) -> tuple[bool, int | None]:
+        """Give back an active-zone token from `active` for a new head of `key`:
+        finish an idle zone, else the fullest private head; or, for a private head,
+        share the stream's head; else finish the fullest shared head. Returns
+        (a token was freed, a zone to share instead); (False, None) when every
+        zone has an append in flight."""
+        idle = [dz for dz in active if dz.head_of is None and not dz.inflight]
+        private = [dz for dz in active
+                   if dz.head_of is not None and dz.head_of[1] != 0 and not dz.inflight]
+        if idle:
+            self._mark_finished(max(idle, key=lambda z: z.reserved), to_finish)
+            return True, None
+        if private:
+            victim = max(private, key=lambda z: z.reserved)
+            assert victim.head_of is not None
+            self._drop_head(victim.head_of)
+            self._mark_finished(victim, to_finish)
+            return True, None
+        shared_key = (key[0], 0, key[2])
+        if key[1] != 0 and shared_key in self.heads:
+            # No token for a private head: share the stream's head.
+            return False, self.heads[shared_key]
+        shared = [dz for dz in active if dz.head_of is not None and not dz.inflight]
+        if not shared:
+            return False, None
+        victim = max(shared, key=lambda z: z.reserved)
+        assert victim.head_of is not None
+        self._drop_head(victim.head_of)
+        self._mark_finished(victim, to_finish)
+        return True, None
 
     # -- tenants (issue 45) ----------------------------------------------------------
     def tenant_zones(self, tenant: int) -> list[DataZone]:

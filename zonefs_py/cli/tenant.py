@@ -1,11 +1,13 @@
 """`zonefs-py tenant add|set|remove DIR`, `zonefs-py tenant list MOUNTPOINT [--json]`.
 
-* `tenant add DIR [--min-zones N] [--max-zones N]` declares directory DIR of
-  a mounted zonefs-py a tenant: its data goes only to zones it owns, N zones
-  are kept empty for it, and it owns at most N zones (its ENOSPC when full,
-  while the others still write). DIR must hold no file data yet (declare,
-  then copy data in); tenants do not nest.
-* `tenant set DIR [--min-zones N] [--max-zones N]` changes what is given.
+* `tenant add DIR [--min-zones N] [--max-zones N] [--active-zones N]` declares
+  directory DIR of a mounted zonefs-py a tenant: its data goes only to zones it
+  owns, N zones are kept empty for it, it owns at most N zones (its ENOSPC when
+  full, while the others still write), and it holds at most N partly written
+  zones at once (its share of the device's active-zone budget). DIR must hold
+  no file data yet (declare, then copy data in); tenants do not nest.
+* `tenant set DIR [--min-zones N] [--max-zones N] [--active-zones N]` changes
+  what is given.
 * `tenant remove DIR`: its zones become shared; its data stays where it is.
 * `tenant list MOUNTPOINT [--json]`: the declared tenants and their figures
   (zones owned, reserved and cap, bytes stored, bytes written by users and
@@ -58,6 +60,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         q.add_argument("--max-zones", type=int, default=None, metavar="N",
                        help="zones it may own at most (default 0: no cap); leave one "
                        "for each stream it writes (checkpoints, datasets, logs, others)")
+        q.add_argument("--active-zones", type=int, default=None, metavar="N",
+                       help="active (open) zones it may hold at once: its share of the "
+                       "device's active-zone budget (default 0: none of its own)")
         q.set_defaults(func=run_change)
     q = sub.add_parser("remove", help="remove a tenant (its data stays)")
     q.add_argument("dir", metavar="DIR")
@@ -86,7 +91,7 @@ def run_change(args: argparse.Namespace) -> int:
         print(f"{prog}: tenants are declared and changed by root (the control interface "
               "trusted.zonefs.ctl is root only)", file=sys.stderr)
         return 1
-    for flag in ("min_zones", "max_zones"):
+    for flag in ("min_zones", "max_zones", "active_zones"):
         value = getattr(args, flag, None)
         if value is not None and value < 0:
             print(f"{prog}: --{flag.replace('_', '-')} cannot be negative", file=sys.stderr)
@@ -98,11 +103,13 @@ def run_change(args: argparse.Namespace) -> int:
         return 1
     root = mount_root(args.dir)
     if args.action == "add":
-        word = f"tenant-add {st.st_ino} {args.min_zones or 0} {args.max_zones or 0}"
+        word = (f"tenant-add {st.st_ino} {args.min_zones or 0} {args.max_zones or 0} "
+                f"{args.active_zones or 0}")
     elif args.action == "set":
         def keep(v: int | None) -> str:
             return "-" if v is None else str(v)
-        word = f"tenant-set {st.st_ino} {keep(args.min_zones)} {keep(args.max_zones)}"
+        word = (f"tenant-set {st.st_ino} {keep(args.min_zones)} {keep(args.max_zones)} "
+                f"{keep(args.active_zones)}")
     else:
         word = f"tenant-remove {st.st_ino}"
     try:
@@ -137,14 +144,16 @@ def render_list(tenants: dict[str, Any]) -> str:
     """One line per tenant (a header first); empty: a sentence saying so."""
     if not tenants:
         return "no declared tenants\n"
-    head = ("tenant", "zones", "reserved", "max", "stored MiB", "users MiB",
+    head = ("tenant", "zones", "reserved", "max", "active", "stored MiB", "users MiB",
             "cleaner MiB", "WA", "wear max/mean")
     rows = [head]
     for path, t in tenants.items():
         wear = t.get("wear", {})
         wa = t.get("write_amplification")
         rows.append((path or "/", str(t.get("zones_owned", 0)), str(t.get("zones_reserved", 0)),
-                     str(t.get("zones_max") or "-"), f"{t.get('bytes_stored', 0) / 2**20:.1f}",
+                     str(t.get("zones_max") or "-"),
+                     f"{t.get('active_zones', 0)}/{t.get('active_zones_max') or '-'}",
+                     f"{t.get('bytes_stored', 0) / 2**20:.1f}",
                      f"{t.get('device_bytes_written_users', 0) / 2**20:.1f}",
                      f"{t.get('device_bytes_written_cleaner', 0) / 2**20:.1f}",
                      "-" if wa is None else f"{wa:.2f}",

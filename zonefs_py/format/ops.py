@@ -33,8 +33,9 @@ u32 body length, body (docs/SPEC.md "Operations").
     INO_GENERATION (first_ino, generation)   inodes numbered first_ino and up (to the
                 next such op's first_ino) are of `generation` (u32, FUSE's and
                 export handles'; model/state.py `generation_of`)
-    TENANT      (tenant_id, flags, dir_ino, min_zones, max_zones)   a declared tenant's
-                table entry (issue 45; max_zones 0: no cap; flags 0, reserved)
+    TENANT      (tenant_id, flags, dir_ino, min_zones, max_zones, max_active)   a declared
+                tenant's table entry (issue 45; max_zones / max_active 0: no cap;
+                flags 0, reserved)
     TENANT_DEL  (tenant_id,)   the tenant is removed; its zones are nobody's
     ZONE_TENANT (zone_idx, tenant_id)   the zone (opened by the ZONE_STATE before
                 it) holds only that tenant's data until its next ZONE_STATE
@@ -74,7 +75,7 @@ _QQQ = struct.Struct("<QQQ")
 _SHARE = struct.Struct("<QQI")
 _ZONE_LIVE = struct.Struct("<IQ")
 _INO_GENERATION = struct.Struct("<QI")
-_TENANT = struct.Struct("<HHQII")
+_TENANT = struct.Struct("<HHQIII")
 _TENANT_DEL = struct.Struct("<H")
 _ZONE_TENANT = struct.Struct("<IH")
 #: Inodes one RESIDENT op lists at most (a checkpoint writes as many ops as needed).
@@ -112,7 +113,7 @@ def encode_op(op: Op) -> bytes:
     elif kind == OpType.INO_GENERATION:
         body = _INO_GENERATION.pack(op[1], op[2])
     elif kind == OpType.TENANT:
-        body = _TENANT.pack(op[1], op[2], op[3], op[4], op[5])
+        body = _TENANT.pack(op[1], op[2], op[3], op[4], op[5], op[6])
     elif kind == OpType.TENANT_DEL:
         body = _TENANT_DEL.pack(op[1])
     elif kind == OpType.ZONE_TENANT:

@@ -75,7 +75,8 @@ class TenantAdmin:
         self.path_of = path_of
 
     # -- commands ------------------------------------------------------------------------
-    def declare(self, dir_ino: int, min_zones: int, max_zones: int) -> int:
+    def declare(self, dir_ino: int, min_zones: int, max_zones: int,
+                max_active: int = 0) -> int:
         """Declare directory `dir_ino` a tenant; return its id. Raises NotFound,
         NotDirectory, InvalidArgument (the root, nested), Exists (already one),
         NotEmpty (it holds file data), NoSpace (the reservation does not fit)."""
@@ -95,11 +96,12 @@ class TenantAdmin:
                     f"{self.path_of(dir_ino)} holds tenant {self.path_of(policy.dir_ino)}")
         self._refuse_data_below(d)
         tid = table.free_id()
-        self._check_policy(tid, min_zones, max_zones)
-        self.txn([TenantPolicy(tid, dir_ino, min_zones, max_zones).op()])
+        self._check_policy(tid, min_zones, max_zones, max_active)
+        self.txn([TenantPolicy(tid, dir_ino, min_zones, max_zones, max_active).op()])
         return tid
 
-    def change(self, dir_ino: int, min_zones: int | None, max_zones: int | None) -> None:
+    def change(self, dir_ino: int, min_zones: int | None, max_zones: int | None,
+               max_active: int | None = None) -> None:
         """Change a tenant's policy (None: keep). Raises NotFound, InvalidArgument,
         NoSpace. A cap below what it owns is accepted: it opens no zone until
         deletes and its cleaner bring it under."""
@@ -107,8 +109,9 @@ class TenantAdmin:
         policy = self.state.tenants.by_id[tid]
         lo = policy.min_zones if min_zones is None else min_zones
         hi = policy.max_zones if max_zones is None else max_zones
-        self._check_policy(tid, lo, hi)
-        self.txn([TenantPolicy(tid, dir_ino, lo, hi, policy.flags).op()])
+        active = policy.max_active if max_active is None else max_active
+        self._check_policy(tid, lo, hi, active)
+        self.txn([TenantPolicy(tid, dir_ino, lo, hi, active, policy.flags).op()])
 
     def remove(self, dir_ino: int) -> None:
         """Remove a tenant: its zones are shared from now on (their data stays).
@@ -174,10 +177,13 @@ class TenantAdmin:
                         f"{self.path_of(cur.ino)}/{name.decode(errors='replace')} has "
                         "other links, maybe outside the directory")
 
-    def _check_policy(self, tid: int, min_zones: int, max_zones: int) -> None:
+    def _check_policy(self, tid: int, min_zones: int, max_zones: int,
+                      max_active: int = 0) -> None:
         """Raise InvalidArgument or NoSpace unless the reservations add up (INV-27)."""
-        if min_zones < 0 or max_zones < 0:
+        if min_zones < 0 or max_zones < 0 or max_active < 0:
             raise errors.InvalidArgument("zone counts cannot be negative")
+        if max_active > 0xFFFFFFFF or max_zones > 0xFFFFFFFF or min_zones > 0xFFFFFFFF:
+            raise errors.InvalidArgument("zone counts are u32")
         if max_zones and max_zones < max(1, min_zones):
             raise errors.InvalidArgument(f"--max-zones {max_zones} is below --min-zones "
                                          f"{min_zones}")
@@ -220,6 +226,11 @@ class TenantAdmin:
                 "zones_owned": len(zones),
                 "zones_reserved": policy.min_zones,
                 "zones_max": policy.max_zones or None,
+                "active_zones": sum(1 for z in zones
+                                    if 0 < self.alloc.zones[z].reserved
+                                    < self.alloc.zones[z].capacity
+                                    and not self.alloc.zones[z].unusable),
+                "active_zones_max": policy.max_active or None,
                 "bytes_stored": sum(self.alloc.live_bytes(z) for z in zones),
                 "device_bytes_written_users": user,
                 "device_bytes_written_cleaner": cleaner,

@@ -39,11 +39,14 @@ class TenantPolicy:
     #: Zones it may own at most for users' data (0: no cap); its cleaner may
     #: take one more while it cleans (DESIGN 3.9a).
     max_zones: int
+    #: Active (open) zones it may hold at once: its share of the device's active-zone
+    #: tokens (0: no count of its own; alloc/allocator.py).
+    max_active: int = 0
     flags: int = 0
 
     def op(self) -> Op:
         return (OpType.TENANT, self.tenant_id, self.flags, self.dir_ino, self.min_zones,
-                self.max_zones)
+                self.max_zones, self.max_active)
 
 
 class TenantTable:
@@ -63,7 +66,7 @@ class TenantTable:
         return self.by_id.get(tenant_id)
 
     def apply_set(self, op: Op) -> None:
-        _, tid, flags, dir_ino, min_zones, max_zones = op
+        _, tid, flags, dir_ino, min_zones, max_zones, max_active = op
         if not 1 <= tid <= TENANT_MAX_ID:
             raise StateError(f"TENANT id {tid} out of range (1..{TENANT_MAX_ID})")
         if max_zones and min_zones > max_zones:
@@ -74,7 +77,7 @@ class TenantTable:
         old = self.by_id.get(tid)
         if old is not None and old.dir_ino != dir_ino:
             del self.by_dir[old.dir_ino]
-        self.by_id[tid] = TenantPolicy(tid, dir_ino, min_zones, max_zones, flags)
+        self.by_id[tid] = TenantPolicy(tid, dir_ino, min_zones, max_zones, max_active, flags)
         self.by_dir[dir_ino] = tid
 
     def apply_del(self, tid: int) -> None:
