@@ -27,7 +27,7 @@ from test_allocator import BS, make_alloc
 
 from zonefs_py import errors
 from zonefs_py.alloc.allocator import NeedCleaning, TenantFull
-from zonefs_py.format.constants import C_TENANT_RESETS_BASE, OpType, Stream
+from zonefs_py.format.constants import C_TENANT_CLEANER_BASE, C_TENANT_RESETS_BASE, OpType, Stream
 from zonefs_py.format.ops import Op, decode_ops, encode_ops
 from zonefs_py.fs.api import ROOT_INO
 from zonefs_py.fs.filesystem import ZoneFS
@@ -457,3 +457,21 @@ async def test_control_commands_declare_change_and_remove(tmp_path: Path) -> Non
         await control.command(fs, control.CTL_XATTR, f"tenant-remove {a}".encode(), CTX)
         assert "last_control_error" not in control.DAEMON_INFO
         assert not fs.state.tenants
+
+
+async def test_background_cleaning_cleans_a_tenant_near_its_cap(tmp_path: Path) -> None:
+    async with mounted(tmp_path / "fs.img", create=True) as fs:
+        a = await _mkdir(fs, "/a")
+        ta = fs.tenants.declare(a, 0, 3)
+        for i in range(8):  # 8 x 600 KiB: three zones' worth, then every other one dies
+            await write_file(fs, f"/a/f{i}", pattern(i, 600 * KiB))
+        for i in range(0, 8, 2):
+            await fs.unlink(a, f"f{i}".encode())
+        await fs.sync()
+        assert fs.reclaim.tenants_near_cap() == [ta]
+        assert fs.cleaner.host.empty_zone_count() >= fs.cleaner.low_watermark
+        copied = await fs.cleaner.background_pass()
+        assert copied > 0
+        assert fs.state.counters[C_TENANT_CLEANER_BASE + ta] == copied
+        for i in range(1, 8, 2):
+            assert await read_file(fs, f"/a/f{i}") == pattern(i, 600 * KiB)

@@ -208,14 +208,20 @@ class Cleaner:
             return True
 
     async def background_pass(self) -> int:
-        """Clean one victim at the configured rate if empty zones run low."""
-        if self.rate <= 0 or self.host.empty_zone_count() >= self.low_watermark:
+        """Clean one victim at the configured rate if empty zones run low, or else
+        one of a declared tenant near its zone cap (so its writers meet a
+        foreground pass less often), if a quarter of that zone is dead."""
+        if self.rate <= 0 or self._lock.locked():
             return 0
-        if self._lock.locked():
-            return 0
+        tenant: int | None = None
+        if self.host.empty_zone_count() >= self.low_watermark:
+            tenant = next(iter(self.host.tenants_near_cap()), None)
+            if tenant is None:
+                return 0
         async with self._lock:
-            victim = self.pick_victim()
-            if victim is None:
+            victim = self.pick_victim(tenant=tenant)
+            if victim is None or (tenant is not None
+                                  and victim.dead_bytes * 4 < victim.capacity_bytes):
                 return 0
             self.stats.passes += 1
             copied = await self.clean_zone(victim.zone_idx, throttle=True)

@@ -84,6 +84,9 @@ class CleanerHost(Protocol):
     def tenant_full(self, tenant: int) -> bool:
         """True while the tenant owns as many zones as its cap lets its users own."""
 
+    def tenants_near_cap(self) -> list[int]:
+        """Declared tenants within one zone of their cap (background cleaning)."""
+
     def candidate_zones(self) -> list[ZoneUsage]:
         """Zones worth cleaning (see the module docstring)."""
 

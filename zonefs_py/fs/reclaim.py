@@ -103,6 +103,13 @@ class SpaceReclaim:
     def tenant_full(self, tenant: int) -> bool:
         return self.alloc.tenant_at_cap(tenant)
 
+    def tenants_near_cap(self) -> list[int]:
+        capped = [(t, p.max_zones) for t, p in self.state.tenants.by_id.items() if p.max_zones]
+        if not capped:
+            return []
+        owned = self.alloc.owned_counts()
+        return [t for t, cap in capped if owned.get(t, 0) >= cap - 1]
+
     def candidate_zones(self) -> list[ZoneUsage]:
         pending = {z for z, _ in self.alloc.pending_resets}
         out = []
