@@ -35,6 +35,7 @@ from engine_helpers import (
     CountingDevice,
     Geometry,
     KiB,
+    MiB,
     fsck,
     new_image,
     parent_and_name,
@@ -729,9 +730,38 @@ async def tenant_cleaning(fs: ZoneFS, t: Tracker) -> None:
     assert {z for z, tid in fs.state.zone_tenant.items() if tid == tb} == b_zones
 
 
+async def tenant_spares(fs: ZoneFS, t: Tracker) -> None:
+    """Issue 44's spares and checkpoint groups within a tenant: shards of 1.5 zones in
+    a tenant's checkpoint directory and in a shared one, written one after the
+    other, so each closed shard leaves a spare that only the next shard of its own
+    tenant fills; then one is deleted and another written (fsck's INV-27 at every
+    cut: no spare taken across tenants)."""
+    (a,) = await _tenant_dirs(fs, t, "a")
+    t.expect(TENANT + "/a", "0/0")
+    fs.tenants.declare(a, 0, 0)
+    dirs = {}
+    for parent, path in ((a, "/a/ckpt"), (ROOT_INO, "/ckpt")):
+        t.expect(path, DIR)
+        attr = await fs.mkdir(parent, b"ckpt", 0o755, CTX)
+        fs.forget([(attr.ino, 1)])
+        dirs[path] = attr.ino
+    await fs.sync()
+    t.ack(TENANT + "/a", "/a/ckpt", "/ckpt")
+    size = 3 * MiB
+    for i, path in enumerate(["/a/ckpt/s0.distcp", "/ckpt/s0.distcp", "/a/ckpt/s1.distcp",
+                              "/ckpt/s1.distcp"]):
+        await _write_acked(fs, t, path, pattern(190 + i, size))
+    t.expect("/a/ckpt/s0.distcp", None)
+    await fs.unlink(dirs["/a/ckpt"], b"s0.distcp")
+    await fs.sync()
+    t.ack("/a/ckpt/s0.distcp")
+    await _write_acked(fs, t, "/a/ckpt/s2.distcp", pattern(195, size))
+
+
 SCENARIOS: dict[str, tuple[Scenario, Geometry]] = {
     "tenant_lifecycle": (tenant_lifecycle, SMALL),
     "tenant_cleaning": (tenant_cleaning, SMALL),
+    "tenant_spares": (tenant_spares, SMALL),
     "fallocate_modes": (fallocate_modes, SMALL),
     "shared_copy": (shared_copy, SMALL),
     "zone_seals": (zone_seals, SMALL),
