@@ -1,9 +1,10 @@
 """Build `zonefs_py._fuseext` (FALLOCATE, COPY_FILE_RANGE: pyfuse3 does not handle them).
 
 Used by setup.py (`cffi_modules`) next to build_native.py; `python
-native/build_fuseext.py` builds it in place. Needs libfuse3's headers and
-library (Debian 12: libfuse3-dev pkg-config). native/zonefs_fuseext.c says
-how it reaches libfuse; zonefs_py/fuseext.py is its Python side.
+native/build_fuseext.py` builds it in place. Needs libfuse3's and liburing's
+headers and libraries (Debian 12: libfuse3-dev liburing-dev pkg-config).
+native/zonefs_fuseext.c says how it reaches libfuse; zonefs_py/fuseext.py is
+its Python side.
 """
 
 from __future__ import annotations
@@ -83,6 +84,11 @@ const char *zdp_why_not(void);
 uint64_t zdp_handed_seq(void);
 int zdp_stats(uint64_t *out, int max);
 void zdp_shutdown(void);
+void zdp_set_no_uring(int on);
+const char *zdp_io_mode(void);
+int zdp_test_start(int fd);
+int zdp_test_qfd(void);
+int64_t zdp_test_take(uint8_t *out, uint64_t max, uint64_t *seq);
 """
 
 
@@ -106,7 +112,8 @@ def _make_builder() -> FFI:
     builder.set_source(
         "zonefs_py._fuseext",
         SOURCE.read_text() + "\n" + DISPATCH_SOURCE.read_text(),
-        libraries=[*libs, "dl", "pthread"],
+        # liburing: the dispatcher's device reads (one io_uring_submit per batch)
+        libraries=[*libs, "uring", "dl", "pthread"],
         include_dirs=[str(NATIVE_DIR)],
         depends=[str(NATIVE_DIR / "zonefs_census.h")],
         extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter",

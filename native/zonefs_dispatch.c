@@ -36,9 +36,24 @@
  *
  * What C promises Python: a zone is pinned (zdp_zone_pins) from the moment a
  * READ's pieces are looked up (under zdp_lock, the same step) until its
- * device reads are done; a piece without checksums, a checksum mismatch, a
- * short or failed device read, a READ larger than the buffer, or anything
+ * device reads are done and verified; a piece without checksums, a checksum
+ * mismatch, a failed device read, a READ larger than the buffer, or anything
  * else not known here is handed to Python untouched, with a reason counter.
+ *
+ * Batches: each turn the dispatcher reads every request at hand (non-blocking,
+ * up to ZDP_BATCH, while one of ZDP_SLOTS read slots is free), looks up and
+ * pins each servable READ into a slot (its own aligned buffer, spans and
+ * checksums) and queues its device reads on an io_uring; every other request
+ * is queued to pyfuse3 at once, in arrival order, not behind device reads. One
+ * io_uring_submit per turn. Completions are reaped when the ring's eventfd
+ * (polled with /dev/fuse and the stop fd) fires: a slot whose reads are all
+ * done is verified, answered (or handed on), unpinned and freed. A READ served
+ * in C may thus be answered after a later request was handed on: the two were
+ * in flight together, either order is one the kernel allows (it has not
+ * answered either). Shutdown and the end of the session wait for every device
+ * read in flight before the ring and the buffers go. When the ring cannot be
+ * set up the device is read by pread on the same thread (said once on stderr
+ * and in the log; zdp_io_mode()).
  *
  * Locking: `zdp_lock` protects the map (zdp_tab, every entry, zdp_mutseq).
  * `zdp_qlock` protects the queue, the buffer pool and the eventfd's value
@@ -47,6 +62,8 @@
  * Conventions as native/zonefs_native.c: 0 or -errno, no Python objects.
  */
 #include <fcntl.h>
+#include <liburing.h>
+#include <sched.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -87,6 +104,7 @@ _Static_assert(sizeof(struct zdp_out_header) == 16, "fuse_out_header");
 _Static_assert(sizeof(struct zdp_read_in) == 40, "fuse_read_in");
 
 enum {
+    ZOP_FORGET = 2, ZOP_INTERRUPT = 36, ZOP_BATCH_FORGET = 42,
     ZOP_SETATTR = 4, ZOP_OPEN = 14, ZOP_READ = 15, ZOP_WRITE = 16, ZOP_SETXATTR = 21,
     ZOP_REMOVEXATTR = 24, ZOP_IOCTL = 39, ZOP_FALLOCATE = 43, ZOP_COPY_FILE_RANGE = 47,
     ZOP_KNOWN_MAX = 51,
@@ -119,7 +137,7 @@ struct zdp_entry {
 /* Reasons a READ went to Python (zdp_stats order; names in dataplane/__init__.py). */
 enum {
     ZR_NOT_PUBLISHED, ZR_MUTATED, ZR_NO_CSUMS, ZR_CSUM_MISMATCH, ZR_DEVICE_ERROR,
-    ZR_TOO_LARGE, ZR_NREASONS
+    ZR_TOO_LARGE, ZR_NO_MEMORY, ZR_NREASONS
 };
 
 #define ZDP_MUTSEQ 65536         /* last mutating request's seq, by ino % this */
@@ -154,13 +172,13 @@ static uint64_t zdp_handed;  /* seq of the last request handed (trio thread; zdp
 
 /* ---- the thread ------------------------------------------------------------- */
 static int zdp_armed_flag;
+static int zdp_no_uring;        /* 1: pread mode (tests, zdp_set_no_uring) */
 static int zdp_running;         /* the dispatcher thread was started */
 static pthread_t zdp_thread;
 static int zdp_fd = -1;         /* our dup of the session's /dev/fuse fd */
 static int zdp_qfd = -1;        /* eventfd: what pyfuse3 waits on */
 static int zdp_stopfd = -1;     /* eventfd: tells the dispatcher to stop */
 static char zdp_why[160];       /* why the dispatcher did not start */
-static uint8_t *zdp_rbuf;       /* aligned read buffer (dispatcher only) */
 
 /* Counters (written by the dispatcher; read with atomic loads). */
 static uint64_t zdp_seq;                   /* requests read */
@@ -352,16 +370,39 @@ uint32_t zdp_zone_pins(uint32_t zone)
     return zdp_pins != NULL && zone < zdp_nzones ? LOAD(zdp_pins[zone]) : 0;
 }
 
-/* ---- serving a READ ----------------------------------------------------------- */
+/* ---- serving READs: slots, io_uring batches ------------------------------------ */
 struct zdp_span {        /* a piece's part of one READ, copied out under zdp_lock */
     uint64_t buf_off, dev_off, length;
     int fd;
     uint32_t zone, hole;
-    const uint8_t *sums;  /* into zdp_sumbuf */
+    const uint8_t *sums;  /* into the slot's sums */
 };
 #define ZDP_MAX_SPANS 256
-static struct zdp_span zdp_spans[ZDP_MAX_SPANS];
-static uint8_t zdp_sumbuf[(ZDP_MAX_READ / 512 + 8) * 4];
+#define ZDP_SLOTS 32             /* READs in flight at most */
+#define ZDP_BATCH 64             /* requests read from /dev/fuse per turn at most */
+#define ZDP_RING 256             /* SQ entries (device reads in flight at most) */
+#define ZDP_CANCEL_TAG UINT64_MAX   /* user_data of the cancel-all SQE */
+
+/* One READ being served: looked up and pinned, its device reads in flight. */
+struct zdp_slot {
+    int used;
+    uint64_t t0, seq, skip, reply_len;
+    struct zdp_in_header in;      /* the request, to hand it on if it fails */
+    struct zdp_read_in rd;
+    int nspans, pending, fail;    /* fail: 0, or 1 + reason */
+    uint8_t *buf;                 /* ZDP_BUFSZ, 4096-aligned, kept across READs */
+    struct zdp_span spans[ZDP_MAX_SPANS];
+    uint8_t sums[(ZDP_MAX_READ / 512 + 8) * 4];
+};
+static struct zdp_slot *zdp_slots;    /* ZDP_SLOTS of them (dispatcher only) */
+static int zdp_nfree;                 /* free slots (dispatcher only) */
+static struct io_uring zdp_ring;      /* dispatcher only once started */
+static int zdp_uring;                 /* 1: zdp_ring set up; 0: pread */
+static int zdp_ringfd = -1;           /* eventfd registered with zdp_ring */
+static uint32_t zdp_sq_inflight;      /* device reads submitted and not reaped */
+static uint32_t zdp_sq_prepped;       /* SQEs prepared and not submitted */
+static char zdp_io_why[160];          /* why io_uring is not used ("" when it is) */
+static uint64_t zdp_submits, zdp_submitted;   /* io_uring_submit calls, SQEs submitted */
 
 static uint64_t zdp_now_ns(void)
 {
@@ -370,15 +411,15 @@ static uint64_t zdp_now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
-/* Look up and pin; fills zdp_spans. >= 0: number of spans (bytes to reply in
- * *reply_len, first byte at zdp_rbuf + *skip); -1 - reason: hand on. */
-static int zdp_lookup_pin(uint64_t ino, uint64_t off, uint32_t size, uint64_t *skip,
-                          uint64_t *reply_len)
+/* Look up and pin into slot s (its spans and sums). >= 0: number of spans (bytes
+ * to reply in s->reply_len, first byte at s->buf + s->skip); -1 - reason: hand on. */
+static int zdp_lookup_pin(struct zdp_slot *sl, uint64_t ino, uint64_t off, uint32_t size)
 {
     struct zdp_entry *e;
     uint64_t bs = zdp_block_size, end, a0, a1, cur, sumpos = 0;
     uint32_t i, lo, hi, mid;
     int n = 0, k;
+    struct zdp_span *spans = sl->spans;
     pthread_mutex_lock(&zdp_lock);
     e = zdp_find_locked(ino);
     if (e == NULL) {
@@ -387,8 +428,8 @@ static int zdp_lookup_pin(uint64_t ino, uint64_t off, uint32_t size, uint64_t *s
     }
     if (off >= e->size || size == 0) {
         pthread_mutex_unlock(&zdp_lock);
-        *reply_len = 0;
-        *skip = 0;
+        sl->reply_len = 0;
+        sl->skip = 0;
         return 0;
     }
     end = off + size < e->size ? off + size : e->size;
@@ -398,8 +439,8 @@ static int zdp_lookup_pin(uint64_t ino, uint64_t off, uint32_t size, uint64_t *s
         pthread_mutex_unlock(&zdp_lock);
         return -1 - ZR_TOO_LARGE;
     }
-    *skip = off - a0;
-    *reply_len = end - off;
+    sl->skip = off - a0;
+    sl->reply_len = end - off;
     /* first piece whose end is past a0 (pieces sorted, contiguous or not) */
     lo = 0;
     hi = e->npieces;
@@ -418,7 +459,7 @@ static int zdp_lookup_pin(uint64_t ino, uint64_t off, uint32_t size, uint64_t *s
             if (n == ZDP_MAX_SPANS)
                 goto other;
             t = p->file_off < a1 ? p->file_off : a1;
-            zdp_spans[n++] = (struct zdp_span){cur - a0, 0, t - cur, -1, 0, 1, NULL};
+            spans[n++] = (struct zdp_span){cur - a0, 0, t - cur, -1, 0, 1, NULL};
             cur = t;
             if (cur >= a1)
                 break;
@@ -432,12 +473,12 @@ static int zdp_lookup_pin(uint64_t ino, uint64_t off, uint32_t size, uint64_t *s
         if (n == ZDP_MAX_SPANS)
             goto other;
         if (p->flags & ZDP_HOLE) {
-            zdp_spans[n++] = (struct zdp_span){s - a0, 0, t - s, -1, 0, 1, NULL};
+            spans[n++] = (struct zdp_span){s - a0, 0, t - s, -1, 0, 1, NULL};
         } else {
             uint64_t nb = (t - s) / bs, first = p->csum_idx + (s - p->file_off) / bs;
-            memcpy(zdp_sumbuf + sumpos, e->csums + first * 4, nb * 4);
-            zdp_spans[n++] = (struct zdp_span){s - a0, p->dev_off + (s - p->file_off), t - s,
-                                               p->fd, p->zone, 0, zdp_sumbuf + sumpos};
+            memcpy(sl->sums + sumpos, e->csums + first * 4, nb * 4);
+            spans[n++] = (struct zdp_span){s - a0, p->dev_off + (s - p->file_off), t - s,
+                                           p->fd, p->zone, 0, sl->sums + sumpos};
             sumpos += nb * 4;
         }
         cur = t;
@@ -445,11 +486,11 @@ static int zdp_lookup_pin(uint64_t ino, uint64_t off, uint32_t size, uint64_t *s
     if (cur < a1) {   /* past the last piece, below the size: zeros */
         if (n == ZDP_MAX_SPANS)
             goto other;
-        zdp_spans[n++] = (struct zdp_span){cur - a0, 0, a1 - cur, -1, 0, 1, NULL};
+        spans[n++] = (struct zdp_span){cur - a0, 0, a1 - cur, -1, 0, 1, NULL};
     }
     for (k = 0; k < n; k++)
-        if (!zdp_spans[k].hole)
-            BUMP(zdp_pins[zdp_spans[k].zone], 1);
+        if (!spans[k].hole)
+            BUMP(zdp_pins[spans[k].zone], 1);
     pthread_mutex_unlock(&zdp_lock);
     return n;
 other:
@@ -457,84 +498,302 @@ other:
     return -1 - ZR_TOO_LARGE;
 }
 
-static void zdp_unpin(int n)
+static void zdp_unpin(struct zdp_slot *sl)
 {
     int k;
-    for (k = 0; k < n; k++)
-        if (!zdp_spans[k].hole)
-            __atomic_fetch_sub(&zdp_pins[zdp_spans[k].zone], 1, __ATOMIC_RELEASE);
+    for (k = 0; k < sl->nspans; k++)
+        if (!sl->spans[k].hole)
+            __atomic_fetch_sub(&zdp_pins[sl->spans[k].zone], 1, __ATOMIC_RELEASE);
 }
 
-/* Read and verify the spans into zdp_rbuf: 0, or -1 - reason. */
-static int zdp_read_spans(int n)
+/* pread the rest of span k from `done` on (the pread mode, a short io_uring read). */
+static int zdp_pread_span(struct zdp_slot *sl, int k, uint64_t done)
 {
-    uint32_t bs = zdp_block_size;
-    int k;
-    for (k = 0; k < n; k++) {
-        struct zdp_span *s = &zdp_spans[k];
-        uint64_t done = 0, b;
-        if (s->hole) {
-            memset(zdp_rbuf + s->buf_off, 0, s->length);
+    struct zdp_span *s = &sl->spans[k];
+    while (done < s->length) {
+        ssize_t r = pread(s->fd, sl->buf + s->buf_off + done, s->length - done,
+                          (off_t)(s->dev_off + done));
+        if (r < 0 && errno == EINTR)
             continue;
-        }
-        while (done < s->length) {
-            ssize_t r = pread(s->fd, zdp_rbuf + s->buf_off + done, s->length - done,
-                              (off_t)(s->dev_off + done));
-            if (r < 0 && errno == EINTR)
-                continue;
-            if (r <= 0 || r % bs != 0)
-                return -1 - ZR_DEVICE_ERROR;
-            done += (uint64_t)r;
-        }
-        for (b = 0; b < s->length / bs; b++) {
-            uint32_t want, got = (uint32_t)XXH3_64bits(zdp_rbuf + s->buf_off + b * bs, bs);
-            memcpy(&want, s->sums + b * 4, 4);   /* little-endian, as x86-64 */
-            if (got != want)
-                return -1 - ZR_CSUM_MISMATCH;
-        }
+        if (r <= 0 || r % zdp_block_size != 0)
+            return -1;
+        done += (uint64_t)r;
     }
     return 0;
 }
 
-/* Serve one READ if its file is published: 1 served, 0 hand on (counted). */
-static int zdp_serve_read(const struct zdp_in_header *in, const struct zdp_read_in *rd,
-                          uint64_t t0)
+static void zdp_record_latency(uint64_t t0)
 {
-    uint64_t skip = 0, len = 0, dt;
-    struct zdp_out_header out;
-    struct iovec iov[2];
-    int n, r, b;
+    uint64_t dt = zdp_now_ns() - t0;
+    int b = dt ? 63 - __builtin_clzll(dt) : 0;
+    BUMP(zdp_lat_sum_ns, dt);
+    BUMP(zdp_lat[b < ZDP_LAT_BUCKETS ? b : ZDP_LAT_BUCKETS - 1], 1);
+}
+
+static void zdp_enqueue(void *mem, size_t size, uint64_t seq);
+static void *zdp_buf_get(void);
+
+/* Answer a request with -err here, for a request that cannot be handed on (no
+ * memory to queue it): every request gets an answer, an error rather than none.
+ * FORGET and BATCH_FORGET (2, 42) get none by protocol. */
+static void zdp_reply_err(const struct zdp_in_header *in, int err)
+{
+    struct zdp_out_header out = {(uint32_t)sizeof out, -err, in->unique};
+    if (in->opcode == 2 || in->opcode == 42)
+        return;
+    (void)!write(zdp_fd, &out, sizeof out);
+}
+
+/* Hand a READ to Python (its request copied into a queue buffer), counted. */
+static void zdp_hand_read(const struct zdp_in_header *in, const struct zdp_read_in *rd,
+                          uint64_t seq, int reason)
+{
+    void *mem = zdp_buf_get();
+    BUMP(zdp_handed_reads[reason], 1);
+    if (mem == NULL) {
+        fprintf(stderr, "zonefs-py dispatcher: out of memory, READ answered EIO\n");
+        zdp_reply_err(in, EIO);
+        return;
+    }
+    memcpy(mem, in, sizeof *in);
+    memcpy((uint8_t *)mem + sizeof *in, rd, sizeof *rd);
+    zdp_enqueue(mem, sizeof *in + sizeof *rd, seq);
+}
+
+/* All of a slot's device reads are done: verify, reply or hand on, unpin, free. */
+static void zdp_finish(struct zdp_slot *sl)
+{
+    uint32_t bs = zdp_block_size;
+    int k;
+    if (!sl->fail)
+        for (k = 0; k < sl->nspans && !sl->fail; k++) {
+            struct zdp_span *s = &sl->spans[k];
+            uint64_t b;
+            if (s->hole)
+                continue;
+            for (b = 0; b < s->length / bs; b++) {
+                uint32_t want, got = (uint32_t)XXH3_64bits(sl->buf + s->buf_off + b * bs, bs);
+                memcpy(&want, s->sums + b * 4, 4);   /* little-endian, as x86-64 */
+                if (got != want) {
+                    sl->fail = 1 + ZR_CSUM_MISMATCH;
+                    break;
+                }
+            }
+        }
+    zdp_unpin(sl);
+    if (sl->fail) {
+        zdp_hand_read(&sl->in, &sl->rd, sl->seq, sl->fail - 1);
+    } else {
+        struct zdp_out_header out = {(uint32_t)(sizeof out + sl->reply_len), 0, sl->in.unique};
+        struct iovec iov[2] = {{&out, sizeof out}, {sl->buf + sl->skip, sl->reply_len}};
+        /* ENOENT: the request was interrupted and is gone; ENODEV: unmounted. */
+        (void)!writev(zdp_fd, iov, sl->reply_len ? 2 : 1);
+        BUMP(zdp_served, 1);
+        BUMP(zdp_served_bytes, sl->reply_len);
+        zdp_record_latency(sl->t0);
+    }
+    sl->used = 0;
+    zdp_nfree++;
+}
+
+static struct zdp_slot *zdp_slot_get(void)
+{
+    int i;
+    for (i = 0; i < ZDP_SLOTS; i++)
+        if (!zdp_slots[i].used) {
+            struct zdp_slot *sl = &zdp_slots[i];
+            if (sl->buf == NULL && (sl->buf = aligned_alloc(4096, ZDP_BUFSZ)) == NULL)
+                return NULL;
+            sl->used = 1;
+            zdp_nfree--;
+            return sl;
+        }
+    return NULL;
+}
+
+/* Submit every prepared SQE (one io_uring_submit for the batch). */
+static void zdp_submit(void)
+{
+    while (zdp_sq_prepped > 0) {
+        int r = io_uring_submit(&zdp_ring);
+        if (r == -EINTR || r == -EAGAIN || r == -EBUSY) {
+            if (r != -EINTR)
+                sched_yield();
+            continue;
+        }
+        if (r < 0) {   /* cannot happen with valid SQEs; say so, do not spin */
+            fprintf(stderr, "zonefs-py dispatcher: io_uring_submit: %s\n", strerror(-r));
+            break;
+        }
+        BUMP(zdp_submits, 1);
+        BUMP(zdp_submitted, (uint64_t)r);
+        zdp_sq_inflight += (uint32_t)r;
+        zdp_sq_prepped -= (uint32_t)r < zdp_sq_prepped ? (uint32_t)r : zdp_sq_prepped;
+    }
+}
+
+static int zdp_reap(void);
+
+/* Take a READ: look it up and pin (under zdp_lock), then queue its device reads
+ * (io_uring) or read them now (pread mode). 1 taken, 0 handed on (counted). */
+static int zdp_take_read(const struct zdp_in_header *in, const struct zdp_read_in *rd,
+                         uint64_t t0, uint64_t seq)
+{
+    struct zdp_slot *sl;
+    int n, k, need = 0;
     if (rd->size > ZDP_MAX_READ) {
         BUMP(zdp_handed_reads[ZR_TOO_LARGE], 1);
         return 0;
     }
-    n = zdp_lookup_pin(in->nodeid, rd->offset, rd->size, &skip, &len);
+    sl = zdp_slot_get();
+    if (sl == NULL) {   /* only without memory for a buffer: the caller had a free slot */
+        BUMP(zdp_handed_reads[ZR_NO_MEMORY], 1);
+        return 0;
+    }
+    n = zdp_lookup_pin(sl, in->nodeid, rd->offset, rd->size);
     if (n < 0) {
+        sl->used = 0;
+        zdp_nfree++;
         BUMP(zdp_handed_reads[-1 - n], 1);
         return 0;
     }
-    r = zdp_read_spans(n);
-    zdp_unpin(n);
-    if (r < 0) {
-        BUMP(zdp_handed_reads[-1 - r], 1);
-        return 0;
+    sl->in = *in;
+    sl->rd = *rd;
+    sl->t0 = t0;
+    sl->seq = seq;
+    sl->nspans = n;
+    sl->pending = 0;
+    sl->fail = 0;
+    for (k = 0; k < n; k++)
+        if (sl->spans[k].hole)
+            memset(sl->buf + sl->spans[k].buf_off, 0, sl->spans[k].length);
+        else
+            need++;
+    if (!zdp_uring || need == 0) {
+        for (k = 0; k < n && !sl->fail; k++)
+            if (!sl->spans[k].hole && zdp_pread_span(sl, k, 0) < 0)
+                sl->fail = 1 + ZR_DEVICE_ERROR;
+        zdp_finish(sl);
+        return 1;
     }
-    out.len = (uint32_t)(sizeof out + len);
-    out.error = 0;
-    out.unique = in->unique;
-    iov[0].iov_base = &out;
-    iov[0].iov_len = sizeof out;
-    iov[1].iov_base = zdp_rbuf + skip;
-    iov[1].iov_len = len;
-    /* ENOENT: the request was interrupted and is gone; ENODEV: unmounted. */
-    (void)!writev(zdp_fd, iov, len ? 2 : 1);
-    dt = zdp_now_ns() - t0;
-    BUMP(zdp_served, 1);
-    BUMP(zdp_served_bytes, len);
-    BUMP(zdp_lat_sum_ns, dt);
-    b = dt ? 63 - __builtin_clzll(dt) : 0;
-    BUMP(zdp_lat[b < ZDP_LAT_BUCKETS ? b : ZDP_LAT_BUCKETS - 1], 1);
+    /* Never more device reads in flight than CQ entries: no completion overflows
+     * (an overflowed CQ makes submits fail with EBUSY until it is drained). */
+    while (zdp_sq_inflight + zdp_sq_prepped + (uint32_t)need > zdp_ring.cq.ring_entries) {
+        struct io_uring_cqe *cqe;
+        zdp_submit();
+        if (io_uring_wait_cqe(&zdp_ring, &cqe) == 0)
+            zdp_reap();
+    }
+    sl->pending = need;   /* all up front: a reap below cannot finish the slot early */
+    for (k = 0; k < n; k++) {
+        struct zdp_span *s = &sl->spans[k];
+        struct io_uring_sqe *sqe;
+        if (s->hole)
+            continue;
+        while ((sqe = io_uring_get_sqe(&zdp_ring)) == NULL)
+            zdp_submit();   /* SQ full: submit what is queued, then go on */
+        io_uring_prep_read(sqe, s->fd, sl->buf + s->buf_off, (unsigned)s->length,
+                           s->dev_off);
+        io_uring_sqe_set_data64(sqe, ((uint64_t)(sl - zdp_slots) << 16) | (uint64_t)k);
+        zdp_sq_prepped++;
+    }
     return 1;
+}
+
+/* Reap every completion at hand: finish the slots whose reads are all done.
+ * Returns the number of completions seen. */
+static int zdp_reap(void)
+{
+    struct io_uring_cqe *cqe;
+    unsigned head, seen = 0;
+    uint64_t v;
+    if (!zdp_uring || zdp_sq_inflight == 0)
+        return 0;
+    (void)!read(zdp_ringfd, &v, sizeof v);   /* clear first: a later CQE signals again */
+    io_uring_for_each_cqe(&zdp_ring, head, cqe) {
+        uint64_t d = io_uring_cqe_get_data64(cqe);
+        struct zdp_slot *sl;
+        struct zdp_span *s;
+        int k, res = cqe->res;
+        seen++;
+        if (d == ZDP_CANCEL_TAG)
+            continue;
+        sl = &zdp_slots[d >> 16];
+        k = (int)(d & 0xffff);
+        s = &sl->spans[k];
+        if (res < 0 || res % (int)zdp_block_size != 0 || (res == 0 && s->length > 0))
+            sl->fail = sl->fail ? sl->fail : 1 + ZR_DEVICE_ERROR;
+        else if ((uint64_t)res < s->length && !sl->fail && zdp_pread_span(sl, k, (uint64_t)res) < 0)
+            sl->fail = 1 + ZR_DEVICE_ERROR;   /* a short read: the rest by pread */
+        if (--sl->pending == 0)
+            zdp_finish(sl);
+    }
+    io_uring_cq_advance(&zdp_ring, seen);
+    zdp_sq_inflight -= seen;
+    return (int)seen;
+}
+
+/* Wait for every device read in flight and finish its READ (no buffer is freed
+ * while the kernel may still write into it). `cancel`: ask the kernel to cancel
+ * them first (shutdown; a cancelled read is a failed one, handed on). */
+static void zdp_drain_inflight(int cancel)
+{
+    zdp_submit();
+    if (cancel && zdp_uring && zdp_sq_inflight > 0) {
+        struct io_uring_sqe *sqe;
+        while ((sqe = io_uring_get_sqe(&zdp_ring)) == NULL)
+            zdp_submit();
+        io_uring_prep_cancel64(sqe, 0, IORING_ASYNC_CANCEL_ANY);
+        io_uring_sqe_set_data64(sqe, ZDP_CANCEL_TAG);
+        zdp_sq_prepped++;
+        zdp_submit();
+    }
+    while (zdp_uring && zdp_sq_inflight > 0) {
+        struct io_uring_cqe *cqe;
+        int r = io_uring_wait_cqe(&zdp_ring, &cqe);
+        if (r < 0 && r != -EINTR && r != -EAGAIN) {
+            fprintf(stderr, "zonefs-py dispatcher: io_uring_wait_cqe: %s\n", strerror(-r));
+            return;   /* the ring is not torn down below while reads may be in flight */
+        }
+        zdp_reap();
+    }
+}
+
+/* Set up the ring (or say why not: the pread mode). */
+static void zdp_uring_setup(void)
+{
+    int rc = io_uring_queue_init(ZDP_RING, &zdp_ring, 0);
+    zdp_io_why[0] = '\0';
+    if (rc < 0) {
+        snprintf(zdp_io_why, sizeof zdp_io_why, "io_uring_queue_init: %s", strerror(-rc));
+        return;
+    }
+    zdp_ringfd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (zdp_ringfd < 0) {
+        snprintf(zdp_io_why, sizeof zdp_io_why, "eventfd: %s", strerror(errno));
+        io_uring_queue_exit(&zdp_ring);
+        return;
+    }
+    rc = io_uring_register_eventfd(&zdp_ring, zdp_ringfd);
+    if (rc < 0) {
+        snprintf(zdp_io_why, sizeof zdp_io_why, "io_uring_register_eventfd: %s",
+                 strerror(-rc));
+        close(zdp_ringfd);
+        zdp_ringfd = -1;
+        io_uring_queue_exit(&zdp_ring);
+        return;
+    }
+    zdp_uring = 1;
+}
+
+static void zdp_uring_teardown(void)
+{
+    if (zdp_uring && zdp_sq_inflight == 0) {
+        io_uring_queue_exit(&zdp_ring);
+        close(zdp_ringfd);
+    }
+    zdp_uring = 0;
+    zdp_ringfd = -1;
 }
 
 /* The inode a request may change the bytes or size of, or 0. */
@@ -589,9 +848,11 @@ static void zdp_signal_locked(void)
 static void zdp_enqueue(void *mem, size_t size, uint64_t seq)
 {
     struct zdp_node *node = malloc(sizeof *node);
-    if (node == NULL) {   /* no memory for a queue node: the request is lost, as */
-        free(mem);        /* a failed malloc in libfuse loses it; say so loudly  */
-        fprintf(stderr, "zonefs-py dispatcher: out of memory, request dropped\n");
+    if (node == NULL) {   /* no memory for a queue node: answered EIO, never lost */
+        fprintf(stderr, "zonefs-py dispatcher: out of memory, request answered EIO\n");
+        if (size >= sizeof(struct zdp_in_header))
+            zdp_reply_err(mem, EIO);
+        free(mem);
         return;
     }
     node->next = NULL;
@@ -621,56 +882,95 @@ static void zdp_end(int err)
     pthread_mutex_unlock(&zdp_qlock);
 }
 
+/* Read one request: 1 read (into *mem, size *n), 0 none now (EAGAIN), -1 the
+ * session ended (zdp_end called). */
+static int zdp_read_one(void **mem, ssize_t *n)
+{
+    for (;;) {
+        if (*mem == NULL && (*mem = zdp_buf_get()) == NULL) {
+            zdp_end(-ENOMEM);
+            return -1;
+        }
+        *n = read(zdp_fd, *mem, ZDP_BUFSZ);
+        if (*n >= 0) {
+            if ((size_t)*n < sizeof(struct zdp_in_header)) {
+                zdp_end(-EIO);
+                return -1;
+            }
+            return 1;
+        }
+        if (errno == EAGAIN)
+            return 0;
+        if (errno == EINTR || errno == ENOENT)   /* ENOENT: interrupted before we read it */
+            continue;
+        zdp_end(errno == ENODEV ? 0 : -errno);
+        return -1;
+    }
+}
+
+/* The dispatcher: each turn reaps finished device reads, reads every request at
+ * hand (up to ZDP_BATCH, while a slot is free), takes the READs it can serve and
+ * hands every other request on in arrival order at once (not behind device
+ * reads), submits the turn's device reads in one io_uring_submit, and sleeps in
+ * poll on /dev/fuse (while a slot is free), the ring's eventfd and the stop fd
+ * when there was nothing to do. */
 static void *zdp_main(void *arg)
 {
     void *mem = NULL;
+    int ended = 0;
     (void)arg;
-    for (;;) {
-        struct zdp_in_header *in;
-        ssize_t n;
-        uint64_t t0, ino, seq;
-        if (mem == NULL && (mem = zdp_buf_get()) == NULL) {
-            zdp_end(-ENOMEM);
-            break;
-        }
-        n = read(zdp_fd, mem, ZDP_BUFSZ);
-        if (n < 0) {
-            int e = errno;
-            if (e == EAGAIN) {
-                struct pollfd p[2] = {{zdp_fd, POLLIN, 0}, {zdp_stopfd, POLLIN, 0}};
-                if (poll(p, 2, -1) < 0 && errno != EINTR) {
-                    zdp_end(-errno);
-                    break;
-                }
-                if (p[1].revents)
-                    break;
-                continue;
+    int stopped = 0;
+    while (!ended) {
+        int got = 0, r = 0, reaped = zdp_reap();
+        struct pollfd p[3];
+        int np = 0;
+        while (got < ZDP_BATCH && zdp_nfree > 0) {
+            struct zdp_in_header *in;
+            ssize_t n;
+            uint64_t t0, ino, seq;
+            r = zdp_read_one(&mem, &n);
+            if (r <= 0)
+                break;
+            got++;
+            t0 = zdp_now_ns();
+            in = mem;
+            seq = ++zdp_seq;
+            if (in->opcode == ZOP_READ && (size_t)n >= sizeof *in + sizeof(struct zdp_read_in)
+                    && zdp_take_read(in, (const void *)((uint8_t *)mem + sizeof *in), t0, seq))
+                continue;   /* mem is reused: the slot copied what it needs */
+            ino = zdp_mutated_ino(in, (uint8_t *)mem + sizeof *in, (size_t)n - sizeof *in);
+            if (ino != 0) {
+                pthread_mutex_lock(&zdp_lock);
+                zdp_remove_locked(ino);
+                zdp_mutseq[ino % ZDP_MUTSEQ] = seq;
+                pthread_mutex_unlock(&zdp_lock);
             }
-            if (e == EINTR || e == ENOENT)   /* ENOENT: interrupted before we read it */
-                continue;
-            zdp_end(e == ENODEV ? 0 : -e);
+            zdp_enqueue(mem, (size_t)n, seq);
+            mem = NULL;
+        }
+        if (zdp_uring)
+            zdp_submit();
+        if (r < 0) {
+            ended = 1;
             break;
         }
-        t0 = zdp_now_ns();
-        if ((size_t)n < sizeof *in) {
-            zdp_end(-EIO);
-            break;
-        }
-        in = mem;
-        seq = ++zdp_seq;
-        if (in->opcode == ZOP_READ && (size_t)n >= sizeof *in + sizeof(struct zdp_read_in)
-                && zdp_serve_read(in, (const void *)((uint8_t *)mem + sizeof *in), t0))
+        if (got > 0 || reaped > 0)
             continue;
-        ino = zdp_mutated_ino(in, (uint8_t *)mem + sizeof *in, (size_t)n - sizeof *in);
-        if (ino != 0) {
-            pthread_mutex_lock(&zdp_lock);
-            zdp_remove_locked(ino);
-            zdp_mutseq[ino % ZDP_MUTSEQ] = seq;
-            pthread_mutex_unlock(&zdp_lock);
+        if (zdp_nfree > 0)
+            p[np++] = (struct pollfd){zdp_fd, POLLIN, 0};
+        if (zdp_uring && zdp_sq_inflight > 0)
+            p[np++] = (struct pollfd){zdp_ringfd, POLLIN, 0};
+        p[np++] = (struct pollfd){zdp_stopfd, POLLIN, 0};
+        if (poll(p, (nfds_t)np, -1) < 0 && errno != EINTR) {
+            zdp_end(-errno);
+            break;
         }
-        zdp_enqueue(mem, (size_t)n, seq);
-        mem = NULL;
+        if (p[np - 1].revents) {
+            stopped = 1;
+            break;
+        }
     }
+    zdp_drain_inflight(stopped);
     free(mem);
     return NULL;
 }
@@ -678,16 +978,24 @@ static void *zdp_main(void *arg)
 /* Start the dispatcher on the session's fd: 0, or -errno with zdp_why set. */
 static int zdp_start(int real_fd)
 {
-    int fl, err;
-    zdp_rbuf = aligned_alloc(4096, ZDP_BUFSZ);
-    if (zdp_rbuf == NULL) {
-        snprintf(zdp_why, sizeof zdp_why, "no memory for the read buffer");
-        return -ENOMEM;
-    }
+    int fl, err, i;
     if (zdp_pins == NULL) {
         snprintf(zdp_why, sizeof zdp_why, "zdp_configure was not called");
         return -EINVAL;
     }
+    zdp_slots = calloc(ZDP_SLOTS, sizeof *zdp_slots);
+    if (zdp_slots == NULL) {
+        snprintf(zdp_why, sizeof zdp_why, "no memory for the read slots");
+        return -ENOMEM;
+    }
+    zdp_nfree = ZDP_SLOTS;
+    for (i = 0; i < 1; i++)   /* one buffer up front: a READ never waits for memory */
+        if ((zdp_slots[i].buf = aligned_alloc(4096, ZDP_BUFSZ)) == NULL) {
+            free(zdp_slots);
+            zdp_slots = NULL;
+            snprintf(zdp_why, sizeof zdp_why, "no memory for the read buffer");
+            return -ENOMEM;
+        }
     zdp_fd = fcntl(real_fd, F_DUPFD_CLOEXEC, 3);
     zdp_qfd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     zdp_stopfd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
@@ -702,9 +1010,17 @@ static int zdp_start(int real_fd)
         snprintf(zdp_why, sizeof zdp_why, "O_NONBLOCK on /dev/fuse: %s", strerror(-err));
         goto fail;
     }
+    if (!zdp_no_uring)
+        zdp_uring_setup();
+    else
+        snprintf(zdp_io_why, sizeof zdp_io_why, "switched off (zdp_set_no_uring)");
+    if (!zdp_uring)   /* said once, here; Python logs zdp_io_mode() too */
+        fprintf(stderr, "zonefs-py dispatcher: device reads by pread, not io_uring (%s)\n",
+                zdp_io_why);
     err = -pthread_create(&zdp_thread, NULL, zdp_main, NULL);
     if (err != 0) {
         fcntl(zdp_fd, F_SETFL, fl);
+        zdp_uring_teardown();
         snprintf(zdp_why, sizeof zdp_why, "pthread_create: %s", strerror(-err));
         goto fail;
     }
@@ -719,6 +1035,10 @@ fail:
     if (zdp_stopfd >= 0)
         close(zdp_stopfd);
     zdp_fd = zdp_qfd = zdp_stopfd = -1;
+    for (i = 0; i < ZDP_SLOTS; i++)
+        free(zdp_slots[i].buf);
+    free(zdp_slots);
+    zdp_slots = NULL;
     return err;
 }
 
@@ -738,29 +1058,24 @@ int fuse_session_fd(struct fuse_session *se)
     return zdp_start(fd) == 0 ? zdp_qfd : fd;
 }
 
-int fuse_session_receive_buf(struct fuse_session *se, struct fuse_buf *buf)
+/* Take the queue's next request: its node (the caller frees it after taking
+ * node->mem) with zdp_handed advanced, or NULL when the queue is empty. *ended:
+ * the session ended (*err its -errno, 0: unmounted). `old`: the caller's buffer,
+ * back to the pool when a request is taken (kept by the caller otherwise). */
+static struct zdp_node *zdp_take(void *old, int *ended, int *err)
 {
     struct zdp_node *node;
-    if (!zdp_running) {
-        zdp_recv_fn real = (zdp_recv_fn)zdp_real("fuse_session_receive_buf");
-        if (real == NULL || real == fuse_session_receive_buf)
-            return -ENOSYS;
-        return real(se, buf);
-    }
     pthread_mutex_lock(&zdp_qlock);
     node = zdp_qhead;
+    *ended = zdp_ended;
+    *err = zdp_end_err;
     if (node == NULL) {
-        int ended = zdp_ended, err = zdp_end_err;
-        if (!ended) {
+        if (!zdp_ended) {
             uint64_t v;
             (void)!read(zdp_qfd, &v, sizeof v);   /* empty: not readable until a push */
         }
         pthread_mutex_unlock(&zdp_qlock);
-        if (!ended)
-            return -EINTR;
-        if (err == 0)
-            fuse_session_exit(se);   /* as libfuse does on ENODEV */
-        return err;
+        return NULL;
     }
     zdp_qhead = node->next;
     if (zdp_qhead == NULL) {
@@ -770,21 +1085,104 @@ int fuse_session_receive_buf(struct fuse_session *se, struct fuse_buf *buf)
             (void)!read(zdp_qfd, &v, sizeof v);
         }
     }
-    if (buf->mem != NULL && !(buf->flags & FUSE_BUF_IS_FD))
-        zdp_buf_put_locked(buf->mem);
+    if (old != NULL)
+        zdp_buf_put_locked(old);
     pthread_mutex_unlock(&zdp_qlock);
+    pthread_mutex_lock(&zdp_lock);
+    /* max: a READ handed on after its device read failed keeps its (earlier) seq;
+     * every mutating request before any later seq was queued before it. */
+    if (node->seq > zdp_handed)
+        zdp_handed = node->seq;
+    pthread_mutex_unlock(&zdp_lock);
+    return node;
+}
+
+int fuse_session_receive_buf(struct fuse_session *se, struct fuse_buf *buf)
+{
+    struct zdp_node *node;
+    int ended, err;
+    if (!zdp_running) {
+        zdp_recv_fn real = (zdp_recv_fn)zdp_real("fuse_session_receive_buf");
+        if (real == NULL || real == fuse_session_receive_buf)
+            return -ENOSYS;
+        return real(se, buf);
+    }
+    node = zdp_take(buf->mem != NULL && !(buf->flags & FUSE_BUF_IS_FD) ? buf->mem : NULL,
+                    &ended, &err);
+    if (node == NULL) {
+        if (!ended)
+            return -EINTR;
+        if (err == 0)
+            fuse_session_exit(se);   /* as libfuse does on ENODEV */
+        return err;
+    }
     buf->mem = node->mem;
     buf->size = node->size;
     buf->flags = 0;
     buf->pos = 0;
-    pthread_mutex_lock(&zdp_lock);
-    zdp_handed = node->seq;
-    pthread_mutex_unlock(&zdp_lock);
     free(node);
     return (int)buf->size;
 }
 
-/* Stop the dispatcher (idempotent): the thread is joined, its fds closed. */
+/* ---- tests: the dispatcher on any fd, without FUSE (tests/unit/test_dataplane.py) -- */
+/* Start the dispatcher reading requests from `fd` (a SOCK_SEQPACKET socket: one
+ * request per read, replies written back to it). 0 or -errno (zdp_why_not). */
+int zdp_test_start(int fd)
+{
+    if (zdp_running)
+        return -EBUSY;
+    if (zdp_qfd >= 0)
+        close(zdp_qfd);   /* a test's earlier session: no pyfuse3 holds it */
+    zdp_qfd = -1;
+    pthread_mutex_lock(&zdp_qlock);
+    zdp_ended = 0;
+    zdp_end_err = 0;
+    pthread_mutex_unlock(&zdp_qlock);
+    return zdp_start(fd);
+}
+
+/* The eventfd readable while a handed-on request is queued (or the session ended). */
+int zdp_test_qfd(void)
+{
+    return zdp_qfd;
+}
+
+/* Take the next handed-on request into out: its size, 0 when none is queued,
+ * -1 once the session ended and the queue is empty. */
+int64_t zdp_test_take(uint8_t *out, uint64_t max, uint64_t *seq)
+{
+    int ended, err;
+    int64_t n;
+    struct zdp_node *node = zdp_take(NULL, &ended, &err);
+    if (node == NULL)
+        return ended ? -1 : 0;
+    n = (int64_t)(node->size < max ? node->size : max);
+    memcpy(out, node->mem, (size_t)n);
+    *seq = node->seq;
+    pthread_mutex_lock(&zdp_qlock);
+    zdp_buf_put_locked(node->mem);
+    pthread_mutex_unlock(&zdp_qlock);
+    free(node);
+    return n;
+}
+
+/* Answer a request nobody will process (session over) with ENOTCONN; not the
+ * ones the kernel expects no answer to. */
+static void zdp_answer_gone(const void *mem, size_t size)
+{
+    const struct zdp_in_header *in = mem;
+    struct zdp_out_header out;
+    if (size < sizeof *in || in->unique == 0 || in->opcode == ZOP_FORGET
+            || in->opcode == ZOP_BATCH_FORGET || in->opcode == ZOP_INTERRUPT)
+        return;
+    out.len = sizeof out;
+    out.error = -ENOTCONN;
+    out.unique = in->unique;
+    (void)!write(zdp_fd, &out, sizeof out);
+}
+
+/* Stop the dispatcher (idempotent): the thread is joined, what it queued and
+ * pyfuse3 did not take is answered, its fds closed. */
 void zdp_shutdown(void)
 {
     struct zdp_node *node;
@@ -796,13 +1194,18 @@ void zdp_shutdown(void)
     }
     pthread_join(zdp_thread, NULL);
     zdp_running = 0;
-    close(zdp_fd);
     close(zdp_stopfd);
-    zdp_fd = zdp_stopfd = -1;
-    /* zdp_qfd stays open: pyfuse3 may still hold it registered with trio */
+    zdp_stopfd = -1;
+    /* zdp_qfd stays open: pyfuse3 may still hold it registered with trio.
+     * Every request read and not taken by pyfuse3 (its loop has ended) is
+     * answered ENOTCONN: a caller waits for an answer once its request was read,
+     * uninterruptibly, and when that caller is a thread of this process (a
+     * statvfs of the mount point) the connection is never aborted (its fd table
+     * lives on) and the process never exits. */
     pthread_mutex_lock(&zdp_qlock);
     while ((node = zdp_qhead) != NULL) {
         zdp_qhead = node->next;
+        zdp_answer_gone(node->mem, node->size);
         free(node->mem);
         free(node);
     }
@@ -810,8 +1213,16 @@ void zdp_shutdown(void)
     while (zdp_npool > 0)
         free(zdp_pool[--zdp_npool]);
     pthread_mutex_unlock(&zdp_qlock);
-    free(zdp_rbuf);
-    zdp_rbuf = NULL;
+    close(zdp_fd);
+    zdp_fd = -1;
+    zdp_uring_teardown();
+    if (zdp_slots != NULL) {
+        int i;
+        for (i = 0; i < ZDP_SLOTS; i++)
+            free(zdp_slots[i].buf);
+        free(zdp_slots);
+        zdp_slots = NULL;
+    }
     zdp_revoke_all();
 }
 
@@ -829,6 +1240,22 @@ void zdp_arm(int on)
     zdp_armed_flag = on;
     if (on)
         zdp_why[0] = '\0';
+}
+
+/* Before arming: 1 makes the next dispatcher read the device by pread (tests). */
+void zdp_set_no_uring(int on)
+{
+    zdp_no_uring = on;
+}
+
+/* "io_uring", or "pread: why" (after the dispatcher started). */
+const char *zdp_io_mode(void)
+{
+    static char mode[200];
+    if (zdp_uring)
+        return "io_uring";
+    snprintf(mode, sizeof mode, "pread: %s", zdp_io_why[0] ? zdp_io_why : "not started");
+    return mode;
 }
 
 int zdp_running_flag(void)
@@ -849,7 +1276,8 @@ uint64_t zdp_handed_seq(void)
 
 /* out[0] served, out[1] served bytes, out[2] latency sum (ns), out[3] requests
  * read, out[4..4+ZR_NREASONS) handed READs by reason, then ZDP_LAT_BUCKETS
- * latency buckets (bucket b: [2^b, 2^(b+1)) ns). Returns the count written. */
+ * latency buckets (bucket b: [2^b, 2^(b+1)) ns), then io_uring_submit calls and
+ * device reads submitted through them. Returns the count written. */
 int zdp_stats(uint64_t *out, int max)
 {
     int i, n = 0;
@@ -862,6 +1290,8 @@ int zdp_stats(uint64_t *out, int max)
         PUT(LOAD(zdp_handed_reads[i]));
     for (i = 0; i < ZDP_LAT_BUCKETS; i++)
         PUT(LOAD(zdp_lat[i]));
+    PUT(LOAD(zdp_submits));
+    PUT(LOAD(zdp_submitted));
 #undef PUT
     return n < max ? n : max;
 }

@@ -238,6 +238,8 @@ class Operations(pyfuse3.Operations):
         self._failsafe_repeats = 0
         #: Inodes whose kernel-cached attributes were dropped (invalidate_changed).
         self.invalidations = 0
+        #: Set by `init` (FUSE_INIT reached us): the mount serves (daemon/tuning.py).
+        self.initialized = trio.Event()
         #: mtime_ns and size of each inode when the kernel last had it open, for keep_cache.
         self._cached_version: dict[int, tuple[int, int]] = {}
         #: Open file handle -> inode, to record the version on release.
@@ -585,6 +587,7 @@ class Operations(pyfuse3.Operations):
         gives alone (the capability probe, system.* xattrs while none is stored)."""
         self._sync_capability_probe()
         fuseext.set_no_system_namespace(b"system." not in self.fs.xattr_namespaces())
+        self.initialized.set()  # the daemon's proof that the mount serves (daemon/tuning.py)
         if fuseext.armed() and not fuseext.installed():
             log.warning("fallocate is not served (libfuse's fuse_session_new was not "
                         "intercepted): fallocate(2) gets EOPNOTSUPP")

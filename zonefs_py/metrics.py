@@ -162,6 +162,7 @@ def families(doc: dict[str, Any]) -> Iterator[Metric]:
                       if isinstance(r, dict)), default=0.0)
         yield GaugeMetricFamily("zonefs_fuse_oldest_stuck_request_seconds",
                                 "Age of the oldest stuck FUSE request (0: none).", value=oldest)
+    yield from _dataplane_families(doc)
     daemon = doc.get("daemon", {})
     fs = doc.get("filesystem", {})
     yield GaugeMetricFamily("zonefs_failsafe", "1 while the mount is in read-only failsafe.",
@@ -178,6 +179,26 @@ def families(doc: dict[str, Any]) -> Iterator[Metric]:
     info.add_metric([str(doc.get("device", {}).get("path", "")), str(fs.get("uuid", "")),
                      str(fs.get("label", ""))], 1.0)
     yield info
+
+
+def _dataplane_families(doc: dict[str, Any]) -> Iterator[Metric]:
+    """READs answered in C by the data plane (DESIGN 4.10) and why the others went to
+    Python; absent without the dispatcher (`-o c_reads=off`, or it did not start)."""
+    dp = doc.get("dataplane") or {}
+    if not dp:
+        return
+    yield CounterMetricFamily("zonefs_c_reads", "READs answered in C (since mount).",
+                              value=_num(dp.get("reads_c")))
+    yield CounterMetricFamily("zonefs_c_read_bytes", "Bytes of READs answered in C.",
+                              value=_num(dp.get("reads_c_bytes")))
+    handed = CounterMetricFamily("zonefs_c_read_handed",
+                                 "READs the dispatcher handed to Python, by reason.",
+                                 labels=["reason"])
+    for reason, count in sorted((dp.get("reads_python") or {}).items()):
+        handed.add_metric([reason], _num(count))
+    yield handed
+    yield GaugeMetricFamily("zonefs_c_read_maps", "Files whose read map is published.",
+                            value=_num(dp.get("maps_published")))
 
 
 def _zone_families(doc: dict[str, Any]) -> Iterator[Metric]:

@@ -1,4 +1,4 @@
-"""The five contenders: what zonefs-py is measured against, and zonefs-py itself.
+"""The contenders: what zonefs-py is measured against, and zonefs-py itself.
 
 A contender is set up fresh for each repetition (`with contender.mounted(...)`),
 gives workloads a directory (`root`) or, for the physical limit, byte ranges of
@@ -6,8 +6,9 @@ the backing file (`fio_target`), and can make caches cold (`make_cold`). Every
 backing file lives under the scratch directory on /work's disk, never tmpfs.
 
 Caveats:
-- The loop device runs with `--direct-io=on`, so ext4's reads reach the disk
-  rather than the host page cache of the backing file.
+- `ext4`'s loop device runs with `--direct-io=on` (checked), so ext4's reads
+  reach the disk rather than the host page cache of the backing file;
+  `ext4plain` is the same on a buffered loop device, kept in the report.
 - zonefs-py is remounted by `make_cold` (it may cache in its own process);
   the other FUSE contenders keep nothing of their own, so dropping the kernel
   caches is enough for them.
@@ -249,11 +250,20 @@ class NoopCeiling(_Served):
 
 
 class Ext4Loop(Contender):
-    """ext4 on a loop device (direct I/O) over a sparse backing file."""
+    """ext4 on a loop device (direct I/O) over a sparse backing file.
+
+    The direct-I/O loop is the like-for-like kernel peer of zonefs-py, whose
+    emulator reads and writes its image with O_DIRECT: each page is cached once
+    (by ext4), not a second time in the backing file's page cache. Whether the
+    kernel took the direct I/O is checked (/sys/block/loopN/loop/dio) and
+    recorded in `dio_active`; `Ext4PlainLoop` is the buffered loop beside it.
+    """
 
     key = "ext4"
-    label = "ext4 on loop device"
+    label = "ext4 on direct-I/O loop device"
     tools = ("losetup", "mkfs.ext4", "mount", "umount")
+    #: losetup --direct-io=on (off: the plain loop, which caches every page twice).
+    direct_io = True
 
     def unavailable_reason(self) -> str | None:
         for tool in self.tools:
@@ -266,17 +276,24 @@ class Ext4Loop(Contender):
     @contextmanager
     def mounted(self, size_bytes: int) -> Iterator[None]:
         self._reset_dir()
-        with self.ext4_at(self.work_dir / "backing.img", self.root, size_bytes):
+        with self.ext4_at(self.work_dir / "backing.img", self.root, size_bytes,
+                          direct_io=self.direct_io):
             yield
 
     @staticmethod
     @contextmanager
-    def ext4_at(backing: Path, mountpoint: Path, size_bytes: int) -> Iterator[None]:
+    def ext4_at(backing: Path, mountpoint: Path, size_bytes: int,
+                direct_io: bool = True) -> Iterator[None]:
         """Make ext4 on a loop device over `backing` and mount it; always detach."""
         with open(backing, "wb") as f:
             f.truncate(size_bytes)
-        loop_dev = run(["losetup", "--find", "--show", "--direct-io=on", str(backing)]).strip()
+        loop_dev = run(["losetup", "--find", "--show",
+                        f"--direct-io={'on' if direct_io else 'off'}", str(backing)]).strip()
         try:
+            dio = Path(f"/sys/block/{Path(loop_dev).name}/loop/dio")
+            if direct_io and dio.exists() and dio.read_text().strip() != "1":
+                raise BenchError(f"{loop_dev}: the kernel did not take --direct-io=on "
+                                 f"(loop/dio is {dio.read_text().strip()})")
             # Initialise inode tables now so lazy init does not run during the workloads.
             run(["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0",
                  loop_dev])
@@ -291,6 +308,15 @@ class Ext4Loop(Contender):
         finally:
             run(["losetup", "-d", loop_dev], check=False)
             backing.unlink(missing_ok=True)
+
+
+class Ext4PlainLoop(Ext4Loop):
+    """ext4 on a plain (buffered) loop device: the backing file's page cache holds a
+    second copy of every page (slower writes, reads that swing with memory)."""
+
+    key = "ext4plain"
+    label = "ext4 on plain loop device"
+    direct_io = False
 
 
 class PassthroughPeer(_Served, Ext4Loop):
@@ -432,7 +458,8 @@ def all_contenders(work_dir: Path, zoned_dev: str | None = None,
     A/B twin `zonefs-b` when `zonefs_b_mount_opts` or `zonefs_b_repo` is given)."""
     contenders: list[Contender] = [
         PhysicalLimit(work_dir), NoopCeiling(work_dir), PassthroughPeer(work_dir),
-        Ext4Loop(work_dir), ZonefsPy(work_dir, zoned_dev, mount_opts=zonefs_mount_opts)]
+        Ext4Loop(work_dir), Ext4PlainLoop(work_dir),
+        ZonefsPy(work_dir, zoned_dev, mount_opts=zonefs_mount_opts)]
     if zonefs_b_mount_opts is not None or zonefs_b_repo is not None:
         contenders.append(ZonefsPy(work_dir, zoned_dev, mount_opts=zonefs_b_mount_opts,
                                    variant="b", repo=zonefs_b_repo))

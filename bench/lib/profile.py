@@ -81,3 +81,89 @@ def recording(pid_of: Callable[[], int | None], out_stem: Path) -> Iterator[list
                 proc.wait()
             if out.exists():
                 written.append(out)
+
+
+# -- perf: the data plane's dispatcher thread (C, where py-spy sees nothing) ------------
+#: The dispatcher thread's name (native/zonefs_dispatch.c, pthread_setname_np).
+DISPATCH_THREAD = "zonefs-dispatch"
+#: perf's sampling rate.
+PERF_HZ = 999
+
+
+def perf() -> str | None:
+    """The perf executable (Debian: linux-perf), or None."""
+    return shutil.which("perf")
+
+
+def dispatcher_tid(pid: int) -> int | None:
+    """The thread id of zonefs-py's request dispatcher in process `pid`, or None."""
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return None
+    for task in tasks:
+        try:
+            if (task / "comm").read_text().strip() == DISPATCH_THREAD:
+                return int(task.name)
+        except OSError:
+            continue
+    return None
+
+
+@contextmanager
+def perf_recording(pid_of: Callable[[], int | None], out_stem: Path) -> Iterator[list[Path]]:
+    """`perf record -g` of the dispatcher thread of every server process `pid_of()`
+    names while the block runs; yield the list of reports written when it ends
+    (`<stem>-dispatch[-N].txt`: `perf report --stdio`, self time by symbol, and the
+    top call chains). Nothing when perf is missing or the thread does not run."""
+    exe = perf()
+    written: list[Path] = []
+    if exe is None:
+        yield written
+        return
+    stop = threading.Event()
+    procs: list[tuple[subprocess.Popen[bytes], Path]] = []
+
+    def start(tid: int) -> None:
+        n = len(procs)
+        data = out_stem.with_name(out_stem.name + "-dispatch" + (f"-{n}" if n else "")
+                                  + ".perf.data")
+        proc = subprocess.Popen([exe, "record", "-q", "-g", "-F", str(PERF_HZ), "-t", str(tid),
+                                 "-o", str(data)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        procs.append((proc, data))
+
+    def follow() -> None:
+        seen: int | None = None
+        while True:
+            pid = pid_of()
+            tid = dispatcher_tid(pid) if pid is not None else None
+            if tid is not None and tid != seen:
+                seen = tid
+                start(tid)
+            if stop.wait(POLL_S):
+                return
+
+    watcher = threading.Thread(target=follow, daemon=True)
+    watcher.start()
+    try:
+        yield written
+    finally:
+        stop.set()
+        watcher.join()
+        for proc, data in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            if not data.exists():
+                continue
+            txt = data.with_suffix("").with_suffix(".txt")
+            with open(txt, "w") as out:
+                subprocess.run([exe, "report", "-i", str(data), "--stdio", "--no-children",
+                                "--sort", "dso,sym", "--percent-limit", "0.5"],
+                               stdout=out, stderr=subprocess.DEVNULL, timeout=300, check=False)
+            written.append(txt)

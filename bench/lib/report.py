@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 #: References every contender is compared with, in column order.
-REFERENCES = ("ceiling", "peer", "ext4", "physical")
+REFERENCES = ("ceiling", "peer", "ext4", "ext4plain", "physical")
 #: zonefs-py contenders the targets are evaluated for (host emulator, guest null_blk).
 TARGET_SUBJECTS = ("zonefs", "zonefs-guest")
 
@@ -346,8 +346,11 @@ def render_markdown(results: dict[str, Any], plot_files: list[str]) -> str:
     lines += _summary_table(results)
     lines += _cpu_table(results)
     lines += ["## Results", "",
-              "×ceiling / ×peer / ×ext4 / ×physical: this contender's median over the "
-              "reference's median for the primary figure.", ""]
+              "×ceiling / ×peer / ×ext4 / ×ext4plain / ×physical: this contender's median "
+              "over the reference's median for the primary figure (ext4: on a direct-I/O "
+              "loop device, ext4plain: on a buffered one). `c_read_share`: READs answered "
+              "in C by zonefs-py's data plane over all READs it got (since the remount "
+              "where the workload remounts).", ""]
     for name, wl in results["workloads"].items():
         lines += _workload_table(results, name, wl)
     for subject in TARGET_SUBJECTS:

@@ -13,8 +13,8 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,7 +141,34 @@ def _run_one(workload: Workload, contender: Contender, cfg: Config) -> dict[str,
         stats_after = contender.fs_stats()
         figures["_fs_stats"] = {"after": stats_after,
                                 "delta": _numeric_delta(stats_before, stats_after)}
+        share = c_read_share(stats_before, stats_after)
+        if share is not None:
+            figures["c_read_share"] = share
     return figures
+
+
+def c_read_share(before: dict[str, Any] | None, after: dict[str, Any] | None
+                 ) -> float | None:
+    """READs zonefs-py's data plane answered in C over every READ it got during the
+    workload (the census's READ count includes the C ones); after a remount inside
+    the workload (cold reads) the counters start again: the READs since it. None
+    without the data plane or without READs."""
+    if not after:
+        return None
+    dp1, req1 = after.get("dataplane") or {}, after.get("requests") or {}
+    dp0 = (before or {}).get("dataplane") or {}
+    req0 = (before or {}).get("requests") or {}
+    if "reads_c" not in dp1:
+        return None
+    c_reads, reads = dp1["reads_c"], req1.get("READ", 0)
+    c0, r0 = dp0.get("reads_c"), req0.get("READ", 0)
+    # the same mount (no counter went back, the Python READs neither): deltas
+    if c0 is not None and c0 <= c_reads and r0 <= reads and r0 - c0 <= reads - c_reads:
+        c_reads -= dp0["reads_c"]
+        reads -= req0.get("READ", 0)
+    if reads <= 0 or not 0 <= c_reads <= reads:
+        return None
+    return c_reads / reads
 
 
 #: The contenders `--profile` records: the subject and the ceiling it is judged by.
@@ -156,7 +183,20 @@ def _profiled(workload: Workload, contender: Contender, cfg: Config
         return nullcontext([])
     out = Path(cfg.profile_dir)
     out.mkdir(parents=True, exist_ok=True)
-    return profile.recording(pid_of, out / f"{workload.name}-{contender.key}")
+    stem = out / f"{workload.name}-{contender.key}"
+    if contender.key == "ceiling":
+        return profile.recording(pid_of, stem)
+    return _both(profile.recording(pid_of, stem), profile.perf_recording(pid_of, stem))
+
+
+@contextmanager
+def _both(spy: AbstractContextManager[list[Path]],
+          perf: AbstractContextManager[list[Path]]) -> Iterator[list[Path]]:
+    """py-spy of the daemon and perf of its dispatcher thread, one list of files."""
+    files: list[Path] = []
+    with spy as graphs, perf as reports:
+        yield files
+    files += graphs + reports
 
 
 def _add_cpu_figures(figures: dict[str, object], cpu_s: float) -> None:

@@ -64,13 +64,31 @@ def test_min_tasks_option(tmp_path: Path) -> None:
             MountConfig.build(str(image), str(mnt), [bad])
 
 
-def test_mount_dev_falls_back_to_stat_when_mountinfo_misses_the_mount(
-        tmp_path: Path) -> None:
-    """A read of mountinfo can miss a mount while others come and go: stat(2) names
-    the device then (seen as 'not found in /proc/self/mountinfo' in test runs)."""
+def test_mount_dev_reads_mountinfo_again_and_never_stats_the_mount(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read of mountinfo can miss a mount while others come and go: it is read
+    again (up to three times), and the mount point is never stat'ed (that would be
+    a request to the daemon's own mount: daemon/tuning.py)."""
+    info = tmp_path / "mountinfo"
+    line = "36 25 0:46 / /mnt/z rw,relatime - fuse.zonefs-py dev rw\n"
+    reads = []
+    real_open = open
+
+    def flaky_open(path: object, *args: object, **kwargs: object) -> object:
+        if str(path) == str(info):
+            reads.append(1)
+            info.write_text("" if len(reads) < 3 else line)
+        return real_open(path, *args, **kwargs)  # type: ignore[call-overload]
+
+    def no_stat(*args: object, **kwargs: object) -> None:
+        raise AssertionError("stat(2) of the mount point")
+
+    monkeypatch.setattr("builtins.open", flaky_open)
+    monkeypatch.setattr(os, "stat", no_stat)
+    assert _mount_dev("/mnt/z", str(info)) == "0:46"
+    assert len(reads) == 3
     empty = tmp_path / "empty-mountinfo"
     empty.write_text("")
-    st = os.stat("/")
-    assert _mount_dev("/", str(empty)) == f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    reads.clear()
     with pytest.raises(OSError, match="not found"):
         _mount_dev(str(tmp_path), str(empty))  # not a mount point

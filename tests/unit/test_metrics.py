@@ -69,6 +69,19 @@ def test_render_names_units_and_values() -> None:
         assert name.startswith("zonefs_")
 
 
+def test_c_reads_and_the_reasons_reads_went_to_python() -> None:
+    dp = {"running": True, "reads_c": 120, "reads_c_bytes": 4096 * 120,
+          "reads_python": {"not_published": 3, "checksum_mismatch": 1},
+          "maps_published": 2}
+    got = samples(render({**DOC, "dataplane": dp}))
+    assert got[("zonefs_c_reads_total", ())] == 120
+    assert got[("zonefs_c_read_bytes_total", ())] == 4096 * 120
+    assert got[("zonefs_c_read_handed_total", (("reason", "not_published"),))] == 3
+    assert got[("zonefs_c_read_handed_total", (("reason", "checksum_mismatch"),))] == 1
+    assert got[("zonefs_c_read_maps", ())] == 2
+    assert not any(name.startswith("zonefs_c_read") for name, _ in samples(render(DOC)))
+
+
 def test_write_amplification_before_any_write_is_nan() -> None:
     got = samples(render({**DOC, "write_amplification": None}))
     value = got[("zonefs_write_amplification_ratio", ())]

@@ -4,12 +4,14 @@ side faked, and the kernel dirty limit as the daemon reads and sets it (daemon/t
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import trio
 import trio.lowlevel
 
 from zonefs_py import fuseext, writegate
+from zonefs_py.daemon import tuning
 from zonefs_py.daemon.tuning import BdiLimit, dirty_max_bytes
 from zonefs_py.fs.spacegate import SpaceGate
 from zonefs_py.writegate import WriteGate
@@ -391,6 +393,31 @@ def test_bdi_without_strictlimit_is_bounded_by_the_global_limit(tmp_path: Path) 
 @pytest.mark.expect_log("zonefs_py.daemon", "WARNING", "could not set the dirty limit")
 def test_bdi_not_writable_is_not_tunable(tmp_path: Path) -> None:
     bdi = fake_bdi(tmp_path)
+    knob = tmp_path / "bdi" / "max_ratio_fine"
+    knob.unlink()
+    knob.mkdir()  # EISDIR on write, as root meets no EACCES
+    with pytest.raises(OSError):
+        bdi.bound_bytes()
+    assert not bdi.tunable()
+    assert bdi.set(10 * MiB) is None
+
+
+def test_a_bdi_gone_with_its_mount_is_no_warning(tmp_path: Path) -> None:
+    """A mount stopped at once takes its bdi away: quietly no limit (CI met the race)."""
+    bdi = fake_bdi(tmp_path)
     bdi.dir = str(tmp_path / "missing")
     assert not bdi.tunable()
     assert bdi.set(10 * MiB) is None
+
+
+async def test_setup_write_gate_of_a_mount_gone_meanwhile_is_no_warning(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bdi = fake_bdi(tmp_path)
+    bdi.dir = str(tmp_path / "0:40")  # opened, then the mount and its bdi went away
+    monkeypatch.setattr(tuning, "open_bdi_limit", lambda mountpoint: bdi)
+    monkeypatch.setattr(tuning, "_in_mountinfo", lambda mountpoint: False)
+    gate, _ = gate_at(10_000 * MiB, tunable=False)
+    ops = SimpleNamespace(write_gate=SimpleNamespace(gate=gate, set_limit=None))
+    cfg = SimpleNamespace(writeback_cache=True, mountpoint=str(tmp_path / "mnt"))
+    await tuning.setup_write_gate(cfg, ops)  # type: ignore[arg-type]
+    assert ops.write_gate.set_limit is None

@@ -311,7 +311,7 @@ async def _become_ready(cfg: MountConfig, report: Reporter, state: RunState,
 
     try:
         _test_hook("init")
-        await wait_serving(cfg)
+        await wait_serving(cfg, ops.initialized)
         await tune_after_init(cfg)
         await setup_write_gate(cfg, ops)
         _test_hook("tune")

@@ -1,9 +1,17 @@
 """Tuning of a fresh FUSE connection, and the proof that the mount serves.
 
-`wait_serving` returns once the kernel's INIT was answered and a STATFS too
-(a statvfs from a worker thread returns only then); then the readahead
-window and background limits are set (best effort: they need root and
-fusectl, and only warn when they cannot be set).
+`wait_serving` returns once the kernel's INIT reached the adapter (its `init`
+handler ran; libfuse answers INIT right after it); then the readahead window
+and background limits are set (best effort: they need root and fusectl, and
+only warn when they cannot be set).
+
+The daemon never sends a request to its own mount: a thread of the daemon
+waiting for an answer of its own mount cannot exit, and once the request is
+read from /dev/fuse (the C dispatcher reads every request as it arrives) the
+kernel waits for that answer uninterruptibly, so a SIGKILL then left a zombie
+holding /dev/fuse open and the mount hung until its connection was aborted
+(seen in the integration tests when the proof of serving was a statvfs).
+Everything here reads /proc and sysfs.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ import logging
 import os
 import re
 import subprocess
+import time
 from typing import Any
 
 import trio
@@ -21,13 +30,35 @@ from zonefs_py.daemon.options import MountConfig, MountError
 log = logging.getLogger("zonefs_py.daemon")
 
 
-async def wait_serving(cfg: MountConfig) -> None:
-    """Return once the mount answered INIT and a STATFS; raise MountError if it failed."""
-    try:
-        await trio.to_thread.run_sync(os.statvfs, cfg.mountpoint, abandon_on_cancel=True)
-    except OSError as exc:
-        raise MountError(f"{cfg.mountpoint}: the new mount does not answer statfs: "
-                         f"{exc.strerror or exc}") from None
+async def wait_serving(cfg: MountConfig, initialized: trio.Event) -> None:
+    """Return once the kernel's INIT reached the adapter (`initialized`, set by its
+    `init` handler); raise MountError if the mount went away before."""
+    missed = 0  # a read of mountinfo can miss an entry while other mounts change
+    while not initialized.is_set():
+        with trio.move_on_after(1.0):
+            await initialized.wait()
+        if initialized.is_set():
+            break
+        present = await trio.to_thread.run_sync(_in_mountinfo, cfg.mountpoint)
+        missed = 0 if present else missed + 1
+        if missed >= 3:
+            raise MountError(f"{cfg.mountpoint}: the new mount went away before it "
+                             "answered the kernel's INIT")
+
+
+def _resolved(mountpoint: str) -> str:
+    """`mountpoint` with symlinks resolved in its parent only: realpath(3) of the
+    mount point itself would lstat it, a request to this daemon's mount."""
+    head, tail = os.path.split(os.path.abspath(mountpoint))
+    return os.path.join(os.path.realpath(head), tail)
+
+
+def _in_mountinfo(mountpoint: str, mountinfo: str = "/proc/self/mountinfo") -> bool:
+    """True if `mountpoint` is a mount in /proc/self/mountinfo (no request to it)."""
+    wanted = {mountpoint, _resolved(mountpoint)}
+    with open(mountinfo, encoding="utf-8", errors="surrogateescape") as f:
+        return any(len(fields) > 4 and _unescape_mountinfo(fields[4]) in wanted
+                   for fields in (line.split() for line in f))
 
 
 async def tune_after_init(cfg: MountConfig) -> None:
@@ -52,27 +83,23 @@ class MountGone(OSError):
 
 
 def _mount_dev(mountpoint: str, mountinfo: str = "/proc/self/mountinfo") -> str:
-    """The mount's device number "major:minor", from /proc/self/mountinfo
-    (the last mount on `mountpoint`: the one on top), else from stat(2).
-    Call it from a worker thread: the stat reaches this daemon."""
+    """The mount's device number "major:minor", from /proc/self/mountinfo (the
+    last mount on `mountpoint`: the one on top). Never stat(2): that would be a
+    request to this daemon's own mount (module docstring)."""
     # The kernel records the path with symlinks resolved.
-    wanted = {mountpoint, os.path.realpath(mountpoint)}
-    dev = None
-    with open(mountinfo, encoding="utf-8", errors="surrogateescape") as f:
-        for line in f:
-            fields = line.split()
-            if len(fields) > 4 and _unescape_mountinfo(fields[4]) in wanted:
-                dev = fields[2]
-    if dev is None:
-        # A read of mountinfo can miss entries while other mounts come and go (seen
-        # in test runs beside other mounting sessions). stat(2) of the mount point
-        # names the same device; it is answered by this daemon, so it is called
-        # from a worker thread (as every caller here is), never the trio thread.
-        if not os.path.ismount(mountpoint):
-            raise MountGone(f"{mountpoint} not found in /proc/self/mountinfo")
-        st = os.stat(mountpoint)
-        dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
-    return dev
+    wanted = {mountpoint, _resolved(mountpoint)}
+    # A read of mountinfo can miss entries while other mounts come and go (seen in
+    # test runs beside other mounting sessions): read it up to three times.
+    for _ in range(3):
+        dev = None
+        with open(mountinfo, encoding="utf-8", errors="surrogateescape") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 4 and _unescape_mountinfo(fields[4]) in wanted:
+                    dev = fields[2]
+        if dev is not None:
+            return dev
+    raise MountGone(f"{mountpoint} not found in /proc/self/mountinfo")
 
 
 FUSECTL = "/sys/fs/fuse/connections"
@@ -107,7 +134,7 @@ def set_max_background(mountpoint: str, limit: int) -> None:
     except MountGone as exc:
         log.debug("not raising the FUSE background limit: %s (unmounted already)", exc)
     except (OSError, subprocess.SubprocessError) as exc:
-        if not os.path.ismount(mountpoint):  # unmounted meanwhile: its fusectl dir went too
+        if not _in_mountinfo(mountpoint):  # unmounted meanwhile: its fusectl dir went too
             log.debug("not raising the FUSE background limit: %s (unmounted already)", exc)
             return
         log.warning("could not raise the FUSE background limit of %s: %s (O_DIRECT "
@@ -129,7 +156,7 @@ def set_readahead(mountpoint: str, kib: int) -> None:
     except MountGone as exc:
         log.debug("not setting the readahead window: %s (unmounted already)", exc)
     except OSError as exc:
-        if not os.path.ismount(mountpoint):  # unmounted meanwhile: its bdi went too
+        if not _in_mountinfo(mountpoint):  # unmounted meanwhile: its bdi went too
             log.debug("not setting the readahead window: %s (unmounted already)", exc)
             return
         log.warning("could not set the readahead window of %s: %s", mountpoint, exc)
@@ -210,26 +237,45 @@ class BdiLimit:
             self._write("max_ratio_fine", ratio)
             return self.bound_bytes()
         except OSError as exc:
-            log.warning("could not set the dirty limit in %s: %s", self.dir, exc)
+            if os.path.isdir(self.dir):
+                log.warning("could not set the dirty limit in %s: %s", self.dir, exc)
+            else:  # the mount went away meanwhile
+                log.debug("could not set the dirty limit in %s: %s", self.dir, exc)
             return None
 
 
 def open_bdi_limit(mountpoint: str) -> BdiLimit | None:
     """The mount's `BdiLimit`, or None (logged) when its bdi cannot be read.
-    Call from a worker thread (it may stat the mount point)."""
-    try:
-        dev = _mount_dev(mountpoint)
-        bdi = BdiLimit(f"/sys/class/bdi/{dev}", dirty_max_bytes())
-        bdi.bound_bytes()
-    except MountGone as exc:
-        log.debug("no write gate: %s (unmounted already)", exc)
-        return None
-    except (OSError, ValueError) as exc:
-        if os.path.ismount(mountpoint):
-            log.warning("no write gate (write(2) near full is not refused): the dirty "
-                        "limit of %s cannot be read: %s", mountpoint, exc)
-        return None
-    return bdi
+    Call from a worker thread (it reads sysfs, and may sleep a little)."""
+    for attempt in range(3):
+        dev = "?"
+        try:
+            dev = _mount_dev(mountpoint)
+            bdi = BdiLimit(f"/sys/class/bdi/{dev}", dirty_max_bytes())
+            bdi.bound_bytes()
+            return bdi
+        except MountGone as exc:
+            log.debug("no write gate: %s (unmounted already)", exc)
+            return None
+        except (OSError, ValueError) as exc:
+            # A mount stopped right after it started takes its bdi away (ENOENT,
+            # ENODEV from sysfs) while mountinfo may still list it for a moment:
+            # look again shortly, and warn only about a live mount's missing knob.
+            if attempt < 2:
+                time.sleep(0.2)
+                continue
+            _warn_if_live(mountpoint, dev, exc)
+    return None
+
+
+def _warn_if_live(mountpoint: str, dev: str, exc: Exception) -> None:
+    """Warn that the mount has no write gate, unless the mount is gone (a mount
+    stopped right after it started takes its bdi away mid-read: that is no fault)."""
+    if _in_mountinfo(mountpoint) and os.path.isdir(f"/sys/class/bdi/{dev}"):
+        log.warning("no write gate (write(2) near full is not refused): the dirty "
+                    "limit of %s cannot be read: %s", mountpoint, exc)
+    else:
+        log.debug("no write gate: %s (unmounted meanwhile)", exc)
 
 
 async def setup_write_gate(cfg: MountConfig, ops: Any) -> None:
@@ -245,7 +291,8 @@ async def setup_write_gate(cfg: MountConfig, ops: Any) -> None:
         default = await trio.to_thread.run_sync(bdi.bound_bytes)
         tunable = await trio.to_thread.run_sync(bdi.tunable)
     except (OSError, ValueError) as exc:  # the mount went away meanwhile, or a bad file
-        log.warning("no write gate: the dirty limit of %s: %s", cfg.mountpoint, exc)
+        dev = os.path.basename(bdi.dir)
+        await trio.to_thread.run_sync(_warn_if_live, cfg.mountpoint, dev, exc)
         return
     if tunable:
         gate.set_limit = bdi.set

@@ -26,15 +26,19 @@ relocation, copies; TRUNCATE, PUNCH, PREALLOC, INLINE, INODE, DRAIN,
 INODE_FREE). What C promises Python: DESIGN 4.10 and the C file's header.
 
 Caveats: one mount per process (as pyfuse3 and fuseext). Only the device's
-O_DIRECT fd is read (pread, one READ at a time on the C thread); a device
-without `direct_read_target` (or with faults armed) publishes nothing.
+O_DIRECT fd is read (io_uring, one submit per batch of READs; pread when the
+ring cannot be set up, `io_mode()` says which); a device without
+`direct_read_target` (or with faults armed) publishes nothing.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
+
+import trio
 
 from zonefs_py import fuseext
 from zonefs_py.device.base import capabilities
@@ -43,7 +47,7 @@ log = logging.getLogger(__name__)
 
 #: Why a READ went to Python, in the C side's order (zdp_stats).
 REASONS = ("not_published", "mutated", "no_checksums", "checksum_mismatch",
-           "device_error", "too_large")
+           "device_error", "too_large", "no_memory")
 #: Latency histogram buckets (bucket b: [2**b, 2**(b+1)) ns).
 LAT_BUCKETS = 32
 ZDP_HOLE = 1
@@ -87,12 +91,20 @@ def why_not() -> str:
     return str(ext.ffi.string(ext.lib.zdp_why_not()).decode(errors="replace"))
 
 
+def io_mode() -> str:
+    """"io_uring", or "pread: why" (how the dispatcher reads the device)."""
+    ext = _ext()
+    if ext is None:
+        return "pread: zonefs_py._fuseext is not built"
+    return str(ext.ffi.string(ext.lib.zdp_io_mode()).decode(errors="replace"))
+
+
 def raw_stats() -> list[int]:
     """The C counters (zdp_stats order), [] without the extension."""
     ext = _ext()
     if ext is None:
         return []
-    n = 4 + len(REASONS) + LAT_BUCKETS
+    n = 4 + len(REASONS) + LAT_BUCKETS + 2
     out = ext.ffi.new("uint64_t[]", n)
     got = ext.lib.zdp_stats(out, n)
     return [int(out[i]) for i in range(got)]
@@ -101,7 +113,8 @@ def raw_stats() -> list[int]:
 class ReadMaps:
     """Publishes and revokes read maps (module docstring); the engine's only door to C."""
 
-    def __init__(self, dev: Any, state: Any, writes: Any, sums: Any) -> None:
+    def __init__(self, dev: Any, state: Any, writes: Any, sums: Any,
+                 alloc: Any = None) -> None:
         ext = _ext()
         assert ext is not None
         self._ffi, self._lib = ext.ffi, ext.lib
@@ -119,6 +132,13 @@ class ReadMaps:
         self.publishes = 0
         self.refused = 0
         self._lat_seen = [0] * LAT_BUCKETS
+        #: Pins zones while their summaries are read (`warm_checksums`; INV-8).
+        self.alloc = alloc
+        #: Inodes published with pieces whose checksums were not cached (a cold
+        #: mount: sealed zones' summaries not read yet), for `warm_checksums`.
+        self._cold: dict[int, Any] = {}
+        self._cold_tx, self._cold_rx = trio.open_memory_channel[int](math.inf)
+        self.warmed = 0
 
     # -- revoking (synchronous: no await) ------------------------------------------------
     def revoke(self, ino: int) -> None:
@@ -159,6 +179,7 @@ class ReadMaps:
         arr = self._ffi.new("struct zdp_piece[]", max(1, len(pieces)))
         sums: list[bytes] = []
         nsums = 0
+        cold = False
         for i, p in enumerate(pieces):
             c = arr[i]
             c.file_off = p.fblock * bs
@@ -172,6 +193,7 @@ class ReadMaps:
             csums = p.csums if p.csums is not None else self.sums.cached(p.dev, p.nblocks)
             if where is None or csums is None or len(csums) != p.nblocks * 4:
                 c.flags = ZDP_PYTHON
+                cold = cold or (where is not None and csums is None)
                 continue
             c.fd, c.dev_off = where
             c.zone = zone
@@ -185,7 +207,45 @@ class ReadMaps:
             return False
         self.published.add(inode.ino)
         self.publishes += 1
+        if cold and self.alloc is not None and inode.ino not in self._cold:
+            self._cold[inode.ino] = inode
+            self._cold_tx.send_nowait(inode.ino)
         return True
+
+    # -- warming: the checksums a published map lacks -----------------------------------
+    async def warm_checksums(self) -> None:
+        """Forever: for each file published with pieces whose checksums were not cached
+        (a cold mount), read those summaries into the cache (`SumCache.checksums`,
+        zones pinned from the look-up on) and publish the map again, so that the
+        file's READs stop going to Python one per summary block (`no_checksums`)."""
+        async for ino in self._cold_rx:
+            inode = self._cold.pop(ino, None)
+            if inode is None or not self.settled(inode):
+                continue
+            try:
+                await self._load_checksums(inode)
+            except Exception as exc:  # noqa: BLE001 - the READ path reports it, not this
+                log.debug("C reads: checksums of inode %d not warmed: %s", ino, exc)
+                continue
+            if self.settled(inode) and self.publish(inode):
+                self.warmed += 1
+
+    async def _load_checksums(self, inode: Any) -> None:
+        bs, zsize = self.bs, self.zone_size
+        nblocks = (inode.size + bs - 1) // bs
+        pieces = [p for p in (inode.extents.lookup(0, nblocks, bs) if nblocks else [])
+                  if p.dev is not None and p.csums is None
+                  and (p.dev + p.nblocks * bs - 1) // zsize == p.dev // zsize]
+        zones = [p.dev // zsize for p in pieces]
+        for z in zones:  # pinned with the look-up, no await between (INV-8)
+            self.alloc.pin_read(z)
+        try:
+            for p in pieces:
+                if self.sums.cached(p.dev, p.nblocks) is None:
+                    await self.sums.checksums(inode.ino, p.fblock, p.dev, p.nblocks)
+        finally:
+            for z in zones:
+                self.alloc.unpin_read(z)
 
     # -- counters --------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -195,6 +255,7 @@ class ReadMaps:
             return {}
         served, nbytes, lat_ns, requests = raw[:4]
         handed = dict(zip(REASONS, raw[4:4 + len(REASONS)], strict=True))
+        submits, submitted = raw[4 + len(REASONS) + LAT_BUCKETS:][:2] or (0, 0)
         return {
             "running": started(),
             "reads_c": served,
@@ -202,9 +263,13 @@ class ReadMaps:
             "reads_c_mean_us": round(lat_ns / served / 1000, 1) if served else 0.0,
             "reads_python": handed,
             "requests_read": requests,
+            "io": io_mode(),
+            "uring_submits": submits,
+            "uring_reads": submitted,
             "maps_published": len(self.published),
             "publishes": self.publishes,
             "publishes_refused": self.refused,
+            "maps_warmed": self.warmed,
         }
 
     def qos_samples(self) -> list[float]:
@@ -213,7 +278,7 @@ class ReadMaps:
         raw = raw_stats()
         if not raw:
             return []
-        lat = raw[4 + len(REASONS):]
+        lat = raw[4 + len(REASONS):4 + len(REASONS) + LAT_BUCKETS]
         out: list[float] = []
         for b, count in enumerate(lat):
             new = count - self._lat_seen[b]

@@ -44,11 +44,14 @@ def attach_after_init(fs: Any) -> bool:
                     "request is served in Python", dataplane.why_not() or "unknown")
         return False
     reads = fs.data.reads
-    maps = dataplane.ReadMaps(fs.dev, fs.state, fs.data.writes, reads.sums)
+    maps = dataplane.ReadMaps(fs.dev, fs.state, fs.data.writes, reads.sums, fs.alloc)
     reads.maps = maps
     fs.alloc.c_pins = maps.zone_pins
+    mode = dataplane.io_mode()
     log.info("C reads on: the request dispatcher reads /dev/fuse and serves READs of "
-             "settled files")
+             "settled files (device reads: %s)", mode)
+    if mode != "io_uring":
+        log.warning("C reads: device reads by pread, one at a time (%s)", mode)
     return True
 
 
@@ -74,7 +77,22 @@ def with_c_reads(fs: Any, extra: dict[str, Any]) -> dict[str, Any]:
 
 async def feed_qos(fs: Any) -> None:
     """Hand the latencies of C reads to the read QoS controller (fs/qos.py), which
-    otherwise sees only the reads Python serves."""
+    otherwise sees only the reads Python serves; and warm the checksums of maps
+    published without them (`ReadMaps.warm_checksums`), beside it."""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_warm, fs)
+        await _feed_qos(fs)
+
+
+async def _warm(fs: Any) -> None:
+    while fs.data.reads.maps is None:
+        if not dataplane.started():
+            return
+        await trio.sleep(QOS_SAMPLE_S)
+    await fs.data.reads.maps.warm_checksums()
+
+
+async def _feed_qos(fs: Any) -> None:
     qos = fs.data.writes.qos
     while True:
         await trio.sleep(QOS_SAMPLE_S)
