@@ -16,6 +16,13 @@ they are not stored anywhere:
                         tests; a remount clears it).
       - ``drain-pause`` / ``drain-resume``  stop / restart uploads to the object
                         store (resume also retries at once after an error).
+      - ``tenant-add INO MIN MAX [ACTIVE]`` / ``tenant-set INO MIN MAX [ACTIVE]`` /
+        ``tenant-remove INO``
+                        declare directory inode INO a tenant with MIN reserved, at
+                        most MAX zones and at most ACTIVE active zones (0: no cap;
+                        ``-`` keeps a value in tenant-set; ACTIVE left out: 0 /
+                        kept), change or remove it (fs/tenants.py); durable when
+                        the setxattr returns. `zonefs-py tenant` writes these.
     Reading it gives ENODATA; unknown commands give EINVAL.
 
 Why xattrs: no extra socket, no daemon lookup by pid file, works through
@@ -44,7 +51,8 @@ STATUS_XATTR = b"trusted.zonefs.status"
 USER_STATUS_XATTR = b"user.zonefs.status"
 CTL_XATTR = b"trusted.zonefs.ctl"
 CONTROL_NAMES = frozenset({STATUS_XATTR, USER_STATUS_XATTR, CTL_XATTR})
-COMMANDS = ("sync", "checkpoint", "failsafe", "drain-pause", "drain-resume")
+COMMANDS = ("sync", "checkpoint", "failsafe", "drain-pause", "drain-resume", "tenant-add",
+            "tenant-set", "tenant-remove")
 #: Set by the daemon once it serves: log file, mount point, uid, metrics endpoint.
 DAEMON_INFO: dict[str, Any] = {}
 
@@ -98,7 +106,16 @@ async def command(fs: FileSystemAPI, name: bytes, value: bytes, ctx: Ctx) -> Non
     if name != CTL_XATTR:
         raise errors.NotPermitted(f"{name.decode(errors='replace')} is read-only")
     word = value.strip(b"\0 \n").decode("ascii", errors="replace")
-    if word == "sync":
+    if word.startswith("tenant-"):
+        try:
+            await tenant_command(fs, word.split())
+        except errors.ZoneFSError as exc:
+            # The errno alone says little ("Invalid argument"): `zonefs-py tenant`
+            # shows this from the status document's daemon object.
+            DAEMON_INFO["last_control_error"] = str(exc)
+            raise
+        DAEMON_INFO.pop("last_control_error", None)
+    elif word == "sync":
         await fs.sync()
     elif word == "checkpoint":
         await fs.checkpoint()
@@ -111,3 +128,41 @@ async def command(fs: FileSystemAPI, name: bytes, value: bytes, ctx: Ctx) -> Non
         drain.pause(word == "drain-pause")
     else:
         raise errors.InvalidArgument(f"unknown control command {word!r}; known: {COMMANDS}")
+
+
+async def tenant_command(fs: FileSystemAPI, words: list[str]) -> None:
+    """Run `tenant-add|tenant-set INO MIN MAX [ACTIVE]` or `tenant-remove INO`, then make it
+    durable. Raises InvalidArgument for a malformed command, and what
+    fs/tenants.py raises."""
+    admin = getattr(fs, "tenants", None)
+    if admin is None:
+        raise errors.NotSupported("this filesystem has no tenants")
+    verb, args = words[0], words[1:]
+
+    def number(text: str, keep: bool = False) -> int | None:
+        if keep and text == "-":
+            return None
+        if not text.isdigit():
+            raise errors.InvalidArgument(f"{verb}: {text!r} is not a number")
+        return int(text)
+
+    if verb in ("tenant-add", "tenant-set") and len(args) in (3, 4):
+        ino = number(args[0])
+        assert ino is not None
+        if verb == "tenant-add":
+            lo, hi = number(args[1]), number(args[2])
+            active = number(args[3]) if len(args) == 4 else 0
+            assert lo is not None
+            assert hi is not None
+            assert active is not None
+            admin.declare(ino, lo, hi, active)
+        else:
+            admin.change(ino, number(args[1], keep=True), number(args[2], keep=True),
+                         number(args[3], keep=True) if len(args) == 4 else None)
+    elif verb == "tenant-remove" and len(args) == 1:
+        ino = number(args[0])
+        assert ino is not None
+        admin.remove(ino)
+    else:
+        raise errors.InvalidArgument(f"malformed tenant command {' '.join(words)!r}")
+    await fs.sync()

@@ -110,3 +110,8 @@ class DeviceRefused(ZoneFSError):
 
 class Busy(ZoneFSError):
     """The device is in use (already mounted by another daemon)."""
+
+
+class CrossDevice(ZoneFSError):
+    """A rename or link would cross a declared tenant's boundary (EXDEV, as between
+    two filesystems; fs/tenants.py)."""

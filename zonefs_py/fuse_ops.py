@@ -114,6 +114,7 @@ ERRNO_OF: dict[type[errors.ZoneFSError], int] = {
     errors.NotAFilesystem: errno.EINVAL,
     errors.DeviceRefused: errno.ENODEV,
     errors.Busy: errno.EBUSY,
+    errors.CrossDevice: errno.EXDEV,
 }
 
 #: Largest copy_file_range answer: the reply's count is a u32 (fuse_write_out.size).

@@ -244,6 +244,40 @@ def _stream_families(doc: dict[str, Any]) -> Iterator[Metric]:
         if t.get("quota_bytes") is not None:
             t_quota.add_metric([name], _num(t.get("quota_bytes")))
     yield from (t_written, t_stored, t_quota)
+    yield from _declared_tenant_families(doc)
+
+
+def _declared_tenant_families(doc: dict[str, Any]) -> Iterator[Metric]:
+    """Declared tenants (issue 45): zones, device bytes by users and cleaner, wear."""
+    zones = GaugeMetricFamily("zonefs_tenant_zones",
+                              "Zones of each declared tenant: owned, reserved (min), max, "
+                              "active (partly written), active_max.",
+                              labels=["tenant", "kind"])
+    device = CounterMetricFamily("zonefs_tenant_device_written_bytes",
+                                 "Device bytes written for each declared tenant, by writer.",
+                                 labels=["tenant", "writer"])
+    resets = CounterMetricFamily("zonefs_tenant_zone_resets",
+                                 "Resets of each declared tenant's zones.", labels=["tenant"])
+    wear = GaugeMetricFamily("zonefs_tenant_zone_wear_resets",
+                             "Resets of the zones a declared tenant owns: max and mean.",
+                             labels=["tenant", "stat"])
+    for name, t in sorted(doc.get("tenants", {}).items()):
+        if not isinstance(t, dict) or not t.get("declared"):
+            continue
+        zones.add_metric([name, "owned"], _num(t.get("zones_owned")))
+        zones.add_metric([name, "reserved"], _num(t.get("zones_reserved")))
+        if t.get("zones_max") is not None:
+            zones.add_metric([name, "max"], _num(t.get("zones_max")))
+        zones.add_metric([name, "active"], _num(t.get("active_zones")))
+        if t.get("active_zones_max") is not None:
+            zones.add_metric([name, "active_max"], _num(t.get("active_zones_max")))
+        device.add_metric([name, "users"], _num(t.get("device_bytes_written_users")))
+        device.add_metric([name, "cleaner"], _num(t.get("device_bytes_written_cleaner")))
+        resets.add_metric([name], _num(t.get("zone_resets")))
+        w = t.get("wear", {})
+        wear.add_metric([name, "max"], _num(w.get("max")))
+        wear.add_metric([name, "mean"], _num(w.get("mean")))
+    yield from (zones, device, resets, wear)
 
 
 def _cleaner_journal_families(doc: dict[str, Any]) -> Iterator[Metric]:

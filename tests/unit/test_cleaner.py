@@ -97,6 +97,15 @@ class FakeHost:
     def empty_zone_count(self) -> int:
         return sum(1 for i in range(len(self.zones)) if self._is_empty(i))
 
+    def tenant_cleaner_room_bytes(self, tenant: int) -> int:
+        return 0  # (no tenants here)
+
+    def tenant_full(self, tenant: int) -> bool:
+        return False
+
+    def tenants_near_cap(self) -> list[int]:
+        return []
+
     def cleaner_room_bytes(self) -> int:
         room = 0
         if self.head is not None:

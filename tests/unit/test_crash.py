@@ -35,6 +35,7 @@ from engine_helpers import (
     CountingDevice,
     Geometry,
     KiB,
+    MiB,
     fsck,
     new_image,
     parent_and_name,
@@ -52,6 +53,8 @@ from zonefs_py.journal import journal as journal_mod
 from zonefs_py.journal.recovery import read_superblock
 
 DIR = "<dir>"
+#: Tracker paths of declared tenants' policies ("tenant:/a" -> "min/max").
+TENANT = "tenant:"
 Version = bytes | str | None  # content, DIR, or absent
 
 
@@ -77,11 +80,16 @@ class Tracker:
     def ack_all(self) -> None:
         self.ack(*self.versions)
 
-    def check(self, files: dict[str, bytes], dirs: set[str]) -> None:
+    def check(self, files: dict[str, bytes], dirs: set[str],
+              tenants: dict[str, str] | None = None) -> None:
+        """`tenants`: declared tenant path -> "min/max", checked against the versions
+        of "tenant:" + path (issue 45)."""
         for path in set(files) | dirs:
             assert path in self.versions, f"{path} exists but was never created"
         for path, hist in self.versions.items():
-            actual: Version = files.get(path, DIR if path in dirs else None)
+            actual: Version = (
+                (tenants or {}).get(path[len(TENANT):]) if path.startswith(TENANT)
+                else files.get(path, DIR if path in dirs else None))
             allowed = hist[self.acked[path]:]
             assert actual in allowed, (
                 f"{path}: holds {_show(actual)}, allowed {[_show(v) for v in allowed]} "
@@ -652,7 +660,108 @@ async def shared_copy(fs: ZoneFS, t: Tracker) -> None:
     t.ack("/s0")
 
 
+async def _tenant_dirs(fs: ZoneFS, t: Tracker, *names: str) -> list[int]:
+    inos = []
+    for d in names:
+        t.expect(f"/{d}", DIR)
+        attr = await fs.mkdir(ROOT_INO, d.encode(), 0o755, CTX)
+        fs.forget([(attr.ino, 1)])
+        inos.append(attr.ino)
+    await fs.sync()
+    t.ack(*(f"/{d}" for d in names))
+    return inos
+
+
+async def _write_acked(fs: ZoneFS, t: Tracker, path: str, data: bytes) -> None:
+    t.expect(path, b"")
+    t.expect(path, data)
+    await write_file(fs, path, data)
+    t.ack(path)
+
+
+async def tenant_lifecycle(fs: ZoneFS, t: Tracker) -> None:
+    """Declare two tenants, write into both (small and private-head files), change a
+    policy, checkpoint, remove one and write on into its (now shared) directory (issue 45;
+    fsck checks INV-27 at every cut)."""
+    a, b = await _tenant_dirs(fs, t, "a", "b")
+    t.expect(TENANT + "/a", "1/3")
+    fs.tenants.declare(a, 1, 3)
+    t.expect(TENANT + "/b", "1/0")
+    fs.tenants.declare(b, 1, 0)
+    await fs.sync()
+    t.ack(TENANT + "/a", TENANT + "/b")
+    await _write_acked(fs, t, "/a/small", pattern(170, 40 * KiB))
+    await _write_acked(fs, t, "/b/small", pattern(171, 24 * KiB))
+    await _write_acked(fs, t, "/a/model.ckpt", pattern(172, 300 * KiB))
+    await _write_acked(fs, t, "/b/big", pattern(173, 2200 * KiB))
+    t.expect(TENANT + "/a", "0/4")
+    fs.tenants.change(a, 0, 4)
+    await fs.sync()
+    t.ack(TENANT + "/a")
+    await fs.checkpoint()
+    t.expect(TENANT + "/b", None)
+    fs.tenants.remove(b)
+    await fs.sync()
+    t.ack(TENANT + "/b")
+    await _write_acked(fs, t, "/b/later", pattern(174, 40 * KiB))
+    await _write_acked(fs, t, "/a/later", pattern(175, 40 * KiB))
+
+
+async def tenant_cleaning(fs: ZoneFS, t: Tracker) -> None:
+    """Cleaning within a tenant: its zone with dead space is copied into its own
+    cleaner zone and reset, while another tenant's zones stay as they are (issue 45)."""
+    a, b = await _tenant_dirs(fs, t, "a", "b")
+    fs.tenants.declare(a, 0, 4)
+    tb = fs.tenants.declare(b, 0, 0)
+    await fs.sync()
+    for i in range(4):
+        await _write_acked(fs, t, f"/a/k{i}", pattern(180 + i, 600 * KiB))
+    await _write_acked(fs, t, "/b/k", pattern(185, 600 * KiB))
+    b_zones = {z for z, tid in fs.state.zone_tenant.items() if tid == tb}
+    t.expect("/a/k1", None)
+    await fs.unlink(a, b"k1")
+    await fs.sync()
+    t.ack("/a/k1")
+    victim = fs.cleaner.pick_victim(tenant=fs.state.tenants.by_dir[a])
+    assert victim is not None, "the scenario must leave a zone of tenant a worth cleaning"
+    await fs.cleaner.clean_zone(victim.zone_idx, throttle=False)
+    await fs.reclaim.commit_and_reset()
+    assert fs.alloc.zones[victim.zone_idx].reserved == 0, "the cleaned zone must have been reset"
+    assert {z for z, tid in fs.state.zone_tenant.items() if tid == tb} == b_zones
+
+
+async def tenant_spares(fs: ZoneFS, t: Tracker) -> None:
+    """Issue 44's spares and checkpoint groups within a tenant: shards of 1.5 zones in
+    a tenant's checkpoint directory and in a shared one, written one after the
+    other, so each closed shard leaves a spare that only the next shard of its own
+    tenant fills; then one is deleted and another written (fsck's INV-27 at every
+    cut: no spare taken across tenants)."""
+    (a,) = await _tenant_dirs(fs, t, "a")
+    t.expect(TENANT + "/a", "0/0")
+    fs.tenants.declare(a, 0, 0)
+    dirs = {}
+    for parent, path in ((a, "/a/ckpt"), (ROOT_INO, "/ckpt")):
+        t.expect(path, DIR)
+        attr = await fs.mkdir(parent, b"ckpt", 0o755, CTX)
+        fs.forget([(attr.ino, 1)])
+        dirs[path] = attr.ino
+    await fs.sync()
+    t.ack(TENANT + "/a", "/a/ckpt", "/ckpt")
+    size = 3 * MiB
+    for i, path in enumerate(["/a/ckpt/s0.distcp", "/ckpt/s0.distcp", "/a/ckpt/s1.distcp",
+                              "/ckpt/s1.distcp"]):
+        await _write_acked(fs, t, path, pattern(190 + i, size))
+    t.expect("/a/ckpt/s0.distcp", None)
+    await fs.unlink(dirs["/a/ckpt"], b"s0.distcp")
+    await fs.sync()
+    t.ack("/a/ckpt/s0.distcp")
+    await _write_acked(fs, t, "/a/ckpt/s2.distcp", pattern(195, size))
+
+
 SCENARIOS: dict[str, tuple[Scenario, Geometry]] = {
+    "tenant_lifecycle": (tenant_lifecycle, SMALL),
+    "tenant_cleaning": (tenant_cleaning, SMALL),
+    "tenant_spares": (tenant_spares, SMALL),
     "fallocate_modes": (fallocate_modes, SMALL),
     "shared_copy": (shared_copy, SMALL),
     "zone_seals": (zone_seals, SMALL),
@@ -733,8 +842,10 @@ async def verify_after_crash(image: Path, t: Tracker, where: str) -> set[str]:
             if rec.newest_checkpoint and rec.newest_checkpoint.offset != sb_checkpoint:
                 paths.add("checkpoint newer than superblock")
             files, dirs = await read_tree(fs)
+            tenants = {fs.path_of(p.dir_ino): f"{p.min_zones}/{p.max_zones}"
+                       for p in fs.state.tenants.by_id.values()}
             try:
-                t.check(files, dirs)
+                t.check(files, dirs, tenants)
             except AssertionError as exc:
                 raise AssertionError(f"{where}: {exc}") from None
             await fs.close()

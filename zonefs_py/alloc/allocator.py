@@ -4,23 +4,25 @@ Runs on the trio thread and never awaits: `reserve()` hands out space in a
 zone before the append is issued from a worker thread, so two appends never
 race for the same bytes and the device's write pointer never surprises us.
 
-Write heads are keyed by (stream, owner): owner 0 is the shared head of a
-stream (small files are packed together per stream); a file written
-sequentially past `private_head_bytes` (a quarter of a zone's capacity) gets
-a head of its own (owner = its inode), so its zones hold little else and
-deleting it frees them whole (INV-9). Checkpoint-stream files get, from their
-first byte, a head of their *group*: the files of one directory (the shards
-of one step: they die together) share up to `group_lanes` heads, interleaved,
-whatever the number of files written at once (`owner_for`; DESIGN 3.7).
+Write heads are keyed by (stream, owner, tenant): owner 0 is the shared head of
+a stream (small files are packed together per stream) within a tenant (0: no
+declared tenant); a file written sequentially past `private_head_bytes` (a
+quarter of a zone's capacity) gets a head of its own (owner = its inode), so
+its zones hold little else and deleting it frees them whole (INV-9).
+Checkpoint-stream files get, from their first byte, a head of their *group*:
+the files of one directory (the shards of one step: they die together) share
+up to `group_lanes` heads, interleaved, whatever the number of files written at
+once (`owner_for`; DESIGN 3.7). A group is one directory, so one tenant.
 
 Space written once, not wasted (issue 44): a zone is never finished because
 its writer stopped. When a file (or the last file of a group) stops writing,
-its head becomes a *spare* zone of its stream, and the next head the stream
-needs takes the fullest spare before an empty zone (`_take_spare`). So a file
-of exactly two zones' bytes, which spills a few blocks past two zones (each
-keeps its summary room), leaves those blocks at the start of the zone the
-stream's next file fills; files written one after the other (a rotation)
-share only the zone at their boundary, which is reset once both are deleted.
+its head becomes a *spare* zone of its stream (and of its tenant, whose zone it
+stays), and the next head the stream needs within the same tenant takes the
+fullest spare before an empty zone (`_take_spare`). So a file of exactly two
+zones' bytes, which spills a few blocks past two zones (each keeps its summary
+room), leaves those blocks at the start of the zone the stream's next file
+fills; files written one after the other (a rotation) share only the zone at
+their boundary, which is reset once both are deleted.
 
 Budget (ZenFS-style tokens): the device's max active zones, less what the
 superblock (1) and the metadata log (2: current and next zone) may hold
@@ -40,6 +42,13 @@ early (`_mark_finished`: the caller seals it before finishing it). Until its
 summary is written the seal counts as an append in flight, so the zone is
 neither cleaned nor reset under it.
 
+Tenants (issue 45, model/tenants.py, DESIGN 3.9a): a zone opened for a declared
+tenant's head is owned by it (ZONE_TENANT op after its ZONE_STATE) until its
+next reset, and takes only that tenant's data, cleaner copies included
+(INV-27). A tenant's users may own at most `max_zones` zones (its cleaner one
+more while it cleans: `TenantFull` asks for cleaning within it first); the
+zones others still owe to tenants under their `min_zones` stay empty for them.
+
 A zone whose live block count drops to zero is reset only when (a) it is not a
 head, (b) no append to it is in flight, and (c) the journal transaction that
 made it dead is durable (INV-8): otherwise a crash could bring back extents
@@ -56,7 +65,7 @@ from typing import Protocol
 
 from zonefs_py import errors
 from zonefs_py.device.base import DeviceInfo, Zone, ZoneCond
-from zonefs_py.format.constants import OpType, Stream
+from zonefs_py.format.constants import C_TENANT_RESETS_BASE, OpType, Stream
 from zonefs_py.format.ops import Op
 from zonefs_py.format.superblock import Superblock
 from zonefs_py.format.zonesum import room_blocks, summary_end
@@ -86,7 +95,7 @@ class DataZone:
     inflight: int = 0
     stream: int = Stream.DEFAULT
     resets: int = 0
-    head_of: tuple[int, int] | None = None
+    head_of: tuple[int, int, int] | None = None
     unusable: bool = False
     #: Unusable because an append failed (not READONLY/OFFLINE): once its data is
     #: dead a reset is tried, and a zone that resets cleanly is used again.
@@ -99,6 +108,8 @@ class DataZone:
     seal_at: int | None = None
     #: The zone's whole capacity on the device (data room plus summary room).
     zone_capacity: int = 0
+    #: The declared tenant owning it (0: nobody; INV-27), until its next reset.
+    tenant: int = 0
 
     @property
     def remaining(self) -> int:
@@ -107,6 +118,18 @@ class DataZone:
 
 class NeedCleaning(errors.NoSpace):
     """No empty zone is left for users; the cleaner must make one (or it is ENOSPC)."""
+
+    #: The declared tenant whose cap was met (`TenantFull`), 0 for the device.
+    tenant = 0
+
+
+class TenantFull(NeedCleaning):
+    """A tenant owns `max_zones` zones: cleaning within it must free one (or it is
+    that tenant's ENOSPC; the others still write)."""
+
+    def __init__(self, tenant: int, message: str) -> None:
+        super().__init__(message)
+        self.tenant = tenant
 
 
 class AppendJournal(Protocol):
@@ -156,7 +179,8 @@ class Allocator:
             cap_blocks = z.capacity_bytes // bs
             data_cap = (cap_blocks - room_blocks(cap_blocks, bs)) * bs
             dz = DataZone(z.index, z.start_bytes, data_cap, min(z.written_bytes, data_cap),
-                          stream=stream, resets=resets, zone_capacity=z.capacity_bytes)
+                          stream=stream, resets=resets, zone_capacity=z.capacity_bytes,
+                          tenant=state.zone_tenant.get(z.index, 0))
             seal = state.zone_seals.get(z.index)
             if seal is not None and z.written_bytes < summary_end(seal[1], bs):
                 if not state.zone_live_blocks.get(z.index):
@@ -194,7 +218,7 @@ class Allocator:
         self.head_budget = max(1, limit - RESERVED_ACTIVE) if limit else SOFT_HEAD_BUDGET
         # Never let partly written zones take more than a quarter of the data zones.
         self.head_budget = min(self.head_budget, max(4, len(self.zones) // 4))
-        self.heads: dict[tuple[int, int], int] = {}
+        self.heads: dict[tuple[int, int, int], int] = {}
         #: Heads per group (`owner_for`): a quarter of the budget, 1 to 4.
         self.group_lanes = max(1, min(MAX_GROUP_LANES, self.head_budget // 4))
         #: The owner each file writing to a head of its own or of its group writes as.
@@ -268,23 +292,29 @@ class Allocator:
             if self.live_bytes(dz.idx) == 0:
                 dead.append(dz.idx)
                 continue
-            if dz.reserved < dz.capacity and (dz.stream, 0) not in self.heads:
-                self.heads[(dz.stream, 0)] = dz.idx
-                dz.head_of = (dz.stream, 0)
+            key = (dz.stream, 0, dz.tenant)
+            if dz.reserved < dz.capacity and key not in self.heads:
+                self.heads[key] = dz.idx
+                dz.head_of = key
         return dead
 
     # -- allocation ---------------------------------------------------------------
     def reserve(self, stream: int, owner: int, nbytes: int, journal_ops: list[Op],
-                to_finish: list[int]) -> tuple[int, int]:
-        """Reserve up to `nbytes` (block multiple) in a zone for (stream, owner).
+                to_finish: list[int], tenant: int = 0) -> tuple[int, int]:
+        """Reserve up to `nbytes` (block multiple) in a zone for (stream, owner) of
+        `tenant` (0: none; only zones it owns, INV-27).
 
         Returns (zone index, granted bytes); the caller first finishes the
         zones appended to `to_finish` (to give back their active-zone tokens),
         then appends exactly `granted` bytes to the zone, then calls
         `append_done`. A new zone is recorded by appending a ZONE_STATE op to
-        `journal_ops`. Raises errors.NoSpace when no zone can take the data.
+        `journal_ops` (and a ZONE_TENANT op for a tenant's). Raises errors.NoSpace
+        when no zone can take the data (NeedCleaning / TenantFull when cleaning may
+        make room).
         """
-        key = (stream, owner)
+        if tenant and self.state.tenants.get(tenant) is None:
+            tenant = 0  # removed while this write waited (for the cleaner): shared now
+        key = (stream, owner, tenant)
         zone_idx = self.heads.get(key)
         if zone_idx is None or self.zones[zone_idx].remaining <= 0:
             if zone_idx is not None:
@@ -365,8 +395,9 @@ class Allocator:
         """File `owner` (an inode) stops writing (closed or deleted): let go of its
         private heads, or of its group's once no file of the group writes.
 
-        A head let go with room left becomes a spare zone of its stream, taken by
-        the stream's next new head (`_take_spare`), never finished here: its room
+        A head let go with room left becomes a spare zone of its stream (still its
+        tenant's), taken by the next new head of the stream within the same
+        tenant (`_take_spare`), never finished here: its room
         is written, not wasted. `to_finish` is kept for callers; nothing is
         appended to it now (zones are finished only for a token, `_new_head`).
         """
@@ -394,7 +425,7 @@ class Allocator:
         to_finish.append(dz.idx)
         self._maybe_dead(dz.idx)
 
-    def _drop_head(self, key: tuple[int, int]) -> None:
+    def _drop_head(self, key: tuple[int, int, int]) -> None:
         zone_idx = self.heads.pop(key, None)
         if zone_idx is not None:
             self.zones[zone_idx].head_of = None
@@ -405,14 +436,17 @@ class Allocator:
         return [dz for dz in self.zones.values()
                 if not dz.unusable and 0 < dz.reserved < dz.capacity]
 
-    def _take_spare(self, key: tuple[int, int]) -> int | None:
-        """Make the fullest spare zone of the key's stream (partly written, no
-        head, not dead) the key's head; return it, or None if there is none."""
+    def _take_spare(self, key: tuple[int, int, int]) -> int | None:
+        """Make the fullest spare zone of the key's stream and tenant (partly
+        written, no head, not dead) the key's head; return it, or None if there
+        is none. A spare is already active and already its tenant's, so taking
+        it costs no token and no zone of the tenant's cap (INV-27: only the
+        tenant that owns it writes it again)."""
         pending = {z for z, _ in self.pending_resets}
         spare = [dz for dz in self.zones.values()
-                 if dz.stream == key[0] and dz.head_of is None and not dz.unusable
-                 and 0 < dz.reserved < dz.capacity and dz.seal_at is None
-                 and dz.idx not in pending
+                 if dz.stream == key[0] and dz.tenant == key[2] and dz.head_of is None
+                 and not dz.unusable and 0 < dz.reserved < dz.capacity
+                 and dz.seal_at is None and dz.idx not in pending
                  and (dz.inflight or self.state.zone_live_blocks.get(dz.idx))]
         if not spare:
             return None
@@ -421,55 +455,177 @@ class Allocator:
         self.heads[key] = dz.idx
         return dz.idx
 
-    def _new_head(self, key: tuple[int, int], journal_ops: list[Op],
+    def _new_head(self, key: tuple[int, int, int], journal_ops: list[Op],
                   to_finish: list[int]) -> int:
         spare = self._take_spare(key)
         if spare is not None:
             return spare
+        tenant = key[2]
+        if tenant:
+            # Checked before any zone is finished for a token: a tenant at its cap
+            # shares a head of its own or asks for cleaning within it.
+            capped = self._tenant_cap_head(key)
+            if capped is not None:
+                return capped
         active = self.active_zones()
+        policy = self.state.tenants.get(tenant) if tenant else None
+        if policy is not None and policy.max_active:
+            mine = [dz for dz in active if dz.tenant == tenant]
+            if len(mine) >= policy.max_active:
+                # The tenant's own tokens first (issue 45): finish one of its zones
+                # or share one of its heads; never another tenant's zone for it. If
+                # every one of its zones has an append in flight it goes over its
+                # count rather than fail (the device budget below still holds).
+                freed, share = self._free_token(mine, key, to_finish)
+                if share is not None:
+                    return share
+                if freed:
+                    active = self.active_zones()
         if len(active) >= self.head_budget:
-            idle = [dz for dz in active if dz.head_of is None and not dz.inflight]
-            private = [dz for dz in active
-                       if dz.head_of is not None and dz.head_of[1] != 0 and not dz.inflight]
-            if idle:
-                self._mark_finished(max(idle, key=lambda z: z.reserved), to_finish)
-            elif private:
-                victim = max(private, key=lambda z: z.reserved)
-                assert victim.head_of is not None
-                self._drop_head(victim.head_of)
-                self._mark_finished(victim, to_finish)
-            elif key[1] != 0 and (key[0], 0) in self.heads:
-                # No token for a private head: share the stream's head.
-                return self.heads[(key[0], 0)]
-            else:
-                shared = [dz for dz in active if dz.head_of is not None and not dz.inflight]
-                if not shared:
-                    raise errors.NoSpace("every active zone has a write in flight")
-                victim = max(shared, key=lambda z: z.reserved)
-                assert victim.head_of is not None
-                self._drop_head(victim.head_of)
-                self._mark_finished(victim, to_finish)
+            freed, share = self._free_token(active, key, to_finish)
+            if share is not None:
+                return share
+            if not freed:
+                raise errors.NoSpace("every active zone has a write in flight")
         empty = self.empty_zones()
-        if key[0] != Stream.CLEANER and len(empty) <= self.reserve_zones + 1:
+        # Empty zones owed to other tenants under their min_zones are not ours.
+        owed = self.owed_zones(exclude=tenant)
+        own_reserve = bool(tenant) and self._owns_fewer_than_min(tenant)
+        usable = len(empty) - owed
+        if key[0] == Stream.CLEANER or own_reserve:
+            # The cleaner (INV-14), and a tenant under its reservation, may take
+            # any empty zone nobody else is owed.
+            if usable <= 0:
+                raise errors.NoSpace("no empty data zone left" if not owed else
+                                     f"the {len(empty)} empty data zones are reserved "
+                                     "for other tenants")
+        elif usable <= self.reserve_zones + 1:
             # Empty zones are scarce: share a head of the same stream that has room
             # rather than opening a zone (INV-9 only keeps streams apart).
             same = [self.zones[z] for k, z in self.heads.items()
-                    if k[0] == key[0] and self.zones[z].remaining > 0]
+                    if k[0] == key[0] and k[2] == tenant and self.zones[z].remaining > 0]
             if same:
                 return max(same, key=lambda dz: dz.remaining).idx
-            if len(empty) <= self.reserve_zones:
+            if usable <= self.reserve_zones:
                 raise NeedCleaning(
-                    f"{len(empty)} empty data zones left, all kept for the cleaner")
-        if not empty:
-            raise errors.NoSpace("no empty data zone left")
+                    f"{len(empty)} empty data zones left, kept for the cleaner"
+                    + (f" and for tenants ({owed})" if owed else ""))
         dz = min(empty, key=lambda z: (z.resets, z.idx))
         dz.stream = key[0]
         dz.head_of = key
+        dz.tenant = tenant
         self.heads[key] = dz.idx
         op = (OpType.ZONE_STATE, dz.idx, key[0], 0, dz.resets)
         self.state.apply(op)
         journal_ops.append(op)
+        if tenant:
+            top = (OpType.ZONE_TENANT, dz.idx, tenant)
+            self.state.apply(top)
+            journal_ops.append(top)
         return dz.idx
+
+    def _free_token(self, active: list[DataZone], key: tuple[int, int, int],
+                    to_finish: list[int]) -> tuple[bool, int | None]:
+        """Give back an active-zone token from `active` for a new head of `key`:
+        finish an idle zone, else the fullest private head; or, for a private head,
+        share the stream's head; else finish the fullest shared head. Returns
+        (a token was freed, a zone to share instead); (False, None) when every
+        zone has an append in flight."""
+        idle = [dz for dz in active if dz.head_of is None and not dz.inflight]
+        private = [dz for dz in active
+                   if dz.head_of is not None and dz.head_of[1] != 0 and not dz.inflight]
+        if idle:
+            self._mark_finished(max(idle, key=lambda z: z.reserved), to_finish)
+            return True, None
+        if private:
+            victim = max(private, key=lambda z: z.reserved)
+            assert victim.head_of is not None
+            self._drop_head(victim.head_of)
+            self._mark_finished(victim, to_finish)
+            return True, None
+        shared_key = (key[0], 0, key[2])
+        if key[1] != 0 and shared_key in self.heads:
+            # No token for a private head: share the stream's head.
+            return False, self.heads[shared_key]
+        shared = [dz for dz in active if dz.head_of is not None and not dz.inflight]
+        if not shared:
+            return False, None
+        victim = max(shared, key=lambda z: z.reserved)
+        assert victim.head_of is not None
+        self._drop_head(victim.head_of)
+        self._mark_finished(victim, to_finish)
+        return True, None
+
+    # -- tenants (issue 45) ----------------------------------------------------------
+    def tenant_zones(self, tenant: int) -> list[DataZone]:
+        """Zones the tenant owns: written, being written, or awaiting a reset."""
+        return [dz for dz in self.zones.values()
+                if dz.tenant == tenant and (dz.reserved or dz.head_of is not None)]
+
+    def owned_counts(self) -> dict[int, int]:
+        """tenant -> zones it owns (`tenant_zones`), for every declared tenant."""
+        out = dict.fromkeys(self.state.tenants.by_id, 0)
+        for dz in self.zones.values():
+            if dz.tenant and (dz.reserved or dz.head_of is not None) and dz.tenant in out:
+                out[dz.tenant] += 1
+        return out
+
+    def owed_zones(self, exclude: int = 0) -> int:
+        """Empty zones the declared tenants (but `exclude`) are still owed: the sum
+        of min_zones less what each owns, where positive."""
+        tenants = self.state.tenants.by_id
+        if not any(p.min_zones for p in tenants.values()):
+            return 0
+        owned = self.owned_counts()
+        return sum(max(0, p.min_zones - owned.get(t, 0)) for t, p in tenants.items()
+                   if t != exclude)
+
+    def _owns_fewer_than_min(self, tenant: int) -> bool:
+        policy = self.state.tenants.get(tenant)
+        return policy is not None and len(self.tenant_zones(tenant)) < policy.min_zones
+
+    def tenant_at_cap(self, tenant: int, cleaner: bool = False) -> bool:
+        """True when the tenant may not own another zone (its cleaner: one more)."""
+        policy = self.state.tenants.get(tenant)
+        if policy is None or not policy.max_zones:
+            return False
+        return len(self.tenant_zones(tenant)) >= policy.max_zones + (1 if cleaner else 0)
+
+    def _tenant_cap_head(self, key: tuple[int, int, int]) -> int | None:
+        """At the tenant's cap: a head of its own of the same stream with room to
+        share, else TenantFull. None: under the cap."""
+        tenant = key[2]
+        if not self.tenant_at_cap(tenant, cleaner=key[0] == Stream.CLEANER):
+            return None
+        same = [self.zones[z] for k, z in self.heads.items()
+                if k[0] == key[0] and k[2] == tenant and self.zones[z].remaining > 0]
+        if same:
+            return max(same, key=lambda dz: dz.remaining).idx
+        policy = self.state.tenants.get(tenant)
+        assert policy is not None
+        raise TenantFull(tenant, f"tenant {tenant} owns its {policy.max_zones} zones")
+
+    def tenant_cleaner_room_bytes(self, tenant: int) -> int:
+        """Bytes the tenant's cleaner can append: its head's room, plus empty zones
+        it may still take (its cap plus one, nobody else's reservation)."""
+        head = self.heads.get((Stream.CLEANER, 0, tenant))
+        room = self.zones[head].remaining if head is not None else 0
+        empty = self.empty_zones()
+        n = len(empty) - self.owed_zones(exclude=tenant)
+        policy = self.state.tenants.get(tenant)
+        if policy is not None and policy.max_zones:
+            n = min(n, policy.max_zones + 1 - len(self.tenant_zones(tenant)))
+        cap = max((dz.capacity for dz in empty), default=0)
+        return room + max(0, n) * cap
+
+    def tenant_removed(self, tenant: int) -> None:
+        """After a TENANT_DEL is applied: its zones are nobody's, its heads go (the
+        zones they held stay written and are shared data from now on)."""
+        for key in [k for k in self.heads if k[2] == tenant]:
+            self._drop_head(key)
+        for dz in self.zones.values():
+            if dz.tenant == tenant:
+                dz.tenant = 0
 
     def empty_zones(self) -> list[DataZone]:
         """Zones that can become a new head now (empty, usable, not awaiting reset)."""
@@ -565,6 +721,10 @@ class Allocator:
         dz.reserved = 0
         dz.sealed = False
         dz.resets += 1
+        if dz.tenant:
+            key = C_TENANT_RESETS_BASE + dz.tenant
+            self.state.counters[key] = self.state.counters.get(key, 0) + 1
+            dz.tenant = 0
         self.state.forget_zone_owners(zone_idx)
         op = (OpType.ZONE_STATE, zone_idx, Stream.DEFAULT, 0, dz.resets)
         self.state.apply(op)
@@ -581,7 +741,8 @@ class Allocator:
         used = self.used_bytes_fn() if self.used_bytes_fn is not None \
             else self.live_total_bytes()
         spare = (self.user_capacity_bytes() - used) // cap
-        return max(0, min(len(self.empty_zones()) - self.reserve_zones - 1, spare))
+        owed = self.owed_zones()  # empty zones kept for tenants are not lent (issue 45)
+        return max(0, min(len(self.empty_zones()) - self.reserve_zones - 1 - owed, spare))
 
     def lend_zones(self, count: int) -> list[int]:
         """Take up to `count` empty zones out of data use for the index (the most

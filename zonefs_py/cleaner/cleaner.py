@@ -24,6 +24,12 @@ finds no empty zone left for users (`NeedCleaning`). The empty zones held back f
 (`Allocator.reserve_zones`) mean cleaning always has somewhere to write
 (INV-14); a victim is only taken if its live data fits in the cleaner's room.
 
+Tenants (issue 45): a declared tenant's zone is cleaned into that tenant's own
+cleaner head (the host's `relocate`), so its room is the tenant's
+(`tenant_cleaner_room_bytes`); a writer whose tenant is at its zone cap gets a
+foreground pass that cleans only that tenant's zones (`clean_for_space(tenant)`),
+so one tenant's churn never moves another's data.
+
 The cleaner reaches the filesystem only through `CleanerHost` (host.py):
 it sees zones as `ZoneUsage` figures and live data as `LivePiece`s, and the
 host reads, relocates and re-points them (`zonefs_py.fs.reclaim`). All of this
@@ -91,13 +97,22 @@ class Cleaner:
         age = max(1.0, (now_ns - zone.last_write_ns) / 1e9)
         return (1.0 - u) * age / (1.0 + u)
 
-    def pick_victim(self, policy: str | None = None) -> ZoneUsage | None:
-        """Best candidate whose live data fits where the cleaner can write."""
+    def pick_victim(self, policy: str | None = None,
+                    tenant: int | None = None) -> ZoneUsage | None:
+        """Best candidate whose live data fits where the cleaner can write it (in
+        its tenant's zones); with `tenant`, among that tenant's zones only."""
         policy = policy or self.policy
-        room = self.host.cleaner_room_bytes()
+        rooms: dict[int, int] = {}
         now = time.time_ns()
         best: tuple[float, ZoneUsage] | None = None
         for zone in self.candidates():
+            if tenant is not None and zone.tenant != tenant:
+                continue
+            room = rooms.get(zone.tenant)
+            if room is None:
+                room = rooms[zone.tenant] = (
+                    self.host.tenant_cleaner_room_bytes(zone.tenant) if zone.tenant
+                    else self.host.cleaner_room_bytes())
             if zone.live_bytes > room:
                 continue
             s = self.score(zone, now, policy)
@@ -155,11 +170,14 @@ class Cleaner:
     def _users_short(self) -> bool:
         return self.host.empty_zone_count() <= self.host.reserve_zones
 
-    async def clean_for_space(self) -> bool:
-        """Foreground: clean (unthrottled) until users have an empty zone again.
+    async def clean_for_space(self, tenant: int = 0) -> bool:
+        """Foreground: clean (unthrottled) until users have an empty zone again; for
+        a declared tenant at its cap, clean its zones until it is under the cap.
 
         Returns False when nothing could be freed (then the caller's ENOSPC is real).
         """
+        if tenant:
+            return await self._clean_tenant(tenant)
         async with self._lock:
             self.stats.foreground_passes += 1
             freed = False
@@ -174,15 +192,36 @@ class Cleaner:
                 freed = True
             return True
 
-    async def background_pass(self) -> int:
-        """Clean one victim at the configured rate if empty zones run low."""
-        if self.rate <= 0 or self.host.empty_zone_count() >= self.low_watermark:
-            return 0
-        if self._lock.locked():
-            return 0
+    async def _clean_tenant(self, tenant: int) -> bool:
         async with self._lock:
-            victim = self.pick_victim()
-            if victim is None:
+            self.stats.foreground_passes += 1
+            freed = False
+            while self.host.tenant_full(tenant):
+                await self.host.commit_and_reset()
+                if not self.host.tenant_full(tenant):
+                    return True
+                victim = self.pick_victim(tenant=tenant)
+                if victim is None:
+                    return freed
+                await self.clean_zone(victim.zone_idx, throttle=False)
+                freed = True
+            return True
+
+    async def background_pass(self) -> int:
+        """Clean one victim at the configured rate if empty zones run low, or else
+        one of a declared tenant near its zone cap (so its writers meet a
+        foreground pass less often), if a quarter of that zone is dead."""
+        if self.rate <= 0 or self._lock.locked():
+            return 0
+        tenant: int | None = None
+        if self.host.empty_zone_count() >= self.low_watermark:
+            tenant = next(iter(self.host.tenants_near_cap()), None)
+            if tenant is None:
+                return 0
+        async with self._lock:
+            victim = self.pick_victim(tenant=tenant)
+            if victim is None or (tenant is not None
+                                  and victim.dead_bytes * 4 < victim.capacity_bytes):
                 return 0
             self.stats.passes += 1
             copied = await self.clean_zone(victim.zone_idx, throttle=True)

@@ -36,6 +36,8 @@ class ZoneUsage:
     live_bytes: int
     #: When data was last appended (mount time for zones written before it).
     last_write_ns: int
+    #: The declared tenant owning it (0: none); its copies stay in that tenant's zones.
+    tenant: int = 0
 
     @property
     def dead_bytes(self) -> int:
@@ -76,6 +78,15 @@ class CleanerHost(Protocol):
     def cleaner_room_bytes(self) -> int:
         """Bytes the cleaner can still append: its write head's room plus empty zones."""
 
+    def tenant_cleaner_room_bytes(self, tenant: int) -> int:
+        """Bytes the cleaner can still append for a declared tenant (in its zones)."""
+
+    def tenant_full(self, tenant: int) -> bool:
+        """True while the tenant owns as many zones as its cap lets its users own."""
+
+    def tenants_near_cap(self) -> list[int]:
+        """Declared tenants within one zone of their cap (background cleaning)."""
+
     def candidate_zones(self) -> list[ZoneUsage]:
         """Zones worth cleaning (see the module docstring)."""
 
@@ -97,7 +108,8 @@ class CleanerHost(Protocol):
         """Read the piece; None if the read fails or a block fails its checksum."""
 
     async def relocate(self, piece: LivePiece, data: bytes) -> int:
-        """Append `data` (the piece's verified bytes) to the cleaner's stream and re-point
+        """Append `data` (the piece's verified bytes) to the cleaner's stream, in zones
+        of the tenant owning the piece's zone (INV-27), and re-point
         the blocks still mapped to the piece; return the bytes appended.
 
         Raises errors.IOFailure when the append fails, errors.NoSpace when no

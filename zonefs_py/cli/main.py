@@ -11,7 +11,7 @@ import importlib
 import sys
 
 #: Subcommand modules, in the order `--help` lists them.
-SUBCOMMANDS = ("emu", "mkfs", "fsck", "mount", "stat", "drain", "unit")
+SUBCOMMANDS = ("emu", "mkfs", "fsck", "mount", "stat", "tenant", "drain", "unit")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -129,6 +129,15 @@ class OpType(enum.IntEnum):
     #: Inode generations (issue 42): inodes numbered from an ino on are of this
     #: generation (export handles of a reused number go stale; no DISK_VERSION change).
     INO_GENERATION = 30
+    #: Declared tenants (issue 45; no DISK_VERSION change, as PREALLOC): a tenant's
+    #: table entry (directory, zone reservation and cap), written when declared or
+    #: changed and in every checkpoint.
+    TENANT = 31
+    #: A tenant is removed: its zones are nobody's (issue 45).
+    TENANT_DEL = 32
+    #: A data zone is owned by a tenant (issue 45): after the ZONE_STATE that
+    #: opened it, and in every checkpoint; a ZONE_STATE (reset or reopen) ends it.
+    ZONE_TENANT = 33
 
 
 class Stream(enum.IntEnum):
@@ -163,3 +172,10 @@ C_META_BYTES = 3
 C_CLEANER_BYTES = 4
 C_PAD_BYTES = 5
 C_STREAM_BASE = 100  # + stream id: device data bytes per stream
+#: Per declared tenant (issue 45), + tenant id: device data bytes users wrote,
+#: device bytes the cleaner copied, resets of its zones. Dropped with the tenant.
+C_TENANT_USER_BASE = 0x1000
+C_TENANT_CLEANER_BASE = 0x2000
+C_TENANT_RESETS_BASE = 0x3000
+#: Tenant ids are 1..TENANT_MAX_ID (0: no tenant; the counters above leave room).
+TENANT_MAX_ID = 0xFFF

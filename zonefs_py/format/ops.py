@@ -33,6 +33,12 @@ u32 body length, body (docs/SPEC.md "Operations").
     INO_GENERATION (first_ino, generation)   inodes numbered first_ino and up (to the
                 next such op's first_ino) are of `generation` (u32, FUSE's and
                 export handles'; model/state.py `generation_of`)
+    TENANT      (tenant_id, flags, dir_ino, min_zones, max_zones, max_active)   a declared
+                tenant's table entry (issue 45; max_zones / max_active 0: no cap;
+                flags 0, reserved)
+    TENANT_DEL  (tenant_id,)   the tenant is removed; its zones are nobody's
+    ZONE_TENANT (zone_idx, tenant_id)   the zone (opened by the ZONE_STATE before
+                it) holds only that tenant's data until its next ZONE_STATE
     Format 5 only (issue 32, docs/DESIGN.md 3.15):
     PARENT      (ino, parent_ino)   an inode record's primary parent directory
     ZONE_LIVE   (zone_idx, live_blocks)   a checkpoint's live block count of a data zone
@@ -69,6 +75,9 @@ _QQQ = struct.Struct("<QQQ")
 _SHARE = struct.Struct("<QQI")
 _ZONE_LIVE = struct.Struct("<IQ")
 _INO_GENERATION = struct.Struct("<QI")
+_TENANT = struct.Struct("<HHQIII")
+_TENANT_DEL = struct.Struct("<H")
+_ZONE_TENANT = struct.Struct("<IH")
 #: Inodes one RESIDENT op lists at most (a checkpoint writes as many ops as needed).
 RESIDENT_MAX_INODES = 4096
 
@@ -103,6 +112,12 @@ def encode_op(op: Op) -> bytes:
         body = _ZONE_LIVE.pack(op[1], op[2])
     elif kind == OpType.INO_GENERATION:
         body = _INO_GENERATION.pack(op[1], op[2])
+    elif kind == OpType.TENANT:
+        body = _TENANT.pack(op[1], op[2], op[3], op[4], op[5], op[6])
+    elif kind == OpType.TENANT_DEL:
+        body = _TENANT_DEL.pack(op[1])
+    elif kind == OpType.ZONE_TENANT:
+        body = _ZONE_TENANT.pack(op[1], op[2])
     elif kind == OpType.RESIDENT:
         if len(op[1]) > RESIDENT_MAX_INODES:
             raise ValueError(f"RESIDENT op of {len(op[1])} inodes (at most {RESIDENT_MAX_INODES})")
@@ -214,6 +229,15 @@ def _decode_body(kind: int, payload: bytes, mv: memoryview, pos: int, bend: int)
         if bend - pos != _INO_GENERATION.size:
             raise OpDecodeError("INO_GENERATION body is not 12 bytes")
         return (OpType.INO_GENERATION, *_INO_GENERATION.unpack_from(payload, pos))
+    if kind == OpType.TENANT:
+        _check(bend - pos == _TENANT.size, "TENANT length")
+        return (OpType.TENANT, *_TENANT.unpack_from(payload, pos))
+    if kind == OpType.TENANT_DEL:
+        _check(bend - pos == _TENANT_DEL.size, "TENANT_DEL length")
+        return (OpType.TENANT_DEL, *_TENANT_DEL.unpack_from(payload, pos))
+    if kind == OpType.ZONE_TENANT:
+        _check(bend - pos == _ZONE_TENANT.size, "ZONE_TENANT length")
+        return (OpType.ZONE_TENANT, *_ZONE_TENANT.unpack_from(payload, pos))
     if kind == OpType.ZONE_LIVE:
         if bend - pos != _ZONE_LIVE.size:
             raise OpDecodeError("ZONE_LIVE body is not 12 bytes")

@@ -76,7 +76,7 @@ class DataPath:
                  qos: ReadLatencyController | None = None,
                  reader: AsyncReader | None = None, stamp_times: bool = True,
                  prefetch_bytes: int = 0, fast_read: bool = True,
-                 on_need_space: Callable[[], Awaitable[bool]] | None = None,
+                 on_need_space: Callable[[int], Awaitable[bool]] | None = None,
                  tasks: MountTasks) -> None:
         self.dev = dev
         self.state = state
@@ -134,7 +134,7 @@ class DataPath:
         return self.reads.prefetch
 
     @property
-    def on_need_space(self) -> Callable[[], Awaitable[bool]] | None:
+    def on_need_space(self) -> Callable[[int], Awaitable[bool]] | None:
         return self.pipe.on_need_space
 
     @property

@@ -76,6 +76,7 @@ from zonefs_py.fs.reflink import Copier
 from zonefs_py.fs.spacegate import SpaceGate
 from zonefs_py.fs.status import build_status
 from zonefs_py.fs.tasks import MountTasks
+from zonefs_py.fs.tenants import TenantAdmin
 from zonefs_py.journal.journal import Journal
 from zonefs_py.journal.nsindex import IndexReader
 from zonefs_py.journal.recovery import Recovered, recover
@@ -143,6 +144,8 @@ class ZoneFS(NamespaceOps, HandleOps, AttrOps, FileSystemAPI):
                                     self.data.sealer, self.data.sums)
         self.cleaner = Cleaner(self.reclaim, options.cleaner_policy, options.cleaner_rate_mb_s)
         self.quota = QuotaTracker(self.state)
+        #: Declared tenants: commands and figures (fs/tenants.py, issue 45).
+        self.tenants = TenantAdmin(self.state, self.alloc, self.data, self._txn, self.path_of)
         self._meta_base = self.state.counters.get(C_META_BYTES, 0)
         from zonefs_py.drain.manager import DrainManager
 
@@ -307,9 +310,12 @@ class ZoneFS(NamespaceOps, HandleOps, AttrOps, FileSystemAPI):
         await self.reclaim.reset_dead_zones()
         await self.cleaner.background_pass()
 
-    async def _need_space(self) -> bool:
+    async def _need_space(self, tenant: int = 0) -> bool:
         """Foreground space for a write (DataPath's `on_need_space`): evict drained
-        files first, then clean; False when nothing was freed."""
+        files first, then clean; False when nothing was freed. For a declared tenant
+        at its zone cap: clean within that tenant only (issue 45)."""
+        if tenant:
+            return await self.cleaner.clean_for_space(tenant)
         if await self.drain.relieve_space(self.data.zone_size):
             await self.reclaim.commit_and_reset()
             return True

@@ -20,6 +20,7 @@ from zonefs_py.drain.manager import DrainManager
 from zonefs_py.drain.policy import STATE_XATTR, check_policy_xattr
 from zonefs_py.format.constants import FLAG_STREAM_SET, QUOTA_XATTR, OpType
 from zonefs_py.format.ops import Op
+from zonefs_py.fs import tenants
 from zonefs_py.fs.api import (
     NAME_MAX,
     ROOT_INO,
@@ -208,6 +209,7 @@ class NamespaceOps:
             raise errors.TooManyLinks(f"inode {ino} has {inode.nlink} links")
         if inode.nlink == 0:
             raise errors.NotFound("cannot link an unlinked file")
+        tenants.check_link(self.state, inode, d.ino)
         now = now_ns()
         self._txn([inode.op(nlink=inode.nlink + 1, ctime=now),
                    (OpType.DIRENT_ADD, d.ino, ino, new_name), self._touch_dir(d)])
@@ -245,6 +247,7 @@ class NamespaceOps:
             raise errors.NotDirectory(f"{name!r} is not a directory")
         if child.entries:
             raise errors.NotEmpty(f"{name!r} is not empty")
+        tenants.check_remove_dir(self.state, child_ino)
         now = now_ns()
         self._txn([(OpType.DIRENT_DEL, d.ino, name), child.op(nlink=0, ctime=now),
                    self._touch_dir(d, -1)])
@@ -303,6 +306,8 @@ class NamespaceOps:
                 raise errors.IsDirectory(f"{new_name!r} is a directory")
             if dst.is_dir and dst.entries:
                 raise errors.NotEmpty(f"{new_name!r} is not empty")
+        tenants.check_rename(self.state, src, old_parent_ino, new_parent_ino, dst,
+                             bool(flags & RenameFlags.EXCHANGE))
         now = now_ns()
         nlink_delta: dict[int, int] = {old_parent_ino: 0, new_parent_ino: 0}
         ops: list[Op] = []

@@ -29,7 +29,7 @@ from zonefs_py.alloc.allocator import Allocator
 from zonefs_py.cleaner.host import LivePiece, ZoneUsage
 from zonefs_py.device.base import ZonedDevice
 from zonefs_py.format.checksum import block_checksums, first_bad_block
-from zonefs_py.format.constants import C_CLEANER_BYTES, OpType, Stream
+from zonefs_py.format.constants import C_CLEANER_BYTES, C_TENANT_CLEANER_BASE, OpType, Stream
 from zonefs_py.format.ops import Op
 from zonefs_py.fs.lazyio import warm_zone
 from zonefs_py.fs.zonesums import SumCache, ZoneSealer
@@ -90,9 +90,25 @@ class SpaceReclaim:
         return len(self.alloc.empty_zones())
 
     def cleaner_room_bytes(self) -> int:
-        head = self.alloc.heads.get((Stream.CLEANER, 0))
+        head = self.alloc.heads.get((Stream.CLEANER, 0, 0))
         room = self.alloc.zones[head].remaining if head is not None else 0
-        return room + sum(dz.capacity for dz in self.alloc.empty_zones())
+        empty = self.alloc.empty_zones()
+        owed = self.alloc.owed_zones()  # kept for tenants under min_zones (issue 45)
+        cap = max((dz.capacity for dz in empty), default=0)
+        return room + max(0, len(empty) - owed) * cap
+
+    def tenant_cleaner_room_bytes(self, tenant: int) -> int:
+        return self.alloc.tenant_cleaner_room_bytes(tenant)
+
+    def tenant_full(self, tenant: int) -> bool:
+        return self.alloc.tenant_at_cap(tenant)
+
+    def tenants_near_cap(self) -> list[int]:
+        capped = [(t, p.max_zones) for t, p in self.state.tenants.by_id.items() if p.max_zones]
+        if not capped:
+            return []
+        owned = self.alloc.owned_counts()
+        return [t for t, cap in capped if owned.get(t, 0) >= cap - 1]
 
     def candidate_zones(self) -> list[ZoneUsage]:
         pending = {z for z, _ in self.alloc.pending_resets}
@@ -103,7 +119,8 @@ class SpaceReclaim:
                 continue
             live = self.alloc.live_bytes(dz.idx)
             if dz.reserved - live > 0 and live > 0:
-                out.append(ZoneUsage(dz.idx, dz.capacity, dz.reserved, live, dz.last_write_ns))
+                out.append(ZoneUsage(dz.idx, dz.capacity, dz.reserved, live, dz.last_write_ns,
+                                     dz.tenant))
         return out
 
     # -- CleanerHost: data ---------------------------------------------------------------
@@ -169,11 +186,14 @@ class SpaceReclaim:
         all_csums = piece.csums if piece.csums is not None else block_checksums(data, bs)
         pos = 0
         copied = 0
+        # The copy stays in zones of the tenant owning the victim (INV-27).
+        victim = self.alloc.zones.get(piece.dev_offset_bytes // self.state.zone_size)
+        tenant = victim.tenant if victim is not None else 0
         while pos < len(data):
             zone_ops: list[Op] = []
             to_finish: list[int] = []
             zone, granted = self.alloc.reserve(Stream.CLEANER, 0, len(data) - pos, zone_ops,
-                                               to_finish)
+                                               to_finish, tenant)
             if zone_ops:
                 self.journal.add(zone_ops)
             try:
@@ -200,6 +220,9 @@ class SpaceReclaim:
                 self.journal.add(ops)
             copied += granted
             pos += granted
+            if tenant:
+                key = C_TENANT_CLEANER_BASE + tenant
+                self.state.counters[key] = self.state.counters.get(key, 0) + granted
         return copied
 
     def _repoint(self, ino: int, first: int, count: int, old_dev: int, new_dev: int,

@@ -46,6 +46,7 @@ from zonefs_py.fs.api import FILE_SIZE_MAX
 from zonefs_py.fs.clock import now_ns
 from zonefs_py.fs.datapath import DataPath
 from zonefs_py.model.state import Inode, State
+from zonefs_py.model.tenants import tenant_of
 
 #: Bytes one fallback (in-daemon) copy call copies at most.
 FALLBACK_MAX_BYTES = 16 << 20
@@ -139,6 +140,8 @@ class Copier:
         bs = self.bs
         if src.inline or dst.inline or off_in % bs or off_out % bs:
             return False
+        if tenant_of(self.state, src) != tenant_of(self.state, dst):
+            return False  # a tenant's blocks never become another's (INV-27): copy bytes
         if length % bs == 0:
             return True
         # A partial last block is shared whole: only if it is the source's last

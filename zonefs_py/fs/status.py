@@ -28,6 +28,7 @@ from zonefs_py.fs.datapath import DataPath
 from zonefs_py.fs.latency import Histogram
 from zonefs_py.fs.options import FsOptions
 from zonefs_py.fs.quota import QuotaTracker
+from zonefs_py.fs.tenants import TenantAdmin
 from zonefs_py.journal.journal import Journal
 from zonefs_py.model.lazy import InodeTable
 from zonefs_py.model.state import State
@@ -52,6 +53,7 @@ class StatusSource(Protocol):
     alloc: Allocator
     journal: Journal
     quota: QuotaTracker
+    tenants: TenantAdmin
     cleaner: Cleaner
     read_latency: Histogram
     write_latency: Histogram
@@ -142,7 +144,7 @@ def build_status(fs: StatusSource) -> dict[str, object]:
         "write_amplification": round(device_total / user, 4) if user else None,
         "streams": streams,
         "wear": fs.alloc.wear(),
-        "tenants": fs.quota.tenant_report(),
+        "tenants": _tenants(fs),
         "cleaner": {"policy": fs.cleaner.policy,
                     "rate_mb_s": fs.options.cleaner_rate_mb_s,
                     "running": fs.cleaner.busy,
@@ -277,3 +279,13 @@ def _namespace(fs: StatusSource) -> dict[str, object]:
             "faults_read_in_threads": table.thread_reads,
             "index_device_reads": getattr(reader, "device_reads", 0),
             "index_cached_pages": getattr(getattr(reader, "cache", None), "clean_pages", 0)}
+
+
+def _tenants(fs: StatusSource) -> dict[str, object]:
+    """Top-level directories (implicit tenants) and declared tenants (issue 45), keyed
+    by path relative to the mount root; a declared top-level one has both's figures."""
+    out: dict[str, object] = dict(fs.quota.tenant_report())
+    for path, figures in fs.tenants.report().items():
+        implicit = out.get(path)
+        out[path] = {**(implicit if isinstance(implicit, dict) else {}), **figures}
+    return out

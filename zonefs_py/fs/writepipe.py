@@ -39,7 +39,14 @@ from zonefs_py.alloc.allocator import Allocator, NeedCleaning
 from zonefs_py.alloc.streams import classify_stream
 from zonefs_py.device.base import ZonedDevice, capabilities
 from zonefs_py.format.checksum import block_checksums
-from zonefs_py.format.constants import C_DATA_BYTES, C_STREAM_BASE, FLAG_STREAM_SET, OpType, Stream
+from zonefs_py.format.constants import (
+    C_DATA_BYTES,
+    C_STREAM_BASE,
+    C_TENANT_USER_BASE,
+    FLAG_STREAM_SET,
+    OpType,
+    Stream,
+)
 from zonefs_py.format.ops import Op
 from zonefs_py.fs.append_order import AppendOrder
 from zonefs_py.fs.lazyio import warm_zone_owners
@@ -48,6 +55,7 @@ from zonefs_py.fs.writestate import Chunk, FileWrites
 from zonefs_py.fs.zonesums import ZoneSealer
 from zonefs_py.journal.journal import Journal
 from zonefs_py.model.state import Inode, State
+from zonefs_py.model.tenants import tenant_of
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +80,7 @@ class WritePipeline:
     def __init__(self, dev: ZonedDevice, state: State, journal: Journal, alloc: Allocator,
                  limiter: trio.CapacityLimiter, writes: FileWrites, sealer: ZoneSealer,
                  path_of: Callable[[int], str], tasks: MountTasks, *,
-                 on_need_space: Callable[[], Awaitable[bool]] | None = None) -> None:
+                 on_need_space: Callable[[int], Awaitable[bool]] | None = None) -> None:
         self.dev = dev
         self.state = state
         self.journal = journal
@@ -203,15 +211,19 @@ class WritePipeline:
             op = inode.op(flags=(inode.flags & ~0xFF) | stream | FLAG_STREAM_SET)
             self.state.apply(op)
         stream = inode.stream
+        # Only in zones of the file's declared tenant, if any (INV-27); its heads
+        # (its own, its group's, its stream's shared one) are the tenant's.
+        tenant = tenant_of(self.state, inode)
         owner = 0
         if self._wants_private_head(inode, fblock, len(data)):
             # A checkpoint's files die together with their directory (the shards
-            # of one step): they share their group's heads (DESIGN 3.7).
+            # of one step): they share their group's heads (DESIGN 3.7). A group
+            # is one directory, so all its files are of one tenant.
             group = inode.parent if stream == Stream.CHECKPOINT and inode.parent else None
             owner = self.alloc.owner_for(inode.ino, group)
         placed: list[tuple[Op, int]] = []
         try:
-            await self._place_pieces(inode, fblock, data, stream, owner, placed)
+            await self._place_pieces(inode, fblock, data, stream, (owner, tenant), placed)
         except BaseException:
             # The pieces already written are garbage now; give their zones back.
             self.discard_placed(placed)
@@ -220,7 +232,8 @@ class WritePipeline:
         return placed
 
     async def _place_pieces(self, inode: Inode, fblock: int, data: bytes | bytearray,
-                            stream: int, owner: int, placed: list[tuple[Op, int]]) -> None:
+                            stream: int, owner: tuple[int, int],
+                            placed: list[tuple[Op, int]]) -> None:
         """Reserve, append and describe each piece of `data` (appended to `placed`).
 
         Every piece of the chunk is reserved (and ticketed, `AppendOrder`) before
@@ -280,6 +293,8 @@ class WritePipeline:
                     placed.append((op, r.zone if b0 == 0 else NO_ZONE))
                 self._count(C_DATA_BYTES, r.granted)
                 self._count(C_STREAM_BASE + stream, r.granted)
+                if owner[1]:
+                    self._count(C_TENANT_USER_BASE + owner[1], r.granted)
             if error is not None and failures >= 3:
                 raise errors.IOFailure(
                     f"cannot write data of {self.path_of(inode.ino)}: {error}") from error
@@ -302,9 +317,11 @@ class WritePipeline:
                 self.append_order.done(r.zone, r.ticket)
             self.alloc.append_done(r.zone, ok=False)
 
-    async def _reserve_pieces(self, stream: int, owner: int, todo: list[tuple[int, int]]
+    async def _reserve_pieces(self, stream: int, owner: tuple[int, int],
+                              todo: list[tuple[int, int]]
                               ) -> tuple[list[tuple[int, _Reserved]], list[tuple[int, int]]]:
-        """Reserve the byte ranges `todo` for (stream, owner), one piece per zone;
+        """Reserve the byte ranges `todo` for (stream, owner) where owner is (file or
+        0, tenant or 0), one piece per zone;
         then finish the zones the allocator gave up for their tokens.
 
         Returns the pieces as (offset in the chunk, reservation), and the ranges
@@ -324,8 +341,8 @@ class WritePipeline:
                 lo, hi = rest[0]
                 zone_ops: list[Op] = []
                 try:
-                    zone, granted = self.alloc.reserve(stream, owner, hi - lo, zone_ops,
-                                                       to_finish)
+                    zone, granted = self.alloc.reserve(stream, owner[0], hi - lo, zone_ops,
+                                                       to_finish, owner[1])
                 except (NeedCleaning, errors.NoSpace) as exc:
                     if jobs:
                         break
@@ -335,7 +352,7 @@ class WritePipeline:
                         # while this waited for the cleaner's lock, another
                         # writer's pass may have made the room (a dead zone
                         # reset, then a head opened that this data may share).
-                        cleaned_nothing = not await self.on_need_space()
+                        cleaned_nothing = not await self.on_need_space(exc.tenant)
                         continue
                     self.sealer.close_zones_later(to_finish)
                     to_finish = []

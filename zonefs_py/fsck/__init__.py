@@ -34,6 +34,8 @@ from zonefs_py.fsck.metadata import (
     check_inv21_drain_records,
     check_inv22_inline_data,
     check_inv24_reservations,
+    check_inv27_tenant_table,
+    check_inv27_tenants,
 )
 from zonefs_py.fsck.repair import repair_filesystem
 from zonefs_py.fsck.report import Finding, Progress, Report
@@ -83,6 +85,7 @@ def check_filesystem(dev: ZonedDevice, *, check_data: bool = True,
         check_bounded(sb, rec, zones, report, progress, dev if check_data else None)
         check_inv21_drain_records(state, report)
         check_inv24_reservations(sb, state, zones, report)
+        check_inv27_tenant_table(sb, state, report)  # (the zones: in check_bounded)
         check_inv23_zone_summaries(dev, state, zones, report, read=not check_data)
         check_inv25_namespace_index(range(sb.meta_first_zone, sb.meta_first_zone
                                           + sb.meta_zone_count), rec, report)
@@ -98,6 +101,7 @@ def check_filesystem(dev: ZonedDevice, *, check_data: bool = True,
     check_inv21_drain_records(state, report)
     check_inv22_inline_data(state, report)
     check_inv24_reservations(sb, state, zones, report)
+    check_inv27_tenants(sb, state, report)
     check_inv23_zone_summaries(dev, state, zones, report, read=not check_data)
     check_inv25_namespace_index(range(sb.meta_first_zone, sb.meta_first_zone
                                       + sb.meta_zone_count), rec, report)

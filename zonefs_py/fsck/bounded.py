@@ -46,6 +46,7 @@ from zonefs_py.fsck.metadata import (
     check_inv13_file_types,
     check_inv22_inline_data,
     report_mixed_streams,
+    report_mixed_tenants,
 )
 from zonefs_py.fsck.report import Progress, Report
 from zonefs_py.index.errors import IndexCorrupt
@@ -55,6 +56,7 @@ from zonefs_py.model.errors import StateError
 from zonefs_py.model.inode import Inode
 from zonefs_py.model.lazy import LazyEntries
 from zonefs_py.model.state import State
+from zonefs_py.model.tenants import tenant_of
 
 _NONE, _DIR, _OTHER = 0, 1, 2
 
@@ -102,6 +104,8 @@ class BoundedCheck:
         self.named_in: dict[int, list[int]] = {}
         self.counted: dict[int, int] = {}
         self.streams: dict[int, set[int]] = {}
+        #: zone -> tenants of the files with extents there (INV-27; only with tenants).
+        self.tenants_of: dict[int, set[int]] = {}
         self.spans: dict[int, array[int]] = {}
         self.zone_inos: dict[int, array[int]] = {}
         self.resident_needed: set[int] = set()
@@ -136,11 +140,15 @@ class BoundedCheck:
             if inode.extents is None:
                 continue
             stream = inode.stream
+            tid = (tenant_of(state, inode) if state.tenants and inode.nlink
+                   and len(inode.extents) else None)
             last_zone = -1
             for e in inode.extents:
                 zone = e.dev // zsize
                 self.counted[zone] = self.counted.get(zone, 0) + e.nblocks
                 self.streams.setdefault(zone, set()).add(stream)
+                if tid is not None:
+                    self.tenants_of.setdefault(zone, set()).add(tid)
                 spans = self.spans.get(zone)
                 if spans is None:
                     spans = self.spans[zone] = array("Q")
@@ -310,6 +318,8 @@ class BoundedCheck:
                 report.add("INV-6", f"zone {zone}: live count {live} but extents hold "
                            f"{self.counted.get(zone, 0)} blocks")
         report_mixed_streams(state, dict(sorted(self.streams.items())), report)
+        if state.tenants:
+            report_mixed_tenants(state, self.tenants_of, report)
         shown = 0
         dirty = state.dirty
         reader = self.rec.index.reader if self.rec.index is not None else None

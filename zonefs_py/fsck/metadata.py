@@ -12,6 +12,7 @@ from zonefs_py.fs.api import ROOT_INO
 from zonefs_py.fsck.report import Report
 from zonefs_py.model.prealloc import mapped_in
 from zonefs_py.model.state import State
+from zonefs_py.model.tenants import tenant_of, tenant_of_dir
 
 
 def check_inv2_layout(sb: Superblock, zones: dict[int, Zone], report: Report) -> None:
@@ -153,6 +154,65 @@ def report_mixed_streams(state: State, streams_of: dict[int, set[int]],
             names = sorted(_stream_name(s) for s in streams)
             report.add("INV-9", f"zone {zone} ({_stream_name(zone_stream)}) holds data of "
                        f"streams {names}")
+
+
+def check_inv27_tenants(sb: Superblock, state: State, report: Report) -> None:
+    """INV-27: no zone holds live data of two tenants, a tenant's data lies only in
+    zones it owns, and the tenant table adds up."""
+    check_inv27_tenant_table(sb, state, report)
+    if not state.tenants:
+        return
+    tenants_of: dict[int, set[int]] = {}
+    for inode in state.inodes.values():
+        if inode.extents is None or not len(inode.extents) or inode.nlink == 0:
+            continue  # (an orphan's parent may be lost; it is freed at mount)
+        tid = tenant_of(state, inode)
+        for e in inode.extents:
+            tenants_of.setdefault(e.dev // state.zone_size, set()).add(tid)
+    report_mixed_tenants(state, tenants_of, report)
+
+
+def check_inv27_tenant_table(sb: Superblock, state: State, report: Report) -> None:
+    """INV-27's table part: each tenant's directory is a directory, none is inside
+    another, min <= max, the reservations fit the data zones, owners are tenants."""
+    table = state.tenants
+    total_min = 0
+    for tid, policy in sorted(table.by_id.items()):
+        total_min += policy.min_zones
+        d = state.inodes.get(policy.dir_ino)
+        if d is None or not d.is_dir:
+            report.add("INV-27", f"tenant {tid}'s directory {policy.dir_ino} is not a "
+                       "directory")
+            continue
+        if policy.max_zones and policy.min_zones > policy.max_zones:
+            report.add("INV-27", f"tenant {tid} reserves {policy.min_zones} zones, over its "
+                       f"cap of {policy.max_zones}")
+        outer = tenant_of_dir(state, d.parent) if d.parent != d.ino else 0
+        if outer:
+            report.add("INV-27", f"tenant {tid}'s directory lies inside tenant {outer}'s")
+    if total_min > sb.data_zone_count:
+        report.add("INV-27", f"the tenants reserve {total_min} zones, the filesystem has "
+                   f"{sb.data_zone_count} data zones")
+    for zone, tid in sorted(state.zone_tenant.items()):
+        if tid not in table.by_id:
+            report.add("INV-27", f"zone {zone} is owned by unknown tenant {tid}")
+
+
+def report_mixed_tenants(state: State, tenants_of: dict[int, set[int]],
+                         report: Report) -> None:
+    """INV-27 findings from zone -> tenants of the files with live data there (0: none)."""
+    for zone, tids in sorted(tenants_of.items()):
+        owner = state.zone_tenant.get(zone, 0)
+        declared = tids - {0}
+        if len(tids) > 1:
+            report.add("INV-27", f"zone {zone} holds live data of tenants {sorted(tids)} "
+                       "(0: none)")
+        elif declared and owner not in declared:
+            report.add("INV-27", f"zone {zone} (owner {owner or 'none'}) holds live data of "
+                       f"tenant {min(declared)}")
+        elif owner and not declared:
+            report.add("INV-27", f"zone {zone} is tenant {owner}'s but holds data of no "
+                       "tenant")
 
 
 def _stream_name(value: int) -> str:

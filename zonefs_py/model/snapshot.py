@@ -20,6 +20,7 @@ from zonefs_py.model.errors import StateError
 from zonefs_py.model.inode import Inode, inline_op
 from zonefs_py.model.prealloc import Reservations
 from zonefs_py.model.shared import SharedBlocks
+from zonefs_py.model.tenants import TenantTable
 
 
 class SnapshotHook(Protocol):
@@ -45,6 +46,8 @@ class SnapshotSource(Protocol):
     ino_generations: list[tuple[int, int]]
     counters: dict[int, int]
     tenant_written: dict[int, int]
+    tenants: TenantTable
+    zone_tenant: dict[int, int]
     zone_info: dict[int, tuple[int, int, int]]
     zone_seals: dict[int, tuple[int, int]]
     shared: SharedBlocks
@@ -93,8 +96,12 @@ def head_ops(state: SnapshotSource, *, index: bool = False) -> Iterator[Op]:
     yield (OpType.COUNTERS, dict(state.counters))
     for dir_ino, written in state.tenant_written.items():
         yield (OpType.TENANT_BYTES, dir_ino, written)
+    for _tid, policy in sorted(state.tenants.by_id.items()):
+        yield policy.op()
     for zone, (stream, flags, resets) in sorted(state.zone_info.items()):
         yield (OpType.ZONE_STATE, zone, stream, flags, resets)
+    for zone, tid in sorted(state.zone_tenant.items()):
+        yield (OpType.ZONE_TENANT, zone, tid)
     for zone, (resets, data_blocks) in sorted(state.zone_seals.items()):
         yield (OpType.ZONE_SEAL, zone, resets, data_blocks)
     for dev, nblocks, extra in state.shared.items():

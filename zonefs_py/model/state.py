@@ -21,7 +21,14 @@ import bisect
 import stat as statmod
 from collections.abc import Callable, Iterator
 
-from zonefs_py.format.constants import QUOTA_XATTR, ROOT_INO, OpType
+from zonefs_py.format.constants import (
+    C_TENANT_CLEANER_BASE,
+    C_TENANT_RESETS_BASE,
+    C_TENANT_USER_BASE,
+    QUOTA_XATTR,
+    ROOT_INO,
+    OpType,
+)
 from zonefs_py.format.ops import Op
 from zonefs_py.format.zonesum import summary_end
 from zonefs_py.model.dirty import DirtySet
@@ -33,6 +40,7 @@ from zonefs_py.model.lazy import IndexReader, InodeTable, LazyEntries, ZoneOwner
 from zonefs_py.model.prealloc import Reservations
 from zonefs_py.model.shared import SharedBlocks
 from zonefs_py.model.snapshot import Snapshot, SnapshotHook, snapshot_ops
+from zonefs_py.model.tenants import TenantTable
 
 # Importers of the model's names from here keep working (the classes live in
 # model/inode.py, model/snapshot.py and model/errors.py).
@@ -66,6 +74,11 @@ class State:
         self.counters: dict[int, int] = {}
         #: top-level directory ino -> user bytes written below it (TENANT_BYTES ops).
         self.tenant_written: dict[int, int] = {}
+        #: Declared tenants (TENANT / TENANT_DEL ops, model/tenants.py, issue 45).
+        self.tenants = TenantTable()
+        #: data zone -> the tenant owning it (ZONE_TENANT ops; INV-27); a zone
+        #: not listed is nobody's (shared).
+        self.zone_tenant: dict[int, int] = {}
         #: Called with (ino, delta_blocks) when a file's stored blocks change (quotas).
         self._on_blocks_changed: Callable[[int, int], None] | None = None
         #: zone -> inodes that have (or had, since the zone's last reset) extents in it;
@@ -142,6 +155,9 @@ class State:
             OpType.COUNTERS: self._apply_counters,
             OpType.NEXT_INO: self._apply_next_ino,
             OpType.TENANT_BYTES: self._apply_tenant_bytes,
+            OpType.TENANT: self._apply_tenant,
+            OpType.TENANT_DEL: self._apply_tenant_del,
+            OpType.ZONE_TENANT: self._apply_zone_tenant,
             OpType.DRAIN: self._apply_drain,
             OpType.INLINE: self._apply_inline,
             OpType.ZONE_SEAL: self._apply_zone_seal,
@@ -523,8 +539,10 @@ class State:
         _, zone, stream, flags, resets = op
         self.zone_info[zone] = (stream, flags, resets)
         # The log writes ZONE_STATE when a zone is reset or opened empty: either
-        # way a summary it had is gone. (A checkpoint lists ZONE_SEAL after it.)
+        # way a summary it had is gone (a checkpoint lists ZONE_SEAL after it),
+        # and so is its owner (ZONE_TENANT follows it when a tenant opened it).
         self.zone_seals.pop(zone, None)
+        self.zone_tenant.pop(zone, None)
 
     def _apply_zone_seal(self, op: Op) -> None:
         _, zone, resets, data_blocks = op
@@ -581,6 +599,26 @@ class State:
 
     def _apply_tenant_bytes(self, op: Op) -> None:
         self.tenant_written[op[1]] = op[2]
+
+    def _apply_tenant(self, op: Op) -> None:
+        self.tenants.apply_set(op)
+
+    def _apply_tenant_del(self, op: Op) -> None:
+        tid = op[1]
+        self.tenants.apply_del(tid)
+        for zone in [z for z, t in self.zone_tenant.items() if t == tid]:
+            del self.zone_tenant[zone]
+        for base in (C_TENANT_USER_BASE, C_TENANT_CLEANER_BASE, C_TENANT_RESETS_BASE):
+            self.counters.pop(base + tid, None)
+
+    def _apply_zone_tenant(self, op: Op) -> None:
+        _, zone, tid = op
+        if tid == 0:
+            self.zone_tenant.pop(zone, None)
+            return
+        if self.tenants.get(tid) is None:
+            raise StateError(f"ZONE_TENANT gives zone {zone} to unknown tenant {tid}")
+        self.zone_tenant[zone] = tid
 
     def _apply_drain(self, op: Op) -> None:
         inode = self.get(op[1])

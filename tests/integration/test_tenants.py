@@ -1,0 +1,85 @@
+"""Tenants through a real mount (issue 45): declare with `zonefs-py tenant`, fill one to its
+cap (ENOSPC for it while the other still writes), EXDEV across the boundary, the figures in
+`stat --json` and `tenant list`, remount, fsck (the fixture's teardown).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from .conftest import Mount, zonefs
+
+pytestmark = pytest.mark.integration
+
+MiB = 1 << 20
+
+
+def _fill_until_enospc(directory: Path, size: int, most: int) -> int:
+    """Write files of `size` bytes (each fsynced) until ENOSPC; return how many fit."""
+    block = os.urandom(MiB)
+    for n in range(most):
+        try:
+            with open(directory / f"f{n}", "wb") as f:
+                for _ in range(size // MiB):
+                    f.write(block)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            (directory / f"f{n}").unlink()
+            return n
+    pytest.fail(f"{directory}: no ENOSPC after {most} files")
+
+
+def test_declare_fill_enospc_of_one_tenant_remount(image: Path, mount_factory: Mount) -> None:
+    m = mount_factory.start()
+    a, b = m.path / "ckpt", m.path / "data"
+    a.mkdir()
+    b.mkdir()
+    zonefs("tenant", "add", str(a), "--min-zones", "1", "--max-zones", "2")
+    zonefs("tenant", "add", str(b), "--min-zones", "2")
+    again = zonefs("tenant", "add", str(a), check=False)
+    assert again.returncode == 1
+    assert "tenant already" in again.stderr
+    (m.path / "plain").mkdir()
+    (m.path / "plain" / "x").write_bytes(b"y" * 10000)
+    refused = zonefs("tenant", "add", str(m.path / "plain"), check=False)
+    assert refused.returncode == 1
+    assert "shared zones" in refused.stderr
+    fit = _fill_until_enospc(a, 4 * MiB, 64)
+    doc = json.loads(zonefs("stat", str(m.path), "--json").stdout)
+    ta = doc["tenants"]["ckpt"]
+    assert ta["declared"]
+    assert ta["zones_owned"] <= 3  # its cap, and one more its cleaner may take
+    assert 1 <= fit <= 8  # 2 zones of 16 MiB hold at most 8 files of 4 MiB
+    # The other tenant still writes.
+    (b / "shard-0001.tar").write_bytes(os.urandom(8 * MiB))
+    with pytest.raises(OSError) as info:
+        os.rename(b / "shard-0001.tar", a / "moved.tar")
+    assert info.value.errno == errno.EXDEV
+    listing = json.loads(zonefs("tenant", "list", str(m.path), "--json").stdout)
+    assert set(listing) == {"ckpt", "data"}
+    zones_a, zones_b = set(listing["ckpt"]["zones"]), set(listing["data"]["zones"])
+    assert zones_a
+    assert zones_b
+    assert not zones_a & zones_b
+    assert "ckpt" in zonefs("tenant", "list", str(m.path)).stdout
+    assert m.unmount() == 0
+    m.start()
+    listing = json.loads(zonefs("tenant", "list", str(m.path), "--json").stdout)
+    assert set(listing["ckpt"]["zones"]) == zones_a
+    assert set(listing["data"]["zones"]) >= zones_b
+    zonefs("tenant", "set", str(a), "--max-zones", "4", "--active-zones", "2")
+    (a / "after-raise").write_bytes(os.urandom(4 * MiB))
+    zonefs("tenant", "remove", str(b))
+    listing = json.loads(zonefs("tenant", "list", str(m.path), "--json").stdout)
+    assert set(listing) == {"ckpt"}
+    assert listing["ckpt"]["zones_max"] == 4
+    assert listing["ckpt"]["active_zones_max"] == 2
+    assert m.unmount() == 0

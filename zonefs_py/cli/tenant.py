@@ -1,0 +1,178 @@
+"""`zonefs-py tenant add|set|remove DIR`, `zonefs-py tenant list MOUNTPOINT [--json]`.
+
+* `tenant add DIR [--min-zones N] [--max-zones N] [--active-zones N]` declares
+  directory DIR of a mounted zonefs-py a tenant: its data goes only to zones it
+  owns, N zones are kept empty for it, it owns at most N zones (its ENOSPC when
+  full, while the others still write), and it holds at most N partly written
+  zones at once (its share of the device's active-zone budget). DIR must hold
+  no file data yet (declare, then copy data in); tenants do not nest.
+* `tenant set DIR [--min-zones N] [--max-zones N] [--active-zones N]` changes
+  what is given.
+* `tenant remove DIR`: its zones become shared; its data stays where it is.
+* `tenant list MOUNTPOINT [--json]`: the declared tenants and their figures
+  (zones owned, reserved and cap, bytes stored, bytes written by users and
+  by the cleaner, write amplification, resets and wear of its zones).
+
+add/set/remove are root only: they go through the control xattr
+`trusted.zonefs.ctl` of the mount root (control.py), and return once the change
+is durable. `--max-zones 0` means no cap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import os
+import sys
+from typing import Any
+
+from zonefs_py.cli.stat import read_status
+
+CTL_XATTR = "trusted.zonefs.ctl"
+
+#: What an errno of a tenant command means, beyond the daemon's own message.
+_MEANING = {
+    errno.EEXIST: "it is a tenant already (use `zonefs-py tenant set`)",
+    errno.ENOTEMPTY: "it holds file data in shared zones: declare tenants on directories "
+                     "without file data, then copy the data in",
+    errno.EINVAL: "the root, a directory inside or holding another tenant, or --max-zones "
+                  "below --min-zones",
+    errno.ENOSPC: "the reservations do not fit the free zones",
+    errno.ENOENT: "it is not a tenant",
+    errno.ENOTDIR: "not a directory",
+    errno.EPERM: "the control interface is for root only",
+}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `tenant` subcommand and its actions."""
+    p = subparsers.add_parser("tenant", help="declare directories as tenants owning zones",
+                              description="Declare directories of a mounted zonefs-py as "
+                              "tenants: each one's data in zones of its own, with zones "
+                              "reserved for it and a cap (docs/DESIGN.md 3.9a).")
+    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    for name, text in (("add", "declare DIR a tenant"), ("set", "change a tenant's policy")):
+        q = sub.add_parser(name, help=text)
+        q.add_argument("dir", metavar="DIR")
+        q.add_argument("--min-zones", type=int, default=None, metavar="N",
+                       help="zones kept empty for it (default 0)")
+        q.add_argument("--max-zones", type=int, default=None, metavar="N",
+                       help="zones it may own at most (default 0: no cap); leave one "
+                       "for each stream it writes (checkpoints, datasets, logs, others)")
+        q.add_argument("--active-zones", type=int, default=None, metavar="N",
+                       help="active (open) zones it may hold at once: its share of the "
+                       "device's active-zone budget (default 0: none of its own)")
+        q.set_defaults(func=run_change)
+    q = sub.add_parser("remove", help="remove a tenant (its data stays)")
+    q.add_argument("dir", metavar="DIR")
+    q.set_defaults(func=run_change)
+    q = sub.add_parser("list", help="list the declared tenants of a mount")
+    q.add_argument("mountpoint", metavar="MOUNTPOINT")
+    q.add_argument("--json", action="store_true", help="print the raw JSON object")
+    q.set_defaults(func=run_list)
+
+
+def mount_root(path: str) -> str:
+    """The mount point holding `path` (walking up)."""
+    cur = os.path.realpath(path)
+    while not os.path.ismount(cur):
+        parent = os.path.dirname(cur)
+        if parent == cur:
+            break
+        cur = parent
+    return cur
+
+
+def run_change(args: argparse.Namespace) -> int:
+    """`tenant add|set|remove DIR`: one control command, durable when it returns."""
+    prog = f"zonefs-py tenant {args.action}"
+    if os.geteuid() != 0:
+        print(f"{prog}: tenants are declared and changed by root (the control interface "
+              "trusted.zonefs.ctl is root only)", file=sys.stderr)
+        return 1
+    for flag in ("min_zones", "max_zones", "active_zones"):
+        value = getattr(args, flag, None)
+        if value is not None and value < 0:
+            print(f"{prog}: --{flag.replace('_', '-')} cannot be negative", file=sys.stderr)
+            return 2
+    try:
+        st = os.stat(args.dir)
+    except OSError as exc:
+        print(f"{prog}: {args.dir}: {exc.strerror}", file=sys.stderr)
+        return 1
+    root = mount_root(args.dir)
+    if args.action == "add":
+        word = (f"tenant-add {st.st_ino} {args.min_zones or 0} {args.max_zones or 0} "
+                f"{args.active_zones or 0}")
+    elif args.action == "set":
+        def keep(v: int | None) -> str:
+            return "-" if v is None else str(v)
+        word = (f"tenant-set {st.st_ino} {keep(args.min_zones)} {keep(args.max_zones)} "
+                f"{keep(args.active_zones)}")
+    else:
+        word = f"tenant-remove {st.st_ino}"
+    try:
+        os.setxattr(root, CTL_XATTR, word.encode())
+    except OSError as exc:
+        why = _daemon_reason(root) or _MEANING.get(exc.errno or 0, "")
+        if exc.errno in (errno.ENODATA, errno.EOPNOTSUPP, errno.ENOTSUP):
+            why = f"{root} is not a zonefs-py mount"
+        print(f"{prog}: {args.dir}: {exc.strerror}" + (f": {why}" if why else ""),
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _daemon_reason(root: str) -> str | None:
+    """The daemon's message for the last refused control command, if it gives one."""
+    try:
+        doc = read_status(root)
+    except RuntimeError:
+        return None
+    reason = doc.get("daemon", {}).get("last_control_error")
+    return str(reason) if reason else None
+
+
+def declared(doc: dict[str, Any]) -> dict[str, Any]:
+    """The declared tenants of a status document (path -> figures)."""
+    return {path: t for path, t in sorted(doc.get("tenants", {}).items())
+            if isinstance(t, dict) and t.get("declared")}
+
+
+def render_list(tenants: dict[str, Any]) -> str:
+    """One line per tenant (a header first); empty: a sentence saying so."""
+    if not tenants:
+        return "no declared tenants\n"
+    head = ("tenant", "zones", "reserved", "max", "active", "stored MiB", "users MiB",
+            "cleaner MiB", "WA", "wear max/mean")
+    rows = [head]
+    for path, t in tenants.items():
+        wear = t.get("wear", {})
+        wa = t.get("write_amplification")
+        rows.append((path or "/", str(t.get("zones_owned", 0)), str(t.get("zones_reserved", 0)),
+                     str(t.get("zones_max") or "-"),
+                     f"{t.get('active_zones', 0)}/{t.get('active_zones_max') or '-'}",
+                     f"{t.get('bytes_stored', 0) / 2**20:.1f}",
+                     f"{t.get('device_bytes_written_users', 0) / 2**20:.1f}",
+                     f"{t.get('device_bytes_written_cleaner', 0) / 2**20:.1f}",
+                     "-" if wa is None else f"{wa:.2f}",
+                     f"{wear.get('max', 0)}/{wear.get('mean', 0)}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    return "".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+                   + "\n" for r in rows)
+
+
+def run_list(args: argparse.Namespace) -> int:
+    """`tenant list MOUNTPOINT [--json]`."""
+    try:
+        doc = read_status(args.mountpoint)
+    except RuntimeError as exc:
+        print(f"zonefs-py tenant list: {exc}", file=sys.stderr)
+        return 1
+    tenants = declared(doc)
+    if args.json:
+        print(json.dumps(tenants, indent=2, sort_keys=True))
+    else:
+        print(render_list(tenants), end="")
+    return 0
