@@ -85,6 +85,7 @@ uint64_t zdp_handed_seq(void);
 int zdp_stats(uint64_t *out, int max);
 void zdp_shutdown(void);
 void zdp_set_no_uring(int on);
+void zdp_set_lone(int on);
 const char *zdp_io_mode(void);
 int zdp_test_start(int fd);
 int zdp_test_qfd(void);

@@ -403,6 +403,9 @@ static uint32_t zdp_sq_inflight;      /* device reads submitted and not reaped *
 static uint32_t zdp_sq_prepped;       /* SQEs prepared and not submitted */
 static char zdp_io_why[160];          /* why io_uring is not used ("" when it is) */
 static uint64_t zdp_submits, zdp_submitted;   /* io_uring_submit calls, SQEs submitted */
+static uint64_t zdp_inline_reads;     /* READs read by pread as the only request at hand */
+static int zdp_ring_signalled = 1;    /* the ring's eventfd may be non-zero (poll said so) */
+static int zdp_lone_on = 1;           /* the lone READ is read by pread (zdp_set_lone) */
 
 static uint64_t zdp_now_ns(void)
 {
@@ -635,9 +638,11 @@ static void zdp_submit(void)
 static int zdp_reap(void);
 
 /* Take a READ: look it up and pin (under zdp_lock), then queue its device reads
- * (io_uring) or read them now (pread mode). 1 taken, 0 handed on (counted). */
+ * (io_uring) or read them now (pread mode, or `alone`: the only request at hand
+ * with no device read in flight, where a pread is the fewest syscalls).
+ * 1 taken, 0 handed on (counted). */
 static int zdp_take_read(const struct zdp_in_header *in, const struct zdp_read_in *rd,
-                         uint64_t t0, uint64_t seq)
+                         uint64_t t0, uint64_t seq, int alone)
 {
     struct zdp_slot *sl;
     int n, k, need = 0;
@@ -669,7 +674,9 @@ static int zdp_take_read(const struct zdp_in_header *in, const struct zdp_read_i
             memset(sl->buf + sl->spans[k].buf_off, 0, sl->spans[k].length);
         else
             need++;
-    if (!zdp_uring || need == 0) {
+    if (!zdp_uring || need == 0 || alone) {
+        if (alone && need > 0)
+            BUMP(zdp_inline_reads, 1);
         for (k = 0; k < n && !sl->fail; k++)
             if (!sl->spans[k].hole && zdp_pread_span(sl, k, 0) < 0)
                 sl->fail = 1 + ZR_DEVICE_ERROR;
@@ -709,7 +716,12 @@ static int zdp_reap(void)
     uint64_t v;
     if (!zdp_uring || zdp_sq_inflight == 0)
         return 0;
-    (void)!read(zdp_ringfd, &v, sizeof v);   /* clear first: a later CQE signals again */
+    if (zdp_ring_signalled) {   /* clear first: a later CQE signals again */
+        (void)!read(zdp_ringfd, &v, sizeof v);
+        zdp_ring_signalled = 0;
+    }
+    if (io_uring_cq_ready(&zdp_ring) == 0)
+        return 0;
     io_uring_for_each_cqe(&zdp_ring, head, cqe) {
         uint64_t d = io_uring_cqe_get_data64(cqe);
         struct zdp_slot *sl;
@@ -908,15 +920,42 @@ static int zdp_read_one(void **mem, ssize_t *n)
     }
 }
 
+/* One request read from /dev/fuse: serve it (a READ taken: 0, `mem` may be
+ * reused) or hand it on (1: `mem` now belongs to the queue). `alone`: see
+ * zdp_take_read. */
+static int zdp_handle(void *mem, ssize_t n, int alone)
+{
+    struct zdp_in_header *in = mem;
+    uint64_t t0 = zdp_now_ns(), seq = ++zdp_seq, ino;
+    if (in->opcode == ZOP_READ && (size_t)n >= sizeof *in + sizeof(struct zdp_read_in)
+            && zdp_take_read(in, (const void *)((uint8_t *)mem + sizeof *in), t0, seq, alone))
+        return 0;
+    ino = zdp_mutated_ino(in, (uint8_t *)mem + sizeof *in, (size_t)n - sizeof *in);
+    if (ino != 0) {
+        pthread_mutex_lock(&zdp_lock);
+        zdp_remove_locked(ino);
+        zdp_mutseq[ino % ZDP_MUTSEQ] = seq;
+        pthread_mutex_unlock(&zdp_lock);
+    }
+    zdp_enqueue(mem, (size_t)n, seq);
+    return 1;
+}
+
 /* The dispatcher: each turn reaps finished device reads, reads every request at
  * hand (up to ZDP_BATCH, while a slot is free), takes the READs it can serve and
  * hands every other request on in arrival order at once (not behind device
  * reads), submits the turn's device reads in one io_uring_submit, and sleeps in
  * poll on /dev/fuse (while a slot is free), the ring's eventfd and the stop fd
- * when there was nothing to do. */
+ * once /dev/fuse had nothing more (EAGAIN) or there was nothing to do.
+ *
+ * The lone READ (queue depth 1): a READ read first in a turn with no device read
+ * in flight is held while the next read of /dev/fuse looks for company; alone
+ * (EAGAIN), it is read by pread and answered at once: poll, read, read, pread,
+ * writev, where the ring costs an io_uring_enter, a second poll and an eventfd
+ * read more. A request that arrives meanwhile waits for that one device read. */
 static void *zdp_main(void *arg)
 {
-    void *mem = NULL;
+    void *mem = NULL, *held = NULL;
     int ended = 0;
     (void)arg;
     int stopped = 0;
@@ -925,28 +964,31 @@ static void *zdp_main(void *arg)
         struct pollfd p[3];
         int np = 0;
         while (got < ZDP_BATCH && zdp_nfree > 0) {
-            struct zdp_in_header *in;
             ssize_t n;
-            uint64_t t0, ino, seq;
             r = zdp_read_one(&mem, &n);
             if (r <= 0)
                 break;
             got++;
-            t0 = zdp_now_ns();
-            in = mem;
-            seq = ++zdp_seq;
-            if (in->opcode == ZOP_READ && (size_t)n >= sizeof *in + sizeof(struct zdp_read_in)
-                    && zdp_take_read(in, (const void *)((uint8_t *)mem + sizeof *in), t0, seq))
-                continue;   /* mem is reused: the slot copied what it needs */
-            ino = zdp_mutated_ino(in, (uint8_t *)mem + sizeof *in, (size_t)n - sizeof *in);
-            if (ino != 0) {
-                pthread_mutex_lock(&zdp_lock);
-                zdp_remove_locked(ino);
-                zdp_mutseq[ino % ZDP_MUTSEQ] = seq;
-                pthread_mutex_unlock(&zdp_lock);
+            if (got == 1 && zdp_uring && zdp_lone_on && zdp_sq_inflight + zdp_sq_prepped == 0
+                    && ((struct zdp_in_header *)mem)->opcode == ZOP_READ) {
+                ssize_t hn = n;
+                held = mem;
+                mem = NULL;
+                r = zdp_read_one(&mem, &n);
+                if (zdp_handle(held, hn, r == 0))
+                    held = NULL;
+                else {   /* served: its buffer goes back to the pool */
+                    pthread_mutex_lock(&zdp_qlock);
+                    zdp_buf_put_locked(held);
+                    pthread_mutex_unlock(&zdp_qlock);
+                    held = NULL;
+                }
+                if (r <= 0)
+                    break;
+                got++;
             }
-            zdp_enqueue(mem, (size_t)n, seq);
-            mem = NULL;
+            if (zdp_handle(mem, n, 0))
+                mem = NULL;   /* else mem is reused: the slot copied what it needs */
         }
         if (zdp_uring)
             zdp_submit();
@@ -954,7 +996,9 @@ static void *zdp_main(void *arg)
             ended = 1;
             break;
         }
-        if (got > 0 || reaped > 0)
+        /* More at hand (the batch or the slots ran out), or slots freed: go on.
+         * /dev/fuse said EAGAIN: sleep, the ring's eventfd wakes for completions. */
+        if (r > 0 || (got == 0 && reaped > 0))
             continue;
         if (zdp_nfree > 0)
             p[np++] = (struct pollfd){zdp_fd, POLLIN, 0};
@@ -965,6 +1009,8 @@ static void *zdp_main(void *arg)
             zdp_end(-errno);
             break;
         }
+        if (zdp_uring && zdp_sq_inflight > 0 && p[np - 2].revents)
+            zdp_ring_signalled = 1;
         if (p[np - 1].revents) {
             stopped = 1;
             break;
@@ -1248,6 +1294,13 @@ void zdp_set_no_uring(int on)
     zdp_no_uring = on;
 }
 
+/* Tests: 0 turns the lone READ's pread off (a pipe as the device would hold the
+ * dispatcher); the dispatcher looks at it per turn. */
+void zdp_set_lone(int on)
+{
+    zdp_lone_on = on;
+}
+
 /* "io_uring", or "pread: why" (after the dispatcher started). */
 const char *zdp_io_mode(void)
 {
@@ -1292,6 +1345,7 @@ int zdp_stats(uint64_t *out, int max)
         PUT(LOAD(zdp_lat[i]));
     PUT(LOAD(zdp_submits));
     PUT(LOAD(zdp_submitted));
+    PUT(LOAD(zdp_inline_reads));
 #undef PUT
     return n < max ? n : max;
 }

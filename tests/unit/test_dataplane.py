@@ -125,6 +125,15 @@ def disp(geometry: None) -> Iterator[Dispatcher]:
 
 
 @pytest.fixture
+def no_lone() -> Iterator[None]:
+    """Every READ through the ring: a lone READ's pread of a pipe would hold the
+    dispatcher itself until the test writes the bytes."""
+    ext.lib.zdp_set_lone(0)
+    yield
+    ext.lib.zdp_set_lone(1)
+
+
+@pytest.fixture
 def device(tmp_path: Path) -> Iterator[tuple[int, bytes]]:
     """A file of 16 blocks, each a different byte, and its fd."""
     data = b"".join(bytes([0x40 + i]) * BS for i in range(16))
@@ -183,6 +192,32 @@ def test_read_of_a_published_file_is_served_in_c(disp: Dispatcher,
     assert dataplane.raw_stats()[0] == served + 3
     assert ext.lib.zdp_zone_pins(2) == 0
     assert dataplane.io_mode() == "io_uring"
+
+
+def _ring_counters() -> tuple[int, int, int]:
+    """io_uring submits, device reads submitted, lone READs read by pread."""
+    raw = dataplane.raw_stats()
+    base = 4 + len(dataplane.REASONS) + dataplane.LAT_BUCKETS
+    return raw[base], raw[base + 1], raw[base + 2]
+
+
+def test_a_lone_read_is_read_by_pread(disp: Dispatcher, device: tuple[int, bytes]) -> None:
+    """Queue depth 1: the only request at hand, nothing in flight, is read by pread
+    and answered at once; the ring is not entered."""
+    fd, data = device
+    assert _publish(6, 16 * BS, [{"file_off": 0, "length": 16 * BS, "zone": 2, "fd": fd}],
+                    block_checksums(data, BS)) == 0
+    before = _ring_counters()
+    for i in range(5):
+        disp.send(_read(60 + i, 6, i * BS, 2 * BS))
+        assert disp.reply() == (60 + i, 0, data[i * BS:(i + 2) * BS])
+    deadline = time.monotonic() + 5
+    while _ring_counters()[2] < before[2] + 5 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    after = _ring_counters()
+    assert after[2] == before[2] + 5
+    assert after[:2] == before[:2]
+    assert ext.lib.zdp_zone_pins(2) == 0
 
 
 def test_read_of_an_unpublished_file_is_handed_on(disp: Dispatcher) -> None:
@@ -248,7 +283,7 @@ def test_publish_is_refused_while_a_write_is_not_handed_on(
 
 
 def test_requests_are_not_held_behind_a_device_read_in_flight(
-        disp: Dispatcher) -> None:
+        no_lone: None, disp: Dispatcher) -> None:
     """A pipe as the device: the READ's device read stays in flight until the test
     writes the bytes. Meanwhile its zone is pinned, a later GETATTR is handed on at
     once, and revoking the map does not unpin it; the reply comes once the bytes do."""
@@ -271,7 +306,7 @@ def test_requests_are_not_held_behind_a_device_read_in_flight(
         os.close(wfd)
 
 
-def test_shutdown_cancels_a_device_read_in_flight(geometry: None) -> None:
+def test_shutdown_cancels_a_device_read_in_flight(geometry: None, no_lone: None) -> None:
     rfd, wfd = os.pipe()
     d = Dispatcher()
     try:

@@ -104,7 +104,7 @@ def raw_stats() -> list[int]:
     ext = _ext()
     if ext is None:
         return []
-    n = 4 + len(REASONS) + LAT_BUCKETS + 2
+    n = 4 + len(REASONS) + LAT_BUCKETS + 3
     out = ext.ffi.new("uint64_t[]", n)
     got = ext.lib.zdp_stats(out, n)
     return [int(out[i]) for i in range(got)]
@@ -255,7 +255,7 @@ class ReadMaps:
             return {}
         served, nbytes, lat_ns, requests = raw[:4]
         handed = dict(zip(REASONS, raw[4:4 + len(REASONS)], strict=True))
-        submits, submitted = raw[4 + len(REASONS) + LAT_BUCKETS:][:2] or (0, 0)
+        submits, submitted, inline = raw[4 + len(REASONS) + LAT_BUCKETS:][:3] or (0, 0, 0)
         return {
             "running": started(),
             "reads_c": served,
@@ -266,6 +266,7 @@ class ReadMaps:
             "io": io_mode(),
             "uring_submits": submits,
             "uring_reads": submitted,
+            "lone_reads": inline,
             "maps_published": len(self.published),
             "publishes": self.publishes,
             "publishes_refused": self.refused,
