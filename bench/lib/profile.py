@@ -35,36 +35,30 @@ def py_spy() -> str | None:
 
 
 @contextmanager
-def recording(pid_of: Callable[[], int | None], out_stem: Path) -> Iterator[list[Path]]:
-    """Record every server process `pid_of()` names while the block runs; yield the
-    list of SVG files written (filled in when the block ends)."""
-    exe = py_spy()
-    written: list[Path] = []
-    if exe is None:
-        yield written
-        return
+def _recorders(target_of: Callable[[], int | None],
+               command: Callable[[int, int], tuple[list[str], Path]]) -> Iterator[list[Path]]:
+    """Start a recorder, `command(target, n)` -> (argv, output file), for every new
+    target (a process or thread id) `target_of()` names while the block runs (a
+    remount starts another); at the end stop each with SIGINT (py-spy and perf
+    both write their output then) and fill the yielded list with the outputs
+    that exist."""
     stop = threading.Event()
     procs: list[tuple[subprocess.Popen[bytes], Path]] = []
+    written: list[Path] = []
 
-    def start(pid: int) -> None:
-        n = len(procs)
-        out = out_stem.with_name(out_stem.name + (f"-{n}" if n else "") + ".svg")
-        proc = subprocess.Popen([exe, "record", "-p", str(pid), "-r", str(RATE_HZ),
-                                 "--nonblocking", "-f", "flamegraph", "-o", str(out)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        procs.append((proc, out))
+    def follow() -> None:
+        seen: int | None = None
+        while True:
+            target = target_of()
+            if target is not None and target != seen:
+                seen = target
+                argv, out = command(target, len(procs))
+                procs.append((subprocess.Popen(argv, stdout=subprocess.DEVNULL,
+                                               stderr=subprocess.DEVNULL), out))
+            if stop.wait(POLL_S):
+                return
 
-    def follow(current: int | None) -> None:
-        while not stop.wait(POLL_S):
-            pid = pid_of()
-            if pid is not None and pid != current:
-                current = pid
-                start(pid)
-
-    pid = pid_of()
-    if pid is not None:
-        start(pid)
-    watcher = threading.Thread(target=follow, args=(pid,), daemon=True)
+    watcher = threading.Thread(target=follow, daemon=True)
     watcher.start()
     try:
         yield written
@@ -73,7 +67,7 @@ def recording(pid_of: Callable[[], int | None], out_stem: Path) -> Iterator[list
         watcher.join()
         for proc, out in procs:
             if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)  # py-spy writes its graph on SIGINT
+                proc.send_signal(signal.SIGINT)
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
@@ -81,6 +75,28 @@ def recording(pid_of: Callable[[], int | None], out_stem: Path) -> Iterator[list
                 proc.wait()
             if out.exists():
                 written.append(out)
+
+
+def _numbered(stem: Path, suffix: str, n: int) -> Path:
+    return stem.with_name(stem.name + (f"-{n}" if n else "") + suffix)
+
+
+@contextmanager
+def recording(pid_of: Callable[[], int | None], out_stem: Path) -> Iterator[list[Path]]:
+    """Record every server process `pid_of()` names while the block runs; yield the
+    list of SVG files written (filled in when the block ends)."""
+    exe = py_spy()
+    if exe is None:
+        yield []
+        return
+
+    def command(pid: int, n: int) -> tuple[list[str], Path]:
+        out = _numbered(out_stem, ".svg", n)
+        return ([exe, "record", "-p", str(pid), "-r", str(RATE_HZ), "--nonblocking",
+                 "-f", "flamegraph", "-o", str(out)], out)
+
+    with _recorders(pid_of, command) as written:
+        yield written
 
 
 # -- perf: the data plane's dispatcher thread (C, where py-spy sees nothing) ------------
@@ -117,53 +133,28 @@ def perf_recording(pid_of: Callable[[], int | None], out_stem: Path) -> Iterator
     (`<stem>-dispatch[-N].txt`: `perf report --stdio`, self time by symbol, and the
     top call chains). Nothing when perf is missing or the thread does not run."""
     exe = perf()
-    written: list[Path] = []
+    reports: list[Path] = []
     if exe is None:
-        yield written
+        yield reports
         return
-    stop = threading.Event()
-    procs: list[tuple[subprocess.Popen[bytes], Path]] = []
 
-    def start(tid: int) -> None:
-        n = len(procs)
-        data = out_stem.with_name(out_stem.name + "-dispatch" + (f"-{n}" if n else "")
-                                  + ".perf.data")
-        proc = subprocess.Popen([exe, "record", "-q", "-g", "-F", str(PERF_HZ), "-t", str(tid),
-                                 "-o", str(data)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        procs.append((proc, data))
+    def tid_of() -> int | None:
+        pid = pid_of()
+        return dispatcher_tid(pid) if pid is not None else None
 
-    def follow() -> None:
-        seen: int | None = None
-        while True:
-            pid = pid_of()
-            tid = dispatcher_tid(pid) if pid is not None else None
-            if tid is not None and tid != seen:
-                seen = tid
-                start(tid)
-            if stop.wait(POLL_S):
-                return
+    def command(tid: int, n: int) -> tuple[list[str], Path]:
+        data = _numbered(out_stem.with_name(out_stem.name + "-dispatch"), ".perf.data", n)
+        return ([exe, "record", "-q", "-g", "-F", str(PERF_HZ), "-t", str(tid),
+                 "-o", str(data)], data)
 
-    watcher = threading.Thread(target=follow, daemon=True)
-    watcher.start()
     try:
-        yield written
+        with _recorders(tid_of, command) as written:
+            yield reports
     finally:
-        stop.set()
-        watcher.join()
-        for proc, data in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            if not data.exists():
-                continue
+        for data in written:
             txt = data.with_suffix("").with_suffix(".txt")
             with open(txt, "w") as out:
                 subprocess.run([exe, "report", "-i", str(data), "--stdio", "--no-children",
                                 "--sort", "dso,sym", "--percent-limit", "0.5"],
                                stdout=out, stderr=subprocess.DEVNULL, timeout=300, check=False)
-            written.append(txt)
+            reports.append(txt)
