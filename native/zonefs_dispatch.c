@@ -406,6 +406,7 @@ static uint64_t zdp_submits, zdp_submitted;   /* io_uring_submit calls, SQEs sub
 static uint64_t zdp_inline_reads;     /* READs read by pread as the only request at hand */
 static int zdp_ring_signalled = 1;    /* the ring's eventfd may be non-zero (poll said so) */
 static int zdp_lone_on = 1;           /* the lone READ is read by pread (zdp_set_lone) */
+#define ZDP_LONE_PIECES 2             /* at most this many device reads by pread */
 
 static uint64_t zdp_now_ns(void)
 {
@@ -674,6 +675,8 @@ static int zdp_take_read(const struct zdp_in_header *in, const struct zdp_read_i
             memset(sl->buf + sl->spans[k].buf_off, 0, sl->spans[k].length);
         else
             need++;
+    if (alone && need > ZDP_LONE_PIECES)
+        alone = 0;   /* many pieces: the ring reads them in parallel */
     if (!zdp_uring || need == 0 || alone) {
         if (alone && need > 0)
             BUMP(zdp_inline_reads, 1);
@@ -955,7 +958,7 @@ static int zdp_handle(void *mem, ssize_t n, int alone)
  * read more. A request that arrives meanwhile waits for that one device read. */
 static void *zdp_main(void *arg)
 {
-    void *mem = NULL, *held = NULL;
+    void *mem = NULL;
     int ended = 0;
     (void)arg;
     int stopped = 0;
@@ -972,16 +975,13 @@ static void *zdp_main(void *arg)
             if (got == 1 && zdp_uring && zdp_lone_on && zdp_sq_inflight + zdp_sq_prepped == 0
                     && ((struct zdp_in_header *)mem)->opcode == ZOP_READ) {
                 ssize_t hn = n;
-                held = mem;
+                void *held = mem;
                 mem = NULL;
                 r = zdp_read_one(&mem, &n);
-                if (zdp_handle(held, hn, r == 0))
-                    held = NULL;
-                else {   /* served: its buffer goes back to the pool */
+                if (!zdp_handle(held, hn, r == 0)) {   /* served: the buffer goes back */
                     pthread_mutex_lock(&zdp_qlock);
                     zdp_buf_put_locked(held);
                     pthread_mutex_unlock(&zdp_qlock);
-                    held = NULL;
                 }
                 if (r <= 0)
                     break;
