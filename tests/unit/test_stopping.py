@@ -102,9 +102,10 @@ async def test_a_stop_begins_once(autojump_clock: trio.abc.Clock) -> None:
 
 
 async def watch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *, waiting: int | None,
-                moving: bool, limit_s: float) -> str | None:
-    """Run the watch on a mount that leaves the table after 3 s; return the stop's
-    reason, or None if there was none within `limit_s`."""
+                moving: bool, limit_s: float, serving_after_s: float = 0.0) -> str | None:
+    """Run the watch on a mount that leaves the table after 3 s (and serves after
+    `serving_after_s`); return the stop's reason, or None if there was none within
+    `limit_s`."""
     table = [MOUNTINFO]
     fake_mountinfo(monkeypatch, table)
     fake_fusectl(monkeypatch, tmp_path, waiting)
@@ -115,12 +116,17 @@ async def watch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *, waiting: int
         return counter[0]
 
     serving = trio.Event()
-    serving.set()
+
+    async def serve() -> None:
+        await trio.sleep(serving_after_s)
+        serving.set()
+
     with trio.move_on_after(limit_s):
         async with trio.open_nursery() as nursery:
             stopper = Stopper(nursery, 5.0, trio.Event(), lambda: None)
             stopper.loop_ended()  # only the reason matters here
             nursery.start_soon(watch_unmount, "/mnt/my zoned", stopper, serving, progress)
+            nursery.start_soon(serve)
             await trio.sleep(3)
             table[0] = MOUNTINFO.splitlines()[0] + "\n"  # umount -l
     stopper.finished()
@@ -146,5 +152,16 @@ async def test_a_gone_connection_stops_it(autojump_clock: trio.abc.Clock,
                                           monkeypatch: pytest.MonkeyPatch, tmp_path: Path
                                           ) -> None:
     reason = await watch(monkeypatch, tmp_path, waiting=None, moving=True, limit_s=60)
+    assert reason is not None
+    assert "FUSE connection gone" in reason
+
+
+async def test_an_unmount_before_serving_is_still_seen(autojump_clock: trio.abc.Clock,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      tmp_path: Path) -> None:
+    """`umount -l` right after the mount, before the tuning and the write gate's setup
+    ended: the watch knew the device from the start, so it still sees it go."""
+    reason = await watch(monkeypatch, tmp_path, waiting=None, moving=True, limit_s=60,
+                         serving_after_s=10)
     assert reason is not None
     assert "FUSE connection gone" in reason

@@ -161,9 +161,12 @@ async def watch_unmount(mountpoint: str, stopper: Stopper, serving: trio.Event,
     mount: nothing here may touch the mount (a stat of it from the trio thread
     would wait for an answer only this thread can give). `progress`: a number
     that moves while the daemon gets anywhere (requests received, bytes
-    written to the device)."""
-    await serving.wait()
+    written to the device). The device number is read at once: the mount is in the
+    table from the moment pyfuse3 mounted, while `serving` comes after the tuning
+    and the write gate's setup, by which time a quick `umount -l` may have taken
+    the entry away (a loaded CI run met that)."""
     device = mount_device(mountpoint)
+    await serving.wait()
     if device is None:
         log.info("%s not found in /proc/self/mountinfo: unmounts are seen only when the "
                  "session ends", mountpoint)
