@@ -61,6 +61,25 @@ def rss_kib(pid: int) -> int:
     return -1
 
 
+#: How long the idle RSS is watched: the daemon trims freed memory after 2 s without
+#: writes (zonefs_py/daemon/memtrim.py), looking once a second.
+IDLE_WATCH_S = 10.0
+
+
+def idle_rss_kib(pid: int) -> int:
+    """The daemon's RSS once the writers stopped: the lowest over IDLE_WATCH_S. While
+    writes run the daemon keeps freed request buffers warm (up to 128 MiB free at the
+    top of each glibc arena, `serve.keep_buffers_warm`), and how much of that is
+    resident depends on how the threads met the arenas; once idle it trims that, so
+    what is left is memory in use, which a leak would grow."""
+    low = rss_kib(pid)
+    deadline = time.monotonic() + IDLE_WATCH_S
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        low = min(low, rss_kib(pid))
+    return low
+
+
 def fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
@@ -199,6 +218,7 @@ def run_soak(mnt: Path, pid: int, seconds: float, *, warmup_s: float = 10.0) -> 
         t.join(120)
         if t.is_alive():
             hung.append(t.name)
+    end["idle_rss_kib"] = idle_rss_kib(pid)
     shutil.rmtree(root)
     fsync_dir(mnt)
     os.setxattr(mnt, "trusted.zonefs.ctl", b"sync")

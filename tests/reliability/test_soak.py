@@ -29,8 +29,12 @@ def test_soak_8_writers_8_readers(workdir: Path, mount_factory: Mount) -> None:
     assert not fig["errors"], fig["errors"]
     assert not fig["hung"], fig["hung"]
     start, end, after = fig["start"], fig["end"], fig["after_delete_all"]
-    # Flat memory: the daemon's RSS grows by at most a quarter or 32 MiB over the run.
-    assert end["rss_kib"] <= max(start["rss_kib"] * 1.25, start["rss_kib"] + 32 * 1024), fig
+    # Flat memory: once the writers stopped (the warm buffers trimmed, soak.idle_rss_kib),
+    # the daemon's RSS is at most a quarter or 32 MiB above what it was after the warm-up.
+    # While writing it may hold up to 128 MiB more per glibc arena (a CI run: 133 ->
+    # 261 MiB, flat for the last two minutes).
+    assert end["idle_rss_kib"] <= max(start["rss_kib"] * 1.25,
+                                      start["rss_kib"] + 32 * 1024), fig
     # No descriptor leak: the daemon holds what it held after the warm-up.
     assert end["fds"] <= start["fds"] + 2, fig
     assert after["fds"] <= start["fds"] + 2, fig
