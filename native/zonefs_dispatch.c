@@ -28,7 +28,7 @@
  * or size, and revoked (zdp_revoke) before any change to them is applied.
  * The dispatcher itself deletes an inode's entry when it reads a request
  * that may change the file (WRITE, SETATTR, FALLOCATE, COPY_FILE_RANGE's
- * destination, OPEN with O_TRUNC, SETXATTR, REMOVEXATTR, IOCTL) before it
+ * destination, OPEN with O_TRUNC, SETXATTR, REMOVEXATTR, unknown opcodes) before it
  * queues it, and remembers its sequence number: a publish is refused while
  * such a request has not been handed to pyfuse3 (zdp_handed_seq), so a READ
  * that arrives after a mutating request is never answered from the bytes
@@ -817,8 +817,11 @@ static uint64_t zdp_mutated_ino(const struct zdp_in_header *in, const uint8_t *b
 {
     switch (in->opcode) {
     case ZOP_SETATTR: case ZOP_WRITE: case ZOP_SETXATTR: case ZOP_REMOVEXATTR:
-    case ZOP_IOCTL: case ZOP_FALLOCATE:
+    case ZOP_FALLOCATE:
         return in->nodeid;
+    case ZOP_IOCTL:   /* answered ENOSYS (pyfuse3 has no ioctl): changes nothing. Python's
+                       * open() asks TCGETS (isatty) of every file it opens buffered. */
+        return 0;
     case ZOP_OPEN:
         if (blen >= sizeof(struct zdp_open_in)) {
             const struct zdp_open_in *o = (const void *)body;

@@ -78,6 +78,27 @@ def test_reads_of_a_settled_file_are_served_in_c(image: Path, mount_factory: Mou
     assert st["uring_reads"] + st["lone_reads"] >= 4  # type: ignore[operator]
 
 
+def test_a_file_read_once_is_served_in_c(image: Path, mount_factory: Mount) -> None:
+    """One READ per file (a DataLoader's one file per sample): the map is published at
+    OPEN, so that READ is answered in C, before and after a remount."""
+    m = mount_factory.start("c_reads=on")
+    files = {f"s{i}": random.Random(i).randbytes(32 * 1024) for i in range(40)}
+    for name, data in files.items():
+        (m.path / name).write_bytes(data)
+    for name in files:
+        _settle(m.path / name)
+    for rounds in range(2):
+        before = _dataplane(m)
+        for name, data in files.items():
+            assert _odirect_read(m.path / name, 0, len(data)) == data
+        after = _dataplane(m)
+        served = after["reads_c"] - before["reads_c"]  # type: ignore[operator]
+        # A cold mount's first files wait for their zone's checksums (no_checksums).
+        assert served >= len(files) - (5 if rounds else 0), (rounds, before, after)
+        m.unmount()
+        m.start("c_reads=on")
+
+
 def test_read_after_overwrite_truncate_punch_sees_new_bytes(image: Path,
                                                             mount_factory: Mount) -> None:
     m = mount_factory.start("c_reads=on")

@@ -27,7 +27,7 @@ from zonefs_py.format.checksum import block_checksums
 
 BS = 4096
 NZONES = 8
-OP_GETATTR, OP_READ, OP_WRITE, OP_SETATTR = 3, 15, 16, 4
+OP_GETATTR, OP_READ, OP_WRITE, OP_SETATTR, OP_IOCTL = 3, 15, 16, 4, 39
 IN_HDR = struct.Struct("<IIQQIIIHH")
 READ_IN = struct.Struct("<QQIIQII")
 OUT_HDR = struct.Struct("<IiQ")
@@ -264,6 +264,19 @@ def test_read_after_a_write_is_handed_on_behind_it(disp: Dispatcher,
     assert disp.handed() == (OP_READ, 21, 12)
     assert _reasons()["mutated"] == before + 1
     assert ext.lib.zdp_published(12) == 0
+
+
+def test_an_ioctl_leaves_the_map(disp: Dispatcher, device: tuple[int, bytes]) -> None:
+    """The daemon answers every IOCTL ENOSYS, and Python's open() sends one (isatty's
+    TCGETS) for each file it opens buffered: the READ after it is still served in C."""
+    fd, data = device
+    assert _publish(16, BS, [{"file_off": 0, "length": BS, "fd": fd}],
+                    block_checksums(data[:BS], BS)) == 0
+    disp.send(_request(OP_IOCTL, 22, 16, bytes(32)))
+    assert disp.handed() == (OP_IOCTL, 22, 16)
+    disp.send(_read(23, 16, 0, BS))
+    assert disp.reply() == (23, 0, data[:BS])
+    assert ext.lib.zdp_published(16) == 1
 
 
 def test_publish_is_refused_while_a_write_is_not_handed_on(

@@ -168,6 +168,14 @@ class ReadMaps:
             return
         self.publish(inode)
 
+    def after_open(self, inode: Any) -> None:
+        """A file was opened for reading: publish its map if it is settled and not
+        published already. A file read once (a DataLoader's one file per sample)
+        otherwise had its only READ in Python, which published the map too late."""
+        if self._target is None or inode.ino in self.published or not self.settled(inode):
+            return
+        self.publish(inode)
+
     def publish(self, inode: Any) -> bool:
         """Build and publish the map of a settled file (no await between the look-up and
         the C call). False when C refused it (a mutating request not handed on yet)."""

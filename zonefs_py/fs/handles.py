@@ -130,6 +130,9 @@ class HandleOps:
             self._writable()
         await self.drain.before_open(inode, flags)
         fh = self._new_fh(ino)
+        maps = self.data.reads.maps
+        if maps is not None and not writing and not flags & os.O_TRUNC and inode.is_reg:
+            maps.after_open(inode)  # the first READ answered in C too (DESIGN 4.10)
         if flags & os.O_TRUNC and inode.is_reg:
             try:
                 now = now_ns()

@@ -59,6 +59,10 @@ class ReadMaps(Protocol):
     def after_python_read(self, inode: Inode) -> None:
         """A READ of `inode` was served in Python: publish its map if it is settled."""
 
+    def after_open(self, inode: Inode) -> None:
+        """`inode` was opened for reading: publish its map now if it is settled and not
+        published, so that its first READ is answered in C too."""
+
 
 class ReadPath:
     """Reads of file data (module docstring)."""
