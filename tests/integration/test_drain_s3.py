@@ -456,3 +456,93 @@ def test_eviction_and_restore_are_seen_by_stat_at_once(image: Path, mount_factor
     wait_until(lambda: os.stat(d / "a.pt").st_blocks == 0, "eviction seen by stat", 5,
                mount=m)
     assert m.unmount() == 0
+
+
+def _hammer_reader(path: str, data_path: str, stop: Any, out: Any, seed: int) -> None:
+    """O_DIRECT reads of random aligned ranges of `path`, each compared with the
+    file's bytes (read once from `data_path`); puts (reads, mismatches)."""
+    import mmap
+    import random
+    want = Path(data_path).read_bytes()
+    rng = random.Random(seed)
+    buf = mmap.mmap(-1, 256 << 10)
+    bad: list[str] = []
+    reads = 0
+    while not stop.is_set() and len(bad) < 5:
+        # Open per burst of reads: an open file is not evicted (EBUSY).
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            for _ in range(8):
+                n = rng.choice((4096, 65536, 256 << 10))
+                off = rng.randrange(0, len(want) - n + 1) // 4096 * 4096
+                try:
+                    got = os.preadv(fd, [memoryview(buf)[:n]], off)
+                except OSError as exc:
+                    bad.append(f"read of {n} at {off}: {exc}")
+                    continue
+                reads += 1
+                if buf[:got] != want[off:off + got] or got != n:
+                    bad.append(f"read of {n} at {off}: {got} bytes, not the file's")
+        finally:
+            os.close(fd)
+        time.sleep(0.002)
+    out.put((reads, bad))
+
+
+@pytest.mark.slow
+def test_c_reads_of_files_evicted_and_restored(image: Path, mount_factory: Mount,
+                                               workdir: Path, store: SeaweedFS,
+                                               bucket: str) -> None:
+    """Issue 43: readers hammer drained files (O_DIRECT, served in C when published)
+    while they are evicted (their zones reset) and restored on read again and again,
+    and other files churn the zones: every read returns the file's bytes, never those
+    of a reset or reused zone, nor an error."""
+    import multiprocessing as mp
+    m = mount_factory.start("c_reads=on", *drain_options(store, workdir))
+    d = m.path / "ck"
+    policy(d, bucket, "h")
+    files = {f"f{i}.pt": os.urandom(6 * MiB) for i in range(2)}
+    for name, data in files.items():
+        write_synced(d / name, data)
+        (workdir / name).write_bytes(data)
+    for name in files:
+        wait_until(lambda name=name: state(d / name) == "drained", f"{name} drained", mount=m)
+    ctx = mp.get_context("fork")
+    stop, out = ctx.Event(), ctx.Queue()
+    readers = [ctx.Process(target=_hammer_reader,
+                           args=(str(d / name), str(workdir / name), stop, out, i))
+               for i, name in enumerate(sorted(files) * 2)]
+    for p in readers:
+        p.start()
+    churn = m.path / "churn"
+    churn.mkdir()
+    evictions = 0
+    try:
+        for rnd in range(12):
+            for name in files:
+                for _ in range(200):  # EBUSY while a reader has it open
+                    if state(d / name) != "drained":
+                        break
+                    if zonefs("evict", str(d / name), check=False).returncode == 0:
+                        evictions += 1
+                        break
+                    time.sleep(0.001)
+            # Other data into the zones the evictions reset; then wait for the readers
+            # to restore the files (a READ of an evicted file restores it).
+            write_synced(churn / f"c{rnd % 3}", os.urandom(4 * MiB))
+            for name in files:
+                wait_until(lambda name=name: state(d / name) == "drained",
+                           f"{name} restored", mount=m)
+            time.sleep(0.3)
+    finally:
+        stop.set()
+        results = [out.get(timeout=60) for _ in readers]
+        for p in readers:
+            p.join(timeout=60)
+    bad = [b for _, bs in results for b in bs]
+    assert not bad, bad
+    assert evictions >= 12
+    assert sum(r for r, _ in results) > 200
+    doc = json.loads(zonefs("stat", "--json", str(m.path)).stdout)
+    assert doc["dataplane"]["reads_c"] > 0
+    assert m.unmount() == 0

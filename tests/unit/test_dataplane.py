@@ -401,3 +401,24 @@ def test_requests_left_in_the_queue_at_shutdown_are_answered(geometry: None) -> 
             d.sock.recv(4096)
     finally:
         d.close()
+
+
+def test_drained_files_are_settled_evicted_ones_are_not() -> None:
+    """A queued, uploading or drained file holds its bytes on the device (its map may
+    be published); an evicted one holds none (DESIGN 4.10)."""
+    from types import SimpleNamespace
+
+    from zonefs_py.model.drain import DrainRecord, DrainState
+    maps = dataplane.ReadMaps.__new__(dataplane.ReadMaps)
+    maps.writes = SimpleNamespace(has_state=lambda ino: False, writes_arriving=lambda ino: False)
+    maps.state = SimpleNamespace(drain={})
+    inode = SimpleNamespace(ino=5, extents=object(), inline=False)
+    assert maps.settled(inode)
+    for st in (DrainState.QUEUED, DrainState.UPLOADING, DrainState.DRAINED):
+        maps.state.drain[5] = DrainRecord(st)
+        assert maps.settled(inode), st
+    maps.state.drain[5] = DrainRecord(DrainState.EVICTED)
+    assert not maps.settled(inode)
+    maps.state.drain.clear()
+    maps.writes = SimpleNamespace(has_state=lambda ino: True, writes_arriving=lambda ino: False)
+    assert not maps.settled(inode)

@@ -9,8 +9,8 @@ unchanged loop in arrival order. This package is its Python side:
 * `arm(...)` before `pyfuse3.init` (the dispatcher starts inside it when
   pyfuse3 asks for the session's fd); `started()` / `why_not()` after;
 * `ReadMaps`: publishes a file's map after a READ of it that Python served,
-  when the file is settled (no write state, no write arriving, not inline, no
-  drain state), and revokes it before any change to the file's bytes or size
+  when the file is settled (no write state, no write arriving, not inline, not
+  evicted by the drain), and revokes it before any change to the file's bytes or size
   is applied (`revoke`, wired to the State's data and layout events);
 * `ReadMaps.zone_pins(zone)`: reads in C of the zone (INV-8: the allocator
   resets no zone while it has any);
@@ -42,6 +42,7 @@ import trio
 
 from zonefs_py import fuseext
 from zonefs_py.device.base import capabilities
+from zonefs_py.model.drain import DrainState
 
 log = logging.getLogger(__name__)
 
@@ -158,9 +159,14 @@ class ReadMaps:
     def settled(self, inode: Any) -> bool:
         """Whether nothing can change the file's bytes now (no await)."""
         ino = inode.ino
-        return (inode.extents is not None and not inode.inline
-                and not self.writes.has_state(ino) and not self.writes.writes_arriving(ino)
-                and ino not in self.state.drain)
+        if inode.extents is None or inode.inline or self.writes.has_state(ino) \
+                or self.writes.writes_arriving(ino):
+            return False
+        # Queued, uploading and drained files hold their bytes here (the upload only
+        # reads them); an evicted one holds none (its restore lands as EXTENT ops,
+        # each revoking, before the DRAIN op that makes it DRAINED again).
+        rec = self.state.drain.get(ino)
+        return rec is None or rec.state is not DrainState.EVICTED
 
     def after_python_read(self, inode: Any) -> None:
         """A READ of `inode` was served in Python: publish its map if it is settled."""
