@@ -148,7 +148,7 @@ def test_after_a_remount_the_checksums_are_warmed(image: Path, mount_factory: Mo
     assert after["reads_c"] - before["reads_c"] == 40  # type: ignore[operator]
 
 
-@pytest.mark.expect_log("zonefs_py.fs.readpath", "ERROR", "checksum mismatch")
+@pytest.mark.expect_log("zonefs_py.fs.data.readpath", "ERROR", "checksum mismatch")
 def test_damaged_block_is_eio_for_reads_covering_it(image: Path, mount_factory: Mount) -> None:
     m = mount_factory.start("c_reads=on")
     marker = b"zonefs-damage-43" * (BS // 16)

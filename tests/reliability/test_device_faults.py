@@ -62,7 +62,7 @@ def image(tmp_path: Path) -> Path:
 @pytest.mark.expect_log(
     "zonefs_py.alloc.allocator", "ERROR",
     "stopped taking writes after a write error")
-@pytest.mark.expect_log("zonefs_py.fs.writepipe", "ERROR", "injected write error")
+@pytest.mark.expect_log("zonefs_py.fs.data.writepipe", "ERROR", "injected write error")
 async def test_write_error_moves_the_writer_to_another_zone(image: Path) -> None:
     a1, a2, b = data(1, 300 * KiB), data(2, 300 * KiB), data(3, 200 * KiB)
     async with engine(image) as (fs, dev):
@@ -89,7 +89,7 @@ async def test_write_error_moves_the_writer_to_another_zone(image: Path) -> None
 @pytest.mark.expect_log(
     "zonefs_py.alloc.allocator", "ERROR",
     "stopped taking writes after a write error")
-@pytest.mark.expect_log("zonefs_py.fs.writepipe", "ERROR", "injected write error")
+@pytest.mark.expect_log("zonefs_py.fs.data.writepipe", "ERROR", "injected write error")
 @pytest.mark.parametrize("failing", ["first", "second"])
 async def test_write_error_in_either_piece_of_a_straddling_chunk(image: Path,
                                                                  failing: str) -> None:
@@ -125,7 +125,7 @@ async def test_write_error_in_either_piece_of_a_straddling_chunk(image: Path,
 @pytest.mark.expect_log(
     "zonefs_py.alloc.allocator", "ERROR",
     "stopped taking writes after a write error")
-@pytest.mark.expect_log("zonefs_py.fs.writepipe", "ERROR", "injected write error")
+@pytest.mark.expect_log("zonefs_py.fs.data.writepipe", "ERROR", "injected write error")
 async def test_every_zone_failing_writes_is_eio_and_consistent(image: Path) -> None:
     keep = data(4, 100 * KiB)
     async with engine(image) as (fs, dev):
@@ -140,8 +140,8 @@ async def test_every_zone_failing_writes_is_eio_and_consistent(image: Path) -> N
     assert fsck_findings(image) == []
 
 
-@pytest.mark.expect_log("zonefs_py.fs.zonesums", "ERROR", "injected read error")
-@pytest.mark.expect_log("zonefs_py.fs.readpath", "ERROR", "injected read error")
+@pytest.mark.expect_log("zonefs_py.fs.data.zonesums", "ERROR", "injected read error")
+@pytest.mark.expect_log("zonefs_py.fs.data.readpath", "ERROR", "injected read error")
 async def test_read_error_is_eio_and_other_zones_stay_readable(image: Path) -> None:
     a, b = data(6, 3 * MiB), data(7, 100 * KiB)
     async with engine(image) as (fs, dev):
@@ -156,7 +156,7 @@ async def test_read_error_is_eio_and_other_zones_stay_readable(image: Path) -> N
     assert fsck_findings(image) == []
 
 
-@pytest.mark.expect_log("zonefs_py.fs.readpath", "ERROR", "checksum mismatch")
+@pytest.mark.expect_log("zonefs_py.fs.data.readpath", "ERROR", "checksum mismatch")
 async def test_bit_flip_is_eio_never_wrong_bytes(image: Path) -> None:
     a, b = data(8, 64 * KiB), data(9, 64 * KiB)
     async with engine(image) as (fs, dev):
@@ -174,7 +174,7 @@ async def test_bit_flip_is_eio_never_wrong_bytes(image: Path) -> None:
 @pytest.mark.expect_log(
     "zonefs_py.alloc.allocator", "ERROR",
     "stopped taking writes after a write error")
-@pytest.mark.expect_log("zonefs_py.fs.writepipe", "ERROR", "is READONLY")
+@pytest.mark.expect_log("zonefs_py.fs.data.writepipe", "ERROR", "is READONLY")
 async def test_zone_turning_readonly_keeps_data_and_moves_writes(image: Path) -> None:
     a1, a2, b = data(10, 200 * KiB), data(11, 200 * KiB), data(12, 50 * KiB)
     async with engine(image) as (fs, dev):

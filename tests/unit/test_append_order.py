@@ -1,4 +1,4 @@
-"""Appends at the write pointer land in reservation order (fs/append_order.py)."""
+"""Appends at the write pointer land in reservation order (fs/data/append_order.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from engine_helpers import CTX, Geometry, MiB, mounted, pattern, read_file
 
 from zonefs_py.fs.api import ROOT_INO
-from zonefs_py.fs.append_order import AppendOrder
+from zonefs_py.fs.data.append_order import AppendOrder
 
 
 def test_workers_enter_in_ticket_order_whatever_order_they_start() -> None:

@@ -167,7 +167,7 @@ async def test_a_cancelled_read_leaves_the_reader_usable(dev: EmulatedZonedDevic
     assert not reader.uses_ring
 
 
-@pytest.mark.expect_log("zonefs_py.fs.readpath", "ERROR", "checksum mismatch in /f")
+@pytest.mark.expect_log("zonefs_py.fs.data.readpath", "ERROR", "checksum mismatch in /f")
 async def test_engine_detects_corruption_on_the_ring_path(tmp_path: Path) -> None:
     path = tmp_path / "fs.img"
     geo = Geometry(size_bytes=64 * MiB, zone_size_bytes=4 * MiB)

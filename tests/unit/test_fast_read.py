@@ -1,4 +1,4 @@
-"""The read fast path (fs/readpath.py) against the general path and a model.
+"""The read fast path (fs/data/readpath.py) against the general path and a model.
 
 The same seeded random operations (unaligned and overlapping writes, truncates
 both ways, fsyncs, the cleaner moving data, reads while chunks land) run on
@@ -130,7 +130,7 @@ async def test_fast_and_general_paths_give_the_model_s_bytes(tmp_path: Path, see
     assert counts[False][0] == 0  # off means off
 
 
-@pytest.mark.expect_log("zonefs_py.fs.readpath", "ERROR", "checksum mismatch")
+@pytest.mark.expect_log("zonefs_py.fs.data.readpath", "ERROR", "checksum mismatch")
 @pytest.mark.parametrize("fast", [True, False])
 async def test_a_damaged_data_block_is_eio_for_exactly_that_block(tmp_path: Path,
                                                                  fast: bool) -> None:

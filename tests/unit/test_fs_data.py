@@ -180,7 +180,7 @@ async def test_reads_merge_write_buffer_and_extents(fs: ZoneFS) -> None:
     assert await read_file(fs, "/m") == model.files["/m"]
 
 
-@pytest.mark.expect_log("zonefs_py.fs.readpath", "ERROR", "checksum mismatch in /victim")
+@pytest.mark.expect_log("zonefs_py.fs.data.readpath", "ERROR", "checksum mismatch in /victim")
 async def test_bit_flip_in_a_data_block_is_an_io_failure(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     image = tmp_path / "fs.img"

@@ -107,7 +107,7 @@ async def test_full_check_of_a_clean_image_passes(tmp_path: Path) -> None:
     assert report.data_blocks_checked == 13
 
 
-@pytest.mark.expect_log("zonefs_py.fs.readpath", "ERROR", "checksum mismatch in /a")
+@pytest.mark.expect_log("zonefs_py.fs.data.readpath", "ERROR", "checksum mismatch in /a")
 async def test_flipped_data_block_is_inv12(tmp_path: Path) -> None:
     image = tmp_path / "fs.img"
     async with mounted(image, create=True) as fs:

@@ -226,7 +226,7 @@ STDLIB_PRIVATE_API = frozenset({"_replace", "_asdict", "_fields", "_make", "_exi
 
 
 def package_of(module: str) -> str:
-    """`zonefs_py.fs.datapath` -> `fs`; `zonefs_py.fsck` -> `fsck`."""
+    """`zonefs_py.fs.data.datapath` -> `fs`; `zonefs_py.fsck` -> `fsck`."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else parts[0]
 

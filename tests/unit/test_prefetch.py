@@ -13,8 +13,8 @@ import trio
 from engine_helpers import CTX, TEST_OPTIONS, MiB, mounted, pattern
 
 from zonefs_py.fs.api import ROOT_INO, SetAttrRequest
+from zonefs_py.fs.data.prefetch import Prefetcher
 from zonefs_py.fs.filesystem import ZoneFS
-from zonefs_py.fs.prefetch import Prefetcher
 
 SIZE = 12 * MiB
 

@@ -11,7 +11,7 @@ import pytest
 import trio
 import trio.testing
 
-from zonefs_py.fs.prefetch import START_REQUESTS, Prefetcher
+from zonefs_py.fs.data.prefetch import START_REQUESTS, Prefetcher
 from zonefs_py.fs.tasks import MountTasks
 
 MiB = 1 << 20

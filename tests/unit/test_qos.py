@@ -13,8 +13,8 @@ import trio.testing
 from engine_helpers import CTX, TEST_OPTIONS, MiB, mounted, pattern
 
 from zonefs_py.fs.api import ROOT_INO
+from zonefs_py.fs.data.qos import ReadLatencyController
 from zonefs_py.fs.options import FsOptions
-from zonefs_py.fs.qos import ReadLatencyController
 
 MB = 1_000_000
 #: The simulated writer appends 1 MiB in 1 ms when nothing holds it: ~1 GB/s.

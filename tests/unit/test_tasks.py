@@ -47,7 +47,8 @@ async def test_nothing_starts_once_the_mount_is_over(tmp_path: Path) -> None:
         fs.tasks.start_soon(trio.sleep, 0, name="late")
 
 
-@pytest.mark.expect_log("zonefs_py.fs.writepipe", "ERROR", "unexpected error writing file data")
+@pytest.mark.expect_log("zonefs_py.fs.data.writepipe", "ERROR",
+                        "unexpected error writing file data")
 async def test_a_bug_in_a_chunk_task_leaves_through_the_mount(tmp_path: Path) -> None:
     """A streaming write's chunk (a task) that hits a bug: the error is not
     swallowed, it ends the mount's block (as itself, or a group of the chunks'

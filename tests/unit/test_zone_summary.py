@@ -1,5 +1,5 @@
 """Zone summaries (issue 19, DISK_VERSION 4): the checksums of a full data zone live
-in the zone, not in memory (format/zonesum.py, fs/zonesums.py).
+in the zone, not in memory (format/zonesum.py, fs/data/zonesums.py).
 
 Layer by layer: the block codec, then the engine (sealing, reads through the
 summary cache, remount, checkpoint, cleaner, fsck), a damaged summary block
@@ -164,7 +164,7 @@ async def test_the_cleaner_copies_out_of_a_sealed_zone(tmp_path: Path) -> None:
             assert await read_file(fs, path) == data
 
 
-@pytest.mark.expect_log("zonefs_py.fs.zonesums", "ERROR", "damaged checksum block in /big")
+@pytest.mark.expect_log("zonefs_py.fs.data.zonesums", "ERROR", "damaged checksum block in /big")
 async def test_a_damaged_summary_block_fails_exactly_the_blocks_it_covers(
         tmp_path: Path) -> None:
     image = tmp_path / "fs.img"

@@ -76,7 +76,7 @@ def with_c_reads(fs: Any, extra: dict[str, Any]) -> dict[str, Any]:
 
 
 async def feed_qos(fs: Any) -> None:
-    """Hand the latencies of C reads to the read QoS controller (fs/qos.py), which
+    """Hand the latencies of C reads to the read QoS controller (fs/data/qos.py), which
     otherwise sees only the reads Python serves; and warm the checksums of maps
     published without them (`ReadMaps.warm_checksums`), beside it."""
     async with trio.open_nursery() as nursery:

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from zonefs_py.alloc.allocator import Allocator
     from zonefs_py.format.ops import Op
+    from zonefs_py.fs.data.qos import ReadLatencyController
     from zonefs_py.fs.options import FsOptions
-    from zonefs_py.fs.qos import ReadLatencyController
     from zonefs_py.journal.journal import Journal
     from zonefs_py.model.state import Inode, State
 

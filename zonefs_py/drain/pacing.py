@@ -44,7 +44,7 @@ class DrainPacer:
             await trio.sleep(min(quiet_at, deadline) - now)
 
     async def admit_read(self, nbytes: int) -> None:
-        """The read-QoS rule (fs/qos.py) with a bucket of the drainer's own: while
+        """The read-QoS rule (fs/data/qos.py) with a bucket of the drainer's own: while
         training reads are served, drain reads pass at `drain_rate_reads=` (MB/s,
         all files together), or at the read-latency controller's current write
         allowance when it limits writers and that is lower. Sharing the appends'

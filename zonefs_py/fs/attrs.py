@@ -19,7 +19,7 @@ from zonefs_py.drain.manager import DrainManager
 from zonefs_py.format.ops import Op, OpType
 from zonefs_py.fs.api import FILE_SIZE_MAX, NAME_MAX, ROOT_INO, Attr, Ctx, SetAttrRequest
 from zonefs_py.fs.clock import now_ns
-from zonefs_py.fs.datapath import DataPath
+from zonefs_py.fs.data.datapath import DataPath
 from zonefs_py.fs.inline import InlineData
 from zonefs_py.fs.lazyio import fault_in
 from zonefs_py.fs.namespace import XATTR_PREFIXES

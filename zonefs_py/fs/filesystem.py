@@ -6,7 +6,7 @@ whole-filesystem requests. The requests are served by three mixins, each with
 one job: namespace-changing operations and xattrs in `NamespaceOps`
 (fs/namespace.py); lookups and attributes in `AttrOps` (fs/attrs.py); open
 files and directories in `HandleOps` (fs/handles.py). Around it: file data
-in `DataPath` (fs/datapath.py); putting a recovered image in order at mount
+in `DataPath` (fs/data/datapath.py); putting a recovered image in order at mount
 (fs/after_recovery.py); zone resets and the cleaner's host (fs/reclaim.py);
 the status figures (fs/status.py).
 
@@ -62,14 +62,14 @@ from zonefs_py.fs.api import (
     StatFs,
 )
 from zonefs_py.fs.attrs import AttrOps
-from zonefs_py.fs.datapath import DataPath
+from zonefs_py.fs.data.datapath import DataPath
+from zonefs_py.fs.data.qos import ReadLatencyController
 from zonefs_py.fs.handles import DirHandle, HandleOps
 from zonefs_py.fs.inline import InlineData, inline_threshold
 from zonefs_py.fs.latency import Histogram
 from zonefs_py.fs.namespace import NamespaceOps
 from zonefs_py.fs.options import FsOptions
 from zonefs_py.fs.prealloc import Fallocator
-from zonefs_py.fs.qos import ReadLatencyController
 from zonefs_py.fs.quota import QuotaTracker
 from zonefs_py.fs.reclaim import SpaceReclaim
 from zonefs_py.fs.reflink import Copier

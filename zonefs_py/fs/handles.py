@@ -32,7 +32,7 @@ from zonefs_py.fs.api import (
     FallocFlags,
 )
 from zonefs_py.fs.clock import now_ns
-from zonefs_py.fs.datapath import DataPath
+from zonefs_py.fs.data.datapath import DataPath
 from zonefs_py.fs.inline import InlineData, drop_idle_lock
 from zonefs_py.fs.latency import Histogram
 from zonefs_py.fs.options import FsOptions

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from zonefs_py.format.constants import C_USER_BYTES, INLINE_MAX_BYTES
 from zonefs_py.format.ops import Op
-from zonefs_py.fs.datapath import DataPath
+from zonefs_py.fs.data.datapath import DataPath
 from zonefs_py.journal.journal import Journal
 from zonefs_py.model.state import Inode, State, inline_op
 

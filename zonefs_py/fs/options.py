@@ -51,7 +51,7 @@ class FsOptions:
     #: With io_uring: a kernel thread polls submissions, sleeping after this many
     #: ms without reads; 0 submits from the event loop (see device/aread.py).
     sqpoll_ms: int = 2
-    #: The read fast path (fs/readpath.py): a read of one mapped piece is one C call
+    #: The read fast path (fs/data/readpath.py): a read of one mapped piece is one C call
     #: submitting it with its checksums, verified in C at completion; False: every
     #: read takes the general path (for A/B comparison and tests).
     fast_read: bool = True
@@ -60,13 +60,13 @@ class FsOptions:
     #: through pyfuse3 as before (`-o c_reads=off`).
     c_reads: bool = True
     #: Read QoS: p90 latency (ms) reads may see in the engine before file-data appends
-    #: are slowed down (fs/qos.py); 0 disables the controller.
+    #: are slowed down (fs/data/qos.py); 0 disables the controller.
     read_latency_ms: float = 2.0
     #: Sequential read-ahead in the engine: MiB of device reads kept in flight ahead
-    #: of a file read sequentially (fs/prefetch.py); 0 disables it.
+    #: of a file read sequentially (fs/data/prefetch.py); 0 disables it.
     prefetch_mb: int = 8
     #: MiB of memory for the checksums of sealed zones read from their summaries
-    #: (fs/zonesums.py; at 4 KiB blocks, 1 MiB of cache covers ~1 GiB of data).
+    #: (fs/data/zonesums.py; at 4 KiB blocks, 1 MiB of cache covers ~1 GiB of data).
     cache_mb: int = 256
     #: Format 5: inodes kept in memory at most beyond those the kernel or a handle
     #: holds or that changed since the last checkpoint (model/lazy.py; ~1 KiB each);

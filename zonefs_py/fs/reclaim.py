@@ -31,8 +31,8 @@ from zonefs_py.device.base import ZonedDevice
 from zonefs_py.format.checksum import block_checksums, first_bad_block
 from zonefs_py.format.constants import C_CLEANER_BYTES, C_TENANT_CLEANER_BASE, OpType, Stream
 from zonefs_py.format.ops import Op
+from zonefs_py.fs.data.zonesums import SumCache, ZoneSealer
 from zonefs_py.fs.lazyio import warm_zone
-from zonefs_py.fs.zonesums import SumCache, ZoneSealer
 from zonefs_py.journal.journal import Journal
 from zonefs_py.model.state import State
 

@@ -44,7 +44,7 @@ from zonefs_py.format.constants import OpType
 from zonefs_py.format.ops import Op
 from zonefs_py.fs.api import FILE_SIZE_MAX
 from zonefs_py.fs.clock import now_ns
-from zonefs_py.fs.datapath import DataPath
+from zonefs_py.fs.data.datapath import DataPath
 from zonefs_py.model.state import Inode, State
 from zonefs_py.model.tenants import tenant_of
 

@@ -24,7 +24,7 @@ from zonefs_py.format.constants import (
     ZoneRole,
 )
 from zonefs_py.format.superblock import Superblock
-from zonefs_py.fs.datapath import DataPath
+from zonefs_py.fs.data.datapath import DataPath
 from zonefs_py.fs.latency import Histogram
 from zonefs_py.fs.options import FsOptions
 from zonefs_py.fs.quota import QuotaTracker

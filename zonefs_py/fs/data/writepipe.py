@@ -1,6 +1,6 @@
 """The write pipeline: chunks to zones, their EXTENT ops applied in carve order.
 
-A chunk (a carved piece of a file's buffer, `fs/writestate.py`) is reserved
+A chunk (a carved piece of a file's buffer, `fs/data/writestate.py`) is reserved
 in zones, checksummed and appended in one worker thread (C, GIL released),
 then described by EXTENT ops that are applied after its predecessor's, so a
 later write of the same blocks always wins. Until its ops are applied a
@@ -13,7 +13,7 @@ writes drain the file's in-flight chunks first (`FileWrites.drain`); a chunk
 that could not be written makes the next flush/fsync of that file fail with
 EIO.
 
-Appends pass the read-latency controller (`fs/qos.py`) first; the appends of
+Appends pass the read-latency controller (`fs/data/qos.py`) first; the appends of
 a file being flushed, fsynced or truncated pass it at once.
 
 Zone append: on a device with `info.zone_append`, a chunk goes out through
@@ -22,7 +22,7 @@ Zone append: on a device with `info.zone_append`, a chunk goes out through
 slice gets its own EXTENT op at its returned address (device-contiguous
 slices merged). docs/DESIGN.md "Zone append" has the crash argument.
 Appends at the write pointer go to the device in reservation order
-(`fs/append_order.py`), so a sequential file is one extent per zone.
+(`fs/data/append_order.py`), so a sequential file is one extent per zone.
 """
 
 from __future__ import annotations
@@ -48,11 +48,11 @@ from zonefs_py.format.constants import (
     Stream,
 )
 from zonefs_py.format.ops import Op
-from zonefs_py.fs.append_order import AppendOrder
+from zonefs_py.fs.data.append_order import AppendOrder
+from zonefs_py.fs.data.writestate import Chunk, FileWrites
+from zonefs_py.fs.data.zonesums import ZoneSealer
 from zonefs_py.fs.lazyio import warm_zone_owners
 from zonefs_py.fs.tasks import MountTasks
-from zonefs_py.fs.writestate import Chunk, FileWrites
-from zonefs_py.fs.zonesums import ZoneSealer
 from zonefs_py.journal.journal import Journal
 from zonefs_py.model.state import Inode, State
 from zonefs_py.model.tenants import tenant_of
@@ -382,7 +382,7 @@ class WritePipeline:
         checksums, or the OSError its append failed with.
 
         With a `ticket` (>= 0) an append waits for the zone's earlier ones
-        (`fs/append_order.py`): a file's chunks then land in file order.
+        (`fs/data/append_order.py`): a file's chunks then land in file order.
         """
         out: list[tuple[list[tuple[int, int]], bytes] | OSError] = []
         order = self.append_order

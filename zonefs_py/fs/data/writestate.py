@@ -2,8 +2,8 @@
 
 Everything the engine holds for a file between a WRITE request and the moment
 its bytes are on the device and in the extent map lives in one `FileWrites`
-object, shared by the read path (`fs/readpath.py`: a file with write state is
-read under its lock, layers merged), the write pipeline (`fs/writepipe.py`:
+object, shared by the read path (`fs/data/readpath.py`: a file with write state is
+read under its lock, layers merged), the write pipeline (`fs/data/writepipe.py`:
 chunks land and leave the in-flight list) and `DataPath` (buffering, flush,
 truncate).
 
@@ -31,13 +31,13 @@ from contextlib import contextmanager
 import trio
 
 from zonefs_py import errors
-from zonefs_py.fs.qos import ReadLatencyController
+from zonefs_py.fs.data.qos import ReadLatencyController
 from zonefs_py.model.state import Inode
 
 
 class WriteBuffer:
-    """Buffered bytes of one file from block-aligned `start` (fs/datapath.py), with the mtime they
-    carry.
+    """Buffered bytes of one file from block-aligned `start` (fs/data/datapath.py),
+    with the mtime they carry.
     """
 
     __slots__ = ("data", "mtime", "start")

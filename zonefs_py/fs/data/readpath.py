@@ -2,7 +2,7 @@
 
 Reads merge the extent map (device reads, every block checked against its
 xxh3 checksum; a mismatch is `errors.IOFailure` and a log line naming the
-file and offset) with the file's write state (`fs/writestate.py`). Reads of
+file and offset) with the file's write state (`fs/data/writestate.py`). Reads of
 a file without write state take no lock, so dataset reads never queue behind
 another file's writes; readers of a file with write state take its lock and
 see extents, then in-flight chunks, then the buffer, newest last.
@@ -38,10 +38,10 @@ from zonefs_py.alloc.allocator import Allocator
 from zonefs_py.device.aread import AsyncReader, BadChecksum
 from zonefs_py.device.base import ZonedDevice
 from zonefs_py.format.checksum import Data, first_bad_block
-from zonefs_py.fs.prefetch import Prefetcher
+from zonefs_py.fs.data.prefetch import Prefetcher
+from zonefs_py.fs.data.writestate import FileWrites
+from zonefs_py.fs.data.zonesums import SumCache
 from zonefs_py.fs.tasks import MountTasks
-from zonefs_py.fs.writestate import FileWrites
-from zonefs_py.fs.zonesums import SumCache
 from zonefs_py.model.extents import Piece
 from zonefs_py.model.state import Inode, State
 
@@ -99,7 +99,7 @@ class ReadPath:
         self.general_reads = 0
 
     def enable_prefetch(self, window_bytes: int) -> None:
-        """Read files that are read sequentially ahead of their requests (fs/prefetch.py)."""
+        """Read files that are read sequentially ahead of their requests (fs/data/prefetch.py)."""
         async def read_stored(ino: int, offset: int, length: int) -> bytes | memoryview:
             return await self._stored(self.state.inodes[ino], offset, length)
 

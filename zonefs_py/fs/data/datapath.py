@@ -3,11 +3,11 @@
 `DataPath` is the engine's one door to file data. It holds three parts, each
 in its own module with the state it owns:
 
-* `fs/writestate.py` (`FileWrites`): per-file write state (buffers, chunks in
+* `fs/data/writestate.py` (`FileWrites`): per-file write state (buffers, chunks in
   flight, write errors, locks, unfinished write requests, visible size);
-* `fs/readpath.py` (`ReadPath`): verified reads (the fast path and the
+* `fs/data/readpath.py` (`ReadPath`): verified reads (the fast path and the
   general one), read-ahead;
-* `fs/writepipe.py` (`WritePipeline`): chunks to zones, their EXTENT ops
+* `fs/data/writepipe.py` (`WritePipeline`): chunks to zones, their EXTENT ops
   applied in carve order.
 
 What stays here is what needs all three: buffering a WRITE, flushing a
@@ -38,15 +38,15 @@ from zonefs_py.device.aread import AsyncReader
 from zonefs_py.device.base import ZonedDevice
 from zonefs_py.format.constants import C_USER_BYTES, OpType
 from zonefs_py.format.ops import Op
-from zonefs_py.fs.append_order import AppendOrder
 from zonefs_py.fs.clock import now_ns
-from zonefs_py.fs.prefetch import Prefetcher
-from zonefs_py.fs.qos import ReadLatencyController
-from zonefs_py.fs.readpath import ReadPath
+from zonefs_py.fs.data.append_order import AppendOrder
+from zonefs_py.fs.data.prefetch import Prefetcher
+from zonefs_py.fs.data.qos import ReadLatencyController
+from zonefs_py.fs.data.readpath import ReadPath
+from zonefs_py.fs.data.writepipe import WritePipeline
+from zonefs_py.fs.data.writestate import Admitted, Chunk, FileWrites, WriteBuffer
+from zonefs_py.fs.data.zonesums import SumCache, ZoneSealer
 from zonefs_py.fs.tasks import MountTasks
-from zonefs_py.fs.writepipe import WritePipeline
-from zonefs_py.fs.writestate import Admitted, Chunk, FileWrites, WriteBuffer
-from zonefs_py.fs.zonesums import SumCache, ZoneSealer
 from zonefs_py.journal.journal import Journal
 from zonefs_py.model.state import Inode, State
 
