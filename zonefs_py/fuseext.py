@@ -61,7 +61,7 @@ import logging
 import os
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeGuard
 
 import trio
 
@@ -176,7 +176,7 @@ def _register(ext: Any) -> None:
                       name="fuse-copy-file-range")
 
 
-def _valid_errno(value: object) -> bool:
+def _valid_errno(value: object) -> TypeGuard[int]:
     """An errno a handler may answer: an int in 0..4095 (0: success)."""
     return type(value) is int and 0 <= value < 4096
 
@@ -189,49 +189,62 @@ def is_shutdown_cancel(exc: BaseException) -> bool:
     return isinstance(exc, trio.Cancelled | GeneratorExit)
 
 
-async def _run_copy(req: Any, fh_in: int, off_in: int, fh_out: int, off_out: int,
-                    length: int, flags: int) -> None:
-    """Run the copy handler and answer exactly once: the count, or an errno."""
+async def _answer_once(req: Any, what: str,
+                       call: Callable[[], Awaitable[object]] | None,
+                       accept: Callable[[object], tuple[int, int] | None],
+                       reply_ok: Callable[[int], None]) -> None:
+    """Run a request's handler and answer the request exactly once, whatever happens:
+    `accept(result)` gives (errno, count) or None for a result no handler may return
+    (answered EIO, one log line); a failure of the handler is EIO with its log line, as
+    pyfuse3's are; the serve's teardown (trio's cancellation) answers EINTR and goes
+    on. Success is `reply_ok(count)`, an error `zfx_reply_err`."""
     err, count = errno.EIO, 0
     try:
-        if _copy_handler is not None:
-            result = await _copy_handler(fh_in, off_in, fh_out, off_out, length, flags)
-            if (isinstance(result, tuple) and len(result) == 2 and _valid_errno(result[0])
-                    and type(result[1]) is int and 0 <= result[1] <= min(length, 0xFFFFFFFF)):
-                err, count = result
+        if call is not None:
+            result = await call()
+            answer = accept(result)
+            if answer is not None:
+                err, count = answer
             else:
-                log.error("copy_file_range handler returned %.200r; answered EIO", result)
+                log.error("%s handler returned %.200r; answered EIO", what, result)
     except BaseException as exc:
         if is_shutdown_cancel(exc):
             err = errno.EINTR
             raise
-        # A request's failure is its EIO, as pyfuse3's are (and one log line).
-        log.error("copy_file_range handler failed; answered EIO", exc_info=exc)
+        log.error("%s handler failed; answered EIO", what, exc_info=exc)
     finally:
         if err:
             _ext.lib.zfx_reply_err(req, err)
         else:
-            _ext.lib.zfx_reply_write(req, count)
+            reply_ok(count)
+
+
+async def _run_copy(req: Any, fh_in: int, off_in: int, fh_out: int, off_out: int,
+                    length: int, flags: int) -> None:
+    """The copy handler, answered once: the count copied, or an errno."""
+    def accept(result: object) -> tuple[int, int] | None:
+        if (isinstance(result, tuple) and len(result) == 2 and _valid_errno(result[0])
+                and type(result[1]) is int and 0 <= result[1] <= min(length, 0xFFFFFFFF)):
+            return result[0], result[1]
+        return None
+
+    handler = _copy_handler
+    await _answer_once(
+        req, "copy_file_range",
+        None if handler is None else lambda: handler(fh_in, off_in, fh_out, off_out, length,
+                                                     flags),
+        accept, lambda count: _ext.lib.zfx_reply_write(req, count))
 
 
 async def _run_fallocate(req: Any, ino: int, fh: int, mode: int, offset: int,
                          length: int) -> None:
-    """Run the handler and answer the request exactly once, whatever happens."""
-    err = errno.EIO
-    try:
-        if _handler is not None:
-            result = await _handler(ino, fh, mode, offset, length)
-            if _valid_errno(result):
-                err = result
-            else:
-                log.error("fallocate handler returned %.200r; answered EIO", result)
-    except BaseException as exc:
-        if is_shutdown_cancel(exc):
-            err = errno.EINTR
-            raise
-        log.error("fallocate handler failed; answered EIO", exc_info=exc)
-    finally:
-        _ext.lib.zfx_reply_err(req, err)
+    """The fallocate handler, answered once: its errno (0: done)."""
+    handler = _handler
+    await _answer_once(
+        req, "fallocate",
+        None if handler is None else lambda: handler(ino, fh, mode, offset, length),
+        lambda result: (result, 0) if _valid_errno(result) else None,
+        lambda _count: _ext.lib.zfx_reply_err(req, 0))
 
 
 def install(fallocate: FallocateHandler, copy_file_range: CopyHandler) -> bool:
