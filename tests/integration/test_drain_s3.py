@@ -494,7 +494,7 @@ def test_c_reads_of_files_evicted_and_restored(image: Path, mount_factory: Mount
                                                workdir: Path, store: SeaweedFS,
                                                bucket: str) -> None:
     """Issue 43: readers hammer drained files (O_DIRECT, served in C when published)
-    while they are evicted (their zones reset) and restored on read again and again,
+    while they are evicted (their zones reset) and restored (at a reader's open) again and again,
     and other files churn the zones: every read returns the file's bytes, never those
     of a reset or reused zone, nor an error."""
     import multiprocessing as mp
@@ -528,7 +528,7 @@ def test_c_reads_of_files_evicted_and_restored(image: Path, mount_factory: Mount
                         break
                     time.sleep(0.001)
             # Other data into the zones the evictions reset; then wait for the readers
-            # to restore the files (a READ of an evicted file restores it).
+            # to restore the files (an open of an evicted file restores it).
             write_synced(churn / f"c{rnd % 3}", os.urandom(4 * MiB))
             for name in files:
                 wait_until(lambda name=name: state(d / name) == "drained",
