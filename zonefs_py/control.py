@@ -16,11 +16,15 @@ they are not stored anywhere:
                         tests; a remount clears it).
       - ``drain-pause`` / ``drain-resume``  stop / restart uploads to the object
                         store (resume also retries at once after an error).
-      - ``tenant-add INO MIN MAX [ACTIVE]`` / ``tenant-set INO MIN MAX [ACTIVE]`` /
-        ``tenant-remove INO``
+      - ``tenant-add INO MIN MAX [ACTIVE [WKBS WSHARE RSHARE]]`` /
+        ``tenant-set INO MIN MAX [ACTIVE [WKBS WSHARE RSHARE]]`` / ``tenant-remove INO``
                         declare directory inode INO a tenant with MIN reserved, at
                         most MAX zones and at most ACTIVE active zones (0: no cap;
                         ``-`` keeps a value in tenant-set; ACTIVE left out: 0 /
+                        kept), a write cap of WKBS kB/s or WSHARE percent of the
+                        device's write bandwidth (not both; giving either in
+                        tenant-set replaces the cap, 0 clears it) and a read share
+                        of RSHARE percent (fs/data/tenantqos.py; left out: none /
                         kept), change or remove it (fs/tenants.py); durable when
                         the setxattr returns. `zonefs-py tenant` writes these.
     Reading it gives ENODATA; unknown commands give EINVAL.
@@ -131,9 +135,9 @@ async def command(fs: FileSystemAPI, name: bytes, value: bytes, ctx: Ctx) -> Non
 
 
 async def tenant_command(fs: FileSystemAPI, words: list[str]) -> None:
-    """Run `tenant-add|tenant-set INO MIN MAX [ACTIVE]` or `tenant-remove INO`, then make it
-    durable. Raises InvalidArgument for a malformed command, and what
-    fs/tenants.py raises."""
+    """Run `tenant-add|tenant-set INO MIN MAX [ACTIVE [WKBS WSHARE RSHARE]]` or
+    `tenant-remove INO`, then make it durable. Raises InvalidArgument for a malformed
+    command, and what fs/tenants.py raises."""
     admin = getattr(fs, "tenants", None)
     if admin is None:
         raise errors.NotSupported("this filesystem has no tenants")
@@ -146,19 +150,23 @@ async def tenant_command(fs: FileSystemAPI, words: list[str]) -> None:
             raise errors.InvalidArgument(f"{verb}: {text!r} is not a number")
         return int(text)
 
-    if verb in ("tenant-add", "tenant-set") and len(args) in (3, 4):
+    if verb in ("tenant-add", "tenant-set") and len(args) in (3, 4, 7):
         ino = number(args[0])
         assert ino is not None
         if verb == "tenant-add":
             lo, hi = number(args[1]), number(args[2])
-            active = number(args[3]) if len(args) == 4 else 0
+            active = number(args[3]) if len(args) >= 4 else 0
+            bw = [number(a) or 0 for a in args[4:7]] or [0, 0, 0]
             assert lo is not None
             assert hi is not None
             assert active is not None
-            admin.declare(ino, lo, hi, active)
+            admin.declare(ino, lo, hi, active, write_cap_kbs=bw[0], write_share=bw[1],
+                          read_share=bw[2])
         else:
+            kept = [number(a, keep=True) for a in args[4:7]] or [None, None, None]
             admin.change(ino, number(args[1], keep=True), number(args[2], keep=True),
-                         number(args[3], keep=True) if len(args) == 4 else None)
+                         number(args[3], keep=True) if len(args) >= 4 else None,
+                         write_cap_kbs=kept[0], write_share=kept[1], read_share=kept[2])
     elif verb == "tenant-remove" and len(args) == 1:
         ino = number(args[0])
         assert ino is not None

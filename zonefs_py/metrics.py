@@ -278,6 +278,37 @@ def _declared_tenant_families(doc: dict[str, Any]) -> Iterator[Metric]:
         wear.add_metric([name, "max"], _num(w.get("max")))
         wear.add_metric([name, "mean"], _num(w.get("mean")))
     yield from (zones, device, resets, wear)
+    yield from _tenant_bandwidth_families(doc)
+
+
+def _tenant_bandwidth_families(doc: dict[str, Any]) -> Iterator[Metric]:
+    """Declared tenants' bandwidth (fs/data/tenantqos.py): rates, policy, throttling."""
+    rate = GaugeMetricFamily("zonefs_tenant_rate_bytes_per_second",
+                             "File data a declared tenant wrote to / read from the device "
+                             "over the last window (0.5 s).", labels=["tenant", "op"])
+    cap = GaugeMetricFamily("zonefs_tenant_write_cap_bytes_per_second",
+                            "A declared tenant's write cap, absolute or its share of the "
+                            "device's write bandwidth (only tenants with one).",
+                            labels=["tenant"])
+    share = GaugeMetricFamily("zonefs_tenant_share_ratio",
+                              "A declared tenant's write or read share (0 to 1; only "
+                              "tenants with one).", labels=["tenant", "kind"])
+    throttled = CounterMetricFamily("zonefs_tenant_throttled_seconds",
+                                    "Time a declared tenant's appends waited at its "
+                                    "bandwidth limits (since mount).", labels=["tenant"])
+    for name, t in sorted(doc.get("tenants", {}).items()):
+        if not isinstance(t, dict) or not t.get("declared") or "throttled_seconds" not in t:
+            continue
+        rate.add_metric([name, "write"], _num(t.get("write_bytes_per_s")))
+        rate.add_metric([name, "read"], _num(t.get("read_bytes_per_s")))
+        if t.get("write_cap_bytes_per_s") is not None:
+            cap.add_metric([name], _num(t.get("write_cap_bytes_per_s")))
+        for kind in ("write", "read"):
+            pct = t.get(f"{kind}_share_pct")
+            if pct is not None:
+                share.add_metric([name, kind], _num(pct) / 100)
+        throttled.add_metric([name], _num(t.get("throttled_seconds")))
+    yield from (rate, cap, share, throttled)
 
 
 def _cleaner_journal_families(doc: dict[str, Any]) -> Iterator[Metric]:

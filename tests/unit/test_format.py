@@ -152,7 +152,10 @@ OP_STRATEGIES = {
     OpType.ZONE_LIVE: st.tuples(st.just(OpType.ZONE_LIVE), u32, u64),
     OpType.INODE_COUNT: st.tuples(st.just(OpType.INODE_COUNT), u64),
     OpType.INO_GENERATION: st.tuples(st.just(OpType.INO_GENERATION), u64, u32),
-    OpType.TENANT: st.tuples(st.just(OpType.TENANT), u16, u16, u64, u32, u32, u32),
+    # Two layouts: without a bandwidth policy (24 bytes) and with one (32 bytes).
+    OpType.TENANT: st.one_of(
+        st.tuples(st.just(OpType.TENANT), u16, u16, u64, u32, u32, u32),
+        st.tuples(st.just(OpType.TENANT), u16, u16, u64, u32, u32, u32, u32, u8, u8)),
     OpType.TENANT_DEL: st.tuples(st.just(OpType.TENANT_DEL), u16),
     OpType.ZONE_TENANT: st.tuples(st.just(OpType.ZONE_TENANT), u32, u16),
     OpType.RESIDENT: st.tuples(st.just(OpType.RESIDENT),

@@ -8,6 +8,7 @@ holds live data of two tenants, a tenant's data only in zones it owns).
 from __future__ import annotations
 
 import os
+import struct
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,39 @@ def test_tenant_ops_round_trip_and_rebuild_from_a_checkpoint() -> None:
         again.apply(op)
     assert again.tenants.by_id[3].op() == (OpType.TENANT, 3, 0, 42, 2, 5, 4)
     assert again.zone_tenant == {17: 3}
+
+
+def test_tenant_bandwidth_policy_round_trips_and_old_ops_still_decode() -> None:
+    """The long TENANT layout (a bandwidth policy) and the first one side by side;
+    a policy without bandwidth is written in the first layout, byte for byte."""
+    long_op = (OpType.TENANT, 3, 0, 42, 2, 5, 1, 30_000, 0, 70)
+    short = (OpType.TENANT, 4, 0, 43, 0, 0, 0)
+    blob = encode_ops([long_op, short])
+    assert decode_ops(blob) == [long_op, short]
+    # The first layout's bytes, as a build before bandwidth policies wrote them.
+    old = bytes([OpType.TENANT]) + (24).to_bytes(4, "little") + struct.pack(
+        "<HHQIII", 4, 0, 43, 0, 0, 0)
+    assert encode_ops([short]) == old
+    assert decode_ops(old) == [short]
+    assert len(encode_ops([long_op])) == 5 + 32
+    state = State(BS, 1 << 20)
+    state.apply(long_op)
+    state.apply(short)
+    policy = state.tenants.by_id[3]
+    assert (policy.write_cap_kbs, policy.write_share, policy.read_share) == (30_000, 0, 70)
+    assert state.tenants.by_id[4].op() == short
+    again = State(BS, 1 << 20)
+    for op in decode_ops(encode_ops(list(snapshot_ops(state)))):
+        again.apply(op)
+    assert again.tenants.by_id[3].op() == long_op
+    assert again.tenants.by_id[4].op() == short
+
+
+@pytest.mark.parametrize("bad", [(1, 30, 0), (0, 101, 0), (0, 0, 101)])
+def test_recovery_refuses_an_impossible_bandwidth_policy(bad: tuple[int, int, int]) -> None:
+    state = State(BS, 1 << 20)
+    with pytest.raises(StateError, match="bandwidth policy"):
+        state.apply((OpType.TENANT, 3, 0, 42, 0, 0, 0, *bad))
 
 
 def test_a_zone_state_ends_ownership_and_a_removal_frees_the_zones() -> None:

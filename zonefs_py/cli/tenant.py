@@ -6,12 +6,19 @@
   full, while the others still write), and it holds at most N partly written
   zones at once (its share of the device's active-zone budget). DIR must hold
   no file data yet (declare, then copy data in); tenants do not nest.
-* `tenant set DIR [--min-zones N] [--max-zones N] [--active-zones N]` changes
+* `--write-mbps X` / `--write-share PCT` (add and set): cap its file-data
+  writes at X MB/s, or at PCT% of the device's write bandwidth, while another
+  tenant (or undeclared data) is busy; alone it runs at full speed. One replaces
+  the other; 0 clears the cap. `--read-share PCT`: while it reads, everyone
+  else's writes together get at most (100-PCT)% of the device's write
+  bandwidth; 0 clears it (fs/data/tenantqos.py).
+* `tenant set DIR [--min-zones N] [--max-zones N] [--active-zones N] [...]` changes
   what is given.
 * `tenant remove DIR`: its zones become shared; its data stays where it is.
 * `tenant list MOUNTPOINT [--json]`: the declared tenants and their figures
   (zones owned, reserved and cap, bytes stored, bytes written by users and
-  by the cleaner, write amplification, resets and wear of its zones).
+  by the cleaner, write amplification, resets and wear of its zones, write and
+  read rate, write cap and read share, time throttled).
 
 add/set/remove are root only: they go through the control xattr
 `trusted.zonefs.ctl` of the mount root (control.py), and return once the change
@@ -63,6 +70,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         q.add_argument("--active-zones", type=int, default=None, metavar="N",
                        help="active (open) zones it may hold at once: its share of the "
                        "device's active-zone budget (default 0: none of its own)")
+        cap = q.add_mutually_exclusive_group()
+        cap.add_argument("--write-mbps", type=float, default=None, metavar="X",
+                         help="cap its writes at X MB/s while others are busy (0: no cap; "
+                         "replaces a --write-share)")
+        cap.add_argument("--write-share", type=int, default=None, metavar="PCT",
+                         help="cap its writes at PCT%% of the device's write bandwidth "
+                         "while others are busy (0: no cap; replaces a --write-mbps)")
+        q.add_argument("--read-share", type=int, default=None, metavar="PCT",
+                       help="while it reads, other writers together get at most "
+                       "(100-PCT)%% of the device's write bandwidth (0: none)")
         q.set_defaults(func=run_change)
     q = sub.add_parser("remove", help="remove a tenant (its data stays)")
     q.add_argument("dir", metavar="DIR")
@@ -91,11 +108,21 @@ def run_change(args: argparse.Namespace) -> int:
         print(f"{prog}: tenants are declared and changed by root (the control interface "
               "trusted.zonefs.ctl is root only)", file=sys.stderr)
         return 1
-    for flag in ("min_zones", "max_zones", "active_zones"):
+    for flag in ("min_zones", "max_zones", "active_zones", "write_mbps", "write_share",
+                 "read_share"):
         value = getattr(args, flag, None)
         if value is not None and value < 0:
             print(f"{prog}: --{flag.replace('_', '-')} cannot be negative", file=sys.stderr)
             return 2
+        if flag.endswith("_share") and value is not None and value > 100:
+            print(f"{prog}: --{flag.replace('_', '-')} is a percentage: at most 100",
+                  file=sys.stderr)
+            return 2
+    bandwidth = bandwidth_words(args)
+    if bandwidth is None:
+        print(f"{prog}: --write-mbps is at least 0.001 (1 kB/s), or 0 for no cap",
+              file=sys.stderr)
+        return 2
     try:
         st = os.stat(args.dir)
     except OSError as exc:
@@ -105,11 +132,15 @@ def run_change(args: argparse.Namespace) -> int:
     if args.action == "add":
         word = (f"tenant-add {st.st_ino} {args.min_zones or 0} {args.max_zones or 0} "
                 f"{args.active_zones or 0}")
+        if bandwidth:
+            word += " " + " ".join("0" if w == "-" else w for w in bandwidth)
     elif args.action == "set":
         def keep(v: int | None) -> str:
             return "-" if v is None else str(v)
         word = (f"tenant-set {st.st_ino} {keep(args.min_zones)} {keep(args.max_zones)} "
                 f"{keep(args.active_zones)}")
+        if bandwidth:
+            word += " " + " ".join(bandwidth)
     else:
         word = f"tenant-remove {st.st_ino}"
     try:
@@ -122,6 +153,20 @@ def run_change(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def bandwidth_words(args: argparse.Namespace) -> list[str] | None:
+    """The control command's WKBS WSHARE RSHARE words (`-`: not given), [] when no
+    bandwidth option was given, None for a write cap below 1 kB/s (not 0)."""
+    mbps = getattr(args, "write_mbps", None)
+    share = getattr(args, "write_share", None)
+    reads = getattr(args, "read_share", None)
+    if mbps is None and share is None and reads is None:
+        return []
+    kbs = None if mbps is None else round(mbps * 1000)
+    if mbps is not None and mbps > 0 and kbs == 0:
+        return None
+    return ["-" if v is None else str(v) for v in (kbs, share, reads)]
 
 
 def _daemon_reason(root: str) -> str | None:
@@ -145,7 +190,8 @@ def render_list(tenants: dict[str, Any]) -> str:
     if not tenants:
         return "no declared tenants\n"
     head = ("tenant", "zones", "reserved", "max", "active", "stored MiB", "users MiB",
-            "cleaner MiB", "WA", "wear max/mean")
+            "cleaner MiB", "WA", "wear max/mean", "write MB/s", "read MB/s", "write cap",
+            "read share", "throttled s")
     rows = [head]
     for path, t in tenants.items():
         wear = t.get("wear", {})
@@ -157,10 +203,24 @@ def render_list(tenants: dict[str, Any]) -> str:
                      f"{t.get('device_bytes_written_users', 0) / 2**20:.1f}",
                      f"{t.get('device_bytes_written_cleaner', 0) / 2**20:.1f}",
                      "-" if wa is None else f"{wa:.2f}",
-                     f"{wear.get('max', 0)}/{wear.get('mean', 0)}"))
+                     f"{wear.get('max', 0)}/{wear.get('mean', 0)}",
+                     f"{t.get('write_bytes_per_s', 0) / 1e6:.1f}",
+                     f"{t.get('read_bytes_per_s', 0) / 1e6:.1f}",
+                     _write_cap_text(t),
+                     f"{t['read_share_pct']}%" if t.get("read_share_pct") else "-",
+                     f"{t.get('throttled_seconds', 0):.1f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
                    + "\n" for r in rows)
+
+
+def _write_cap_text(t: dict[str, Any]) -> str:
+    if t.get("write_cap_mb_s"):
+        return f"{t['write_cap_mb_s']:g} MB/s"
+    if t.get("write_share_pct"):
+        cap = t.get("write_cap_bytes_per_s")
+        return f"{t['write_share_pct']}%" + (f" ({cap / 1e6:.0f} MB/s)" if cap else "")
+    return "-"
 
 
 def run_list(args: argparse.Namespace) -> int:

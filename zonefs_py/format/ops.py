@@ -35,7 +35,10 @@ u32 body length, body (docs/SPEC.md "Operations").
                 export handles'; model/state.py `generation_of`)
     TENANT      (tenant_id, flags, dir_ino, min_zones, max_zones, max_active)   a declared
                 tenant's table entry (issue 45; max_zones / max_active 0: no cap;
-                flags 0, reserved)
+                flags 0, reserved); or, with a bandwidth policy (the long layout,
+                told apart by its length), (tenant_id, flags, dir_ino, min_zones,
+                max_zones, max_active, write_cap_kbs, write_share_pct, read_share_pct)
+                (0: none; fs/data/tenantqos.py)
     TENANT_DEL  (tenant_id,)   the tenant is removed; its zones are nobody's
     ZONE_TENANT (zone_idx, tenant_id)   the zone (opened by the ZONE_STATE before
                 it) holds only that tenant's data until its next ZONE_STATE
@@ -76,6 +79,9 @@ _SHARE = struct.Struct("<QQI")
 _ZONE_LIVE = struct.Struct("<IQ")
 _INO_GENERATION = struct.Struct("<QI")
 _TENANT = struct.Struct("<HHQIII")
+#: TENANT with a bandwidth policy: + u32 write cap (kB/s), u8 write share (%), u8 read
+#: share (%), u16 reserved (0).
+_TENANT_QOS = struct.Struct("<HHQIIIIBBH")
 _TENANT_DEL = struct.Struct("<H")
 _ZONE_TENANT = struct.Struct("<IH")
 #: Inodes one RESIDENT op lists at most (a checkpoint writes as many ops as needed).
@@ -113,7 +119,10 @@ def encode_op(op: Op) -> bytes:
     elif kind == OpType.INO_GENERATION:
         body = _INO_GENERATION.pack(op[1], op[2])
     elif kind == OpType.TENANT:
-        body = _TENANT.pack(op[1], op[2], op[3], op[4], op[5], op[6])
+        if len(op) == 7:
+            body = _TENANT.pack(*op[1:])
+        else:
+            body = _TENANT_QOS.pack(*op[1:10], 0)
     elif kind == OpType.TENANT_DEL:
         body = _TENANT_DEL.pack(op[1])
     elif kind == OpType.ZONE_TENANT:
@@ -230,6 +239,10 @@ def _decode_body(kind: int, payload: bytes, mv: memoryview, pos: int, bend: int)
             raise OpDecodeError("INO_GENERATION body is not 12 bytes")
         return (OpType.INO_GENERATION, *_INO_GENERATION.unpack_from(payload, pos))
     if kind == OpType.TENANT:
+        # Two layouts, told apart by the length: without (24 bytes, the first) and
+        # with a bandwidth policy (32 bytes); an op decodes to the tuple it was from.
+        if bend - pos == _TENANT_QOS.size:
+            return (OpType.TENANT, *_TENANT_QOS.unpack_from(payload, pos)[:9])
         _check(bend - pos == _TENANT.size, "TENANT length")
         return (OpType.TENANT, *_TENANT.unpack_from(payload, pos))
     if kind == OpType.TENANT_DEL:

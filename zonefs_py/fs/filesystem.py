@@ -145,7 +145,8 @@ class ZoneFS(NamespaceOps, HandleOps, AttrOps, FileSystemAPI):
         self.cleaner = Cleaner(self.reclaim, options.cleaner_policy, options.cleaner_rate_mb_s)
         self.quota = QuotaTracker(self.state)
         #: Declared tenants: commands and figures (fs/tenants.py, issue 45).
-        self.tenants = TenantAdmin(self.state, self.alloc, self.data, self._txn, self.path_of)
+        self.tenants = TenantAdmin(self.state, self.alloc, self.data, self._txn, self.path_of,
+                                   self.data.writes.bandwidth)
         self._meta_base = self.state.counters.get(C_META_BYTES, 0)
         from zonefs_py.drain.manager import DrainManager
 

@@ -29,6 +29,12 @@ Rules, and why:
 * A copy_file_range between tenants copies bytes instead of sharing blocks
   (fs/reflink.py).
 
+A tenant may have a bandwidth policy too: a write cap (MB/s, or a percentage of
+the device's write bandwidth; one replaces the other, 0 clears it) and a read
+share (percent; 0 clears it), kept in its TENANT op and enforced by
+fs/data/tenantqos.py. Refused: negative values, a share over 100%, an
+absolute cap and a share at once.
+
 Runs on the trio thread; the checks and the op of one command never await
 in between (one atomic step, as every namespace change).
 """
@@ -48,6 +54,7 @@ from zonefs_py.format.constants import (
     OpType,
 )
 from zonefs_py.format.ops import Op
+from zonefs_py.fs.data.tenantqos import TenantBandwidth
 from zonefs_py.model.inode import Inode
 from zonefs_py.model.state import State
 from zonefs_py.model.tenants import TenantPolicy, tenant_of, tenant_of_dir
@@ -67,8 +74,11 @@ class TenantAdmin:
     """The tenant commands and figures of one mounted engine."""
 
     def __init__(self, state: State, alloc: Allocator, data: UnwrittenData,
-                 txn: Callable[[list[Op]], None], path_of: Callable[[int], str]) -> None:
+                 txn: Callable[[list[Op]], None], path_of: Callable[[int], str],
+                 bandwidth: TenantBandwidth | None = None) -> None:
         self.state = state
+        #: Write caps and read shares (None: an engine without them; no figures).
+        self.bandwidth = bandwidth
         self.alloc = alloc
         self.data = data
         self.txn = txn
@@ -76,10 +86,13 @@ class TenantAdmin:
 
     # -- commands ------------------------------------------------------------------------
     def declare(self, dir_ino: int, min_zones: int, max_zones: int,
-                max_active: int = 0) -> int:
+                max_active: int = 0, *, write_cap_kbs: int = 0, write_share: int = 0,
+                read_share: int = 0) -> int:
         """Declare directory `dir_ino` a tenant; return its id. Raises NotFound,
-        NotDirectory, InvalidArgument (the root, nested), Exists (already one),
-        NotEmpty (it holds file data), NoSpace (the reservation does not fit)."""
+        NotDirectory, InvalidArgument (the root, nested, a bad bandwidth policy),
+        Exists (already one), NotEmpty (it holds file data), NoSpace (the
+        reservation does not fit)."""
+        _check_bandwidth(write_cap_kbs, write_share, read_share)
         d = self._dir(dir_ino)
         table = self.state.tenants
         if dir_ino in table.by_dir:
@@ -97,21 +110,30 @@ class TenantAdmin:
         self._refuse_data_below(d)
         tid = table.free_id()
         self._check_policy(tid, min_zones, max_zones, max_active)
-        self.txn([TenantPolicy(tid, dir_ino, min_zones, max_zones, max_active).op()])
+        self.txn([TenantPolicy(tid, dir_ino, min_zones, max_zones, max_active, 0,
+                               write_cap_kbs, write_share, read_share).op()])
         return tid
 
     def change(self, dir_ino: int, min_zones: int | None, max_zones: int | None,
-               max_active: int | None = None) -> None:
+               max_active: int | None = None, *, write_cap_kbs: int | None = None,
+               write_share: int | None = None, read_share: int | None = None) -> None:
         """Change a tenant's policy (None: keep). Raises NotFound, InvalidArgument,
         NoSpace. A cap below what it owns is accepted: it opens no zone until
-        deletes and its cleaner bring it under."""
+        deletes and its cleaner bring it under. The write cap is one thing: giving
+        `write_cap_kbs` or `write_share` replaces it whole (0: no cap)."""
         tid = self._tenant_at(dir_ino)
         policy = self.state.tenants.by_id[tid]
         lo = policy.min_zones if min_zones is None else min_zones
         hi = policy.max_zones if max_zones is None else max_zones
         active = policy.max_active if max_active is None else max_active
+        cap, share = policy.write_cap_kbs, policy.write_share
+        if write_cap_kbs is not None or write_share is not None:
+            cap, share = write_cap_kbs or 0, write_share or 0
+        reads = policy.read_share if read_share is None else read_share
+        _check_bandwidth(cap, share, reads)
         self._check_policy(tid, lo, hi, active)
-        self.txn([TenantPolicy(tid, dir_ino, lo, hi, active, policy.flags).op()])
+        self.txn([TenantPolicy(tid, dir_ino, lo, hi, active, policy.flags, cap, share,
+                               reads).op()])
 
     def remove(self, dir_ino: int) -> None:
         """Remove a tenant: its zones are shared from now on (their data stays).
@@ -239,7 +261,22 @@ class TenantAdmin:
                 "wear": {"max": max(resets, default=0),
                          "mean": round(sum(resets) / len(resets), 3) if resets else 0.0},
             }
+            if self.bandwidth is not None:
+                out[self.path_of(policy.dir_ino).lstrip("/")].update(
+                    self.bandwidth.report(tid))
         return out
+
+
+def _check_bandwidth(write_cap_kbs: int, write_share: int, read_share: int) -> None:
+    """Raise InvalidArgument unless the bandwidth policy is one the TENANT op holds."""
+    if write_cap_kbs < 0 or write_share < 0 or read_share < 0:
+        raise errors.InvalidArgument("bandwidth caps and shares cannot be negative")
+    if write_share > 100 or read_share > 100:
+        raise errors.InvalidArgument("a share is a percentage: at most 100")
+    if write_cap_kbs and write_share:
+        raise errors.InvalidArgument("give a write cap in MB/s or as a share, not both")
+    if write_cap_kbs > 0xFFFFFFFF:
+        raise errors.InvalidArgument("the write cap is at most 4,294,967 MB/s")
 
 
 # -- the namespace rules (fs/namespace.py calls these before building its ops) ------------

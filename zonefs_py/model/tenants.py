@@ -6,6 +6,12 @@ zones it owns (State.zone_tenant, ZONE_TENANT ops) and nowhere else (INV-27);
 `min_zones` of the empty zones are kept for it, `max_zones` caps what it owns
 (0: no cap). The table is changed only by TENANT and TENANT_DEL ops.
 
+A tenant may also have a bandwidth policy (fs/data/tenantqos.py): a write cap,
+absolute (`write_cap_kbs`, kB/s) or a share of the device's write bandwidth
+(`write_share`, percent), never both, and a read share (`read_share`, percent).
+A TENANT op without one keeps the first (short) layout, so an image that
+declares no bandwidth policy is byte for byte what it was before.
+
 Pure: no I/O. A file's tenant is that of its primary parent (the directory of
 its newest name), found by walking parents up: renames and hard links across
 a tenant's boundary are refused (EXDEV, fs/tenants.py), so every name of a
@@ -43,10 +49,25 @@ class TenantPolicy:
     #: tokens (0: no count of its own; alloc/allocator.py).
     max_active: int = 0
     flags: int = 0
+    #: Write cap in kB/s (1,000 bytes/s; 0: none): applied while others are busy.
+    write_cap_kbs: int = 0
+    #: Write cap as a percentage of the device's write bandwidth (0: none).
+    write_share: int = 0
+    #: While it reads, everyone else's writes together get at most (100 - this)%
+    #: of the device's write bandwidth (0: no read share).
+    read_share: int = 0
+
+    @property
+    def has_bandwidth_policy(self) -> bool:
+        return bool(self.write_cap_kbs or self.write_share or self.read_share)
 
     def op(self) -> Op:
-        return (OpType.TENANT, self.tenant_id, self.flags, self.dir_ino, self.min_zones,
+        """The TENANT op of this entry: the short layout without a bandwidth policy."""
+        base = (OpType.TENANT, self.tenant_id, self.flags, self.dir_ino, self.min_zones,
                 self.max_zones, self.max_active)
+        if not self.has_bandwidth_policy:
+            return base
+        return (*base, self.write_cap_kbs, self.write_share, self.read_share)
 
 
 class TenantTable:
@@ -66,18 +87,23 @@ class TenantTable:
         return self.by_id.get(tenant_id)
 
     def apply_set(self, op: Op) -> None:
-        _, tid, flags, dir_ino, min_zones, max_zones, max_active = op
+        _, tid, flags, dir_ino, min_zones, max_zones, max_active = op[:7]
+        cap_kbs, write_share, read_share = op[7:10] if len(op) > 7 else (0, 0, 0)
         if not 1 <= tid <= TENANT_MAX_ID:
             raise StateError(f"TENANT id {tid} out of range (1..{TENANT_MAX_ID})")
         if max_zones and min_zones > max_zones:
             raise StateError(f"TENANT {tid}: min_zones {min_zones} over max_zones {max_zones}")
+        if write_share > 100 or read_share > 100 or (cap_kbs and write_share):
+            raise StateError(f"TENANT {tid}: bandwidth policy {cap_kbs} kB/s, write "
+                             f"{write_share}%, read {read_share}% is not valid")
         other = self.by_dir.get(dir_ino)
         if other is not None and other != tid:
             raise StateError(f"TENANT {tid}: directory {dir_ino} is tenant {other}'s")
         old = self.by_id.get(tid)
         if old is not None and old.dir_ino != dir_ino:
             del self.by_dir[old.dir_ino]
-        self.by_id[tid] = TenantPolicy(tid, dir_ino, min_zones, max_zones, max_active, flags)
+        self.by_id[tid] = TenantPolicy(tid, dir_ino, min_zones, max_zones, max_active, flags,
+                                       cap_kbs, write_share, read_share)
         self.by_dir[dir_ino] = tid
 
     def apply_del(self, tid: int) -> None:

@@ -43,6 +43,7 @@ from zonefs_py.fs.data.append_order import AppendOrder
 from zonefs_py.fs.data.prefetch import Prefetcher
 from zonefs_py.fs.data.qos import ReadLatencyController
 from zonefs_py.fs.data.readpath import ReadPath
+from zonefs_py.fs.data.tenantqos import TenantBandwidth
 from zonefs_py.fs.data.writepipe import WritePipeline
 from zonefs_py.fs.data.writestate import Admitted, Chunk, FileWrites, WriteBuffer
 from zonefs_py.fs.data.zonesums import SumCache, ZoneSealer
@@ -89,7 +90,7 @@ class DataPath:
         read_limiter = read_limiter or limiter
         #: Per-file write state; its `qos` is the read QoS gate for appends
         #: (disabled without a target).
-        self.writes = FileWrites(qos or ReadLatencyController(0))
+        self.writes = FileWrites(qos or ReadLatencyController(0), TenantBandwidth(state))
         self.buffers = self.writes.buffers
         self.inflight = self.writes.inflight
         self.locks = self.writes.locks

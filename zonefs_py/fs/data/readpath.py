@@ -44,6 +44,7 @@ from zonefs_py.fs.data.zonesums import SumCache
 from zonefs_py.fs.tasks import MountTasks
 from zonefs_py.model.extents import Piece
 from zonefs_py.model.state import Inode, State
+from zonefs_py.model.tenants import tenant_of
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,18 @@ class ReadPath:
     # -- read ------------------------------------------------------------------------
     async def read(self, inode: Inode, offset: int, length: int) -> bytes | memoryview:
         """The file's bytes; a read-only view when one device read served it."""
+        bandwidth = self.writes.bandwidth
+        tenant = tenant_of(self.state, inode)
+        bandwidth.read_started(tenant)
+        nbytes = 0
+        try:
+            out = await self._read(inode, offset, length)
+            nbytes = len(out)
+            return out
+        finally:
+            bandwidth.read_done(tenant, nbytes)
+
+    async def _read(self, inode: Inode, offset: int, length: int) -> bytes | memoryview:
         ino = inode.ino
         writes = self.writes
         qos = writes.qos

@@ -13,8 +13,10 @@ writes drain the file's in-flight chunks first (`FileWrites.drain`); a chunk
 that could not be written makes the next flush/fsync of that file fail with
 EIO.
 
-Appends pass the read-latency controller (`fs/data/qos.py`) first; the appends of
-a file being flushed, fsynced or truncated pass it at once.
+Appends pass their tenant's bandwidth limits (`fs/data/tenantqos.py`: a write
+cap, others' read shares; work-conserving, never bypassed, never stopping a
+writer), then the read-latency controller (`fs/data/qos.py`); the appends of
+a file being flushed, fsynced or truncated pass the latter at once.
 
 Zone append: on a device with `info.zone_append`, a chunk goes out through
 `append_scattered` as several appends in flight at once (NVMe Zone Append:
@@ -165,8 +167,11 @@ class WritePipeline:
         ops: list[Op] = []
         error: errors.ZoneFSError | None = None
         try:
+            tenant = tenant_of(self.state, inode)
+            await self.writes.bandwidth.admit(tenant, len(chunk.data))
             await self.writes.qos.admit_write(len(chunk.data), inode.ino)
             placed = await self.place_file_data(inode, chunk.fblock, chunk.data)
+            self.writes.bandwidth.wrote(tenant, len(chunk.data))
         except errors.ZoneFSError as exc:
             error = exc
             placed = []

@@ -32,6 +32,7 @@ import trio
 
 from zonefs_py import errors
 from zonefs_py.fs.data.qos import ReadLatencyController
+from zonefs_py.fs.data.tenantqos import TenantBandwidth
 from zonefs_py.model.state import Inode
 
 
@@ -86,8 +87,10 @@ class Admitted:
 class FileWrites:
     """The write state of every file (see the module docstring)."""
 
-    def __init__(self, qos: ReadLatencyController) -> None:
+    def __init__(self, qos: ReadLatencyController, bandwidth: TenantBandwidth) -> None:
         self.qos = qos
+        #: Per-tenant write caps and read shares (fs/data/tenantqos.py).
+        self.bandwidth = bandwidth
         self.buffers: dict[int, WriteBuffer] = {}
         self.locks: dict[int, trio.Lock] = {}
         self.inflight: dict[int, list[Chunk]] = {}
