@@ -74,6 +74,10 @@ struct zdp_piece {
 int zdp_configure(uint32_t nzones, uint32_t block_size);
 int zdp_publish(uint64_t ino, uint64_t size, const struct zdp_piece *pieces,
                 uint32_t npieces, const uint8_t *csums, uint64_t ncsums);
+int zdp_publish_tenant(uint64_t ino, uint64_t size, const struct zdp_piece *pieces,
+                       uint32_t npieces, const uint8_t *csums, uint64_t ncsums,
+                       uint32_t tenant);
+uint64_t zdp_tenant_served(uint32_t tenant);
 void zdp_revoke(uint64_t ino);
 void zdp_revoke_all(void);
 int zdp_published(uint64_t ino);

@@ -55,6 +55,11 @@
  * set up the device is read by pread on the same thread (said once on stderr
  * and in the log; zdp_io_mode()).
  *
+ * Tenants (issue 45): Python gives each published map its file's tenant id
+ * (zdp_publish_tenant, 0: none); a READ served from it adds its reply bytes to
+ * zdp_tenant_bytes[tenant], which Python reads (zdp_tenant_served) for the
+ * tenants' read activity and rates (fs/data/tenantqos.py).
+ *
  * Locking: `zdp_lock` protects the map (zdp_tab, every entry, zdp_mutseq).
  * `zdp_qlock` protects the queue, the buffer pool and the eventfd's value
  * (non-zero iff the queue holds a request or the session ended). Counters
@@ -127,7 +132,8 @@ struct zdp_piece {
 
 struct zdp_entry {
     uint64_t ino, size;
-    uint32_t npieces, reserved;
+    uint32_t npieces;
+    uint32_t tenant;     /* the file's tenant, < ZDP_TENANTS (0: none) */
     struct zdp_piece *pieces;
     uint8_t *csums;
     uint64_t ncsums;
@@ -186,6 +192,8 @@ static uint64_t zdp_served, zdp_served_bytes;
 static uint64_t zdp_handed_reads[ZR_NREASONS];
 static uint64_t zdp_lat[ZDP_LAT_BUCKETS];
 static uint64_t zdp_lat_sum_ns;
+#define ZDP_TENANTS 4096                   /* TENANT_MAX_ID + 1 (format/constants.py) */
+static uint64_t zdp_tenant_bytes[ZDP_TENANTS];   /* bytes served per tenant */
 
 #define LOAD(x) __atomic_load_n(&(x), __ATOMIC_RELAXED)
 #define BUMP(x, n) __atomic_fetch_add(&(x), (n), __ATOMIC_RELAXED)
@@ -281,11 +289,14 @@ int zdp_configure(uint32_t nzones, uint32_t block_size)
 /* Publish ino's map (copied). -EAGAIN when a request that may change the file
  * was read by the dispatcher and not yet handed to pyfuse3; -EINVAL for a map
  * that does not fit the geometry. */
-int zdp_publish(uint64_t ino, uint64_t size, const struct zdp_piece *pieces,
-                uint32_t npieces, const uint8_t *csums, uint64_t ncsums)
+int zdp_publish_tenant(uint64_t ino, uint64_t size, const struct zdp_piece *pieces,
+                       uint32_t npieces, const uint8_t *csums, uint64_t ncsums,
+                       uint32_t tenant)
 {
     struct zdp_entry *e;
     uint32_t i;
+    if (tenant >= ZDP_TENANTS)
+        return -EINVAL;
     for (i = 0; i < npieces; i++) {
         const struct zdp_piece *p = &pieces[i];
         if (p->flags & (ZDP_HOLE | ZDP_PYTHON))
@@ -301,6 +312,7 @@ int zdp_publish(uint64_t ino, uint64_t size, const struct zdp_piece *pieces,
     e->ino = ino;
     e->size = size;
     e->npieces = npieces;
+    e->tenant = tenant;
     e->ncsums = ncsums;
     e->pieces = malloc((npieces ? npieces : 1) * sizeof *pieces);
     e->csums = malloc(ncsums ? ncsums * 4 : 1);
@@ -329,6 +341,13 @@ int zdp_publish(uint64_t ino, uint64_t size, const struct zdp_piece *pieces,
     zdp_entries++;
     pthread_mutex_unlock(&zdp_lock);
     return 0;
+}
+
+/* zdp_publish_tenant for a file of no tenant. */
+int zdp_publish(uint64_t ino, uint64_t size, const struct zdp_piece *pieces,
+                uint32_t npieces, const uint8_t *csums, uint64_t ncsums)
+{
+    return zdp_publish_tenant(ino, size, pieces, npieces, csums, ncsums, 0);
 }
 
 /* Revoke ino's map: when this returns no READ will be served from it (a READ
@@ -387,6 +406,7 @@ struct zdp_span {        /* a piece's part of one READ, copied out under zdp_loc
 struct zdp_slot {
     int used;
     uint64_t t0, seq, skip, reply_len;
+    uint32_t tenant;              /* its map's tenant (zdp_tenant_bytes) */
     struct zdp_in_header in;      /* the request, to hand it on if it fails */
     struct zdp_read_in rd;
     int nspans, pending, fail;    /* fail: 0, or 1 + reason */
@@ -430,6 +450,7 @@ static int zdp_lookup_pin(struct zdp_slot *sl, uint64_t ino, uint64_t off, uint3
         pthread_mutex_unlock(&zdp_lock);
         return -1 - (zdp_mutseq[ino % ZDP_MUTSEQ] ? ZR_MUTATED : ZR_NOT_PUBLISHED);
     }
+    sl->tenant = e->tenant;
     if (off >= e->size || size == 0) {
         pthread_mutex_unlock(&zdp_lock);
         sl->reply_len = 0;
@@ -594,6 +615,7 @@ static void zdp_finish(struct zdp_slot *sl)
         (void)!writev(zdp_fd, iov, sl->reply_len ? 2 : 1);
         BUMP(zdp_served, 1);
         BUMP(zdp_served_bytes, sl->reply_len);
+        BUMP(zdp_tenant_bytes[sl->tenant], sl->reply_len);
         zdp_record_latency(sl->t0);
     }
     sl->used = 0;
@@ -1328,6 +1350,12 @@ const char *zdp_why_not(void)
 uint64_t zdp_handed_seq(void)
 {
     return zdp_handed;
+}
+
+/* Bytes served from maps of `tenant` since the module was loaded (0 out of range). */
+uint64_t zdp_tenant_served(uint32_t tenant)
+{
+    return tenant < ZDP_TENANTS ? LOAD(zdp_tenant_bytes[tenant]) : 0;
 }
 
 /* out[0] served, out[1] served bytes, out[2] latency sum (ns), out[3] requests

@@ -194,6 +194,32 @@ def test_read_of_a_published_file_is_served_in_c(disp: Dispatcher,
     assert dataplane.io_mode() == "io_uring"
 
 
+def test_reads_are_counted_per_tenant(disp: Dispatcher, device: tuple[int, bytes]) -> None:
+    """A map published with its tenant (issue 45): the bytes C serves from it are
+    counted for that tenant, and only for it; an id past the table is refused."""
+    fd, data = device
+    arr = ext.ffi.new("struct zdp_piece[]", 1)
+    _piece(arr, 0, 0, 4 * BS, dev_off=0, zone=1, fd=fd)
+    sums = block_checksums(data[:4 * BS], BS)
+    lib = ext.lib
+    assert lib.zdp_publish_tenant(21, 4 * BS, arr, 1, sums, 4, 4096) == -errno.EINVAL
+    assert lib.zdp_publish_tenant(21, 4 * BS, arr, 1, sums, 4, 4095) == 0
+    assert lib.zdp_publish_tenant(22, 3 * BS, arr, 1, sums, 4, 7) == 0
+    before = {t: lib.zdp_tenant_served(t) for t in (0, 7, 4095)}
+    disp.send(_read(70, 21, 0, 2 * BS))
+    assert disp.reply() == (70, 0, data[:2 * BS])
+    disp.send(_read(71, 22, BS, 4 * BS))  # cut at the size: 2 blocks
+    assert disp.reply() == (71, 0, data[BS:3 * BS])
+    deadline = time.monotonic() + 5
+    while lib.zdp_tenant_served(7) < before[7] + 2 * BS and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert lib.zdp_tenant_served(4095) == before[4095] + 2 * BS
+    assert lib.zdp_tenant_served(7) == before[7] + 2 * BS
+    assert lib.zdp_tenant_served(0) == before[0]
+    assert lib.zdp_tenant_served(4096) == 0  # out of range: nothing, no fault
+    assert ext.lib.zdp_zone_pins(1) == 0
+
+
 def _ring_counters() -> tuple[int, int, int]:
     """io_uring submits, device reads submitted, lone READs read by pread."""
     raw = dataplane.raw_stats()

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import trio
@@ -43,6 +43,7 @@ import trio
 from zonefs_py import fuseext
 from zonefs_py.device.base import capabilities
 from zonefs_py.model.drain import DrainState
+from zonefs_py.model.tenants import tenant_of
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +216,10 @@ class ReadMaps:
             sums.append(bytes(csums))
             nsums += p.nblocks
         blob = b"".join(sums)
-        rc = self._lib.zdp_publish(inode.ino, size, arr, len(pieces), blob, nsums)
+        # Its tenant: C counts the bytes it serves per tenant (`tenant_served`).
+        tenant = tenant_of(self.state, inode)
+        rc = self._lib.zdp_publish_tenant(inode.ino, size, arr, len(pieces), blob, nsums,
+                                          tenant)
         if rc < 0:
             self.refused += 1
             return False
@@ -286,6 +290,12 @@ class ReadMaps:
             "publishes_refused": self.refused,
             "maps_warmed": self.warmed,
         }
+
+    def tenant_served(self, tenants: Iterable[int]) -> dict[int, int]:
+        """Bytes C served from maps of each tenant (0: files of none) since the module
+        was loaded, for the tenants' read activity (fs/data/tenantqos.py)."""
+        served = self._lib.zdp_tenant_served
+        return {t: int(served(t)) for t in tenants}
 
     def qos_samples(self) -> list[float]:
         """Latencies (seconds) of C reads since the last call, one per read (bucket

@@ -94,10 +94,16 @@ async def _warm(fs: Any) -> None:
 
 async def _feed_qos(fs: Any) -> None:
     qos = fs.data.writes.qos
+    bandwidth = fs.data.writes.bandwidth
     while True:
         await trio.sleep(QOS_SAMPLE_S)
         maps = fs.data.reads.maps
-        if maps is None or not qos.enabled:
+        if maps is None:
+            continue
+        if fs.state.tenants:
+            # The tenants' C reads: their read activity and rates (fs/data/tenantqos.py).
+            bandwidth.add_c_reads(maps.tenant_served([0, *fs.state.tenants.by_id]))
+        if not qos.enabled:
             continue
         samples = maps.qos_samples()
         if samples:
