@@ -8,6 +8,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -82,4 +84,79 @@ def test_declare_fill_enospc_of_one_tenant_remount(image: Path, mount_factory: M
     assert set(listing) == {"ckpt"}
     assert listing["ckpt"]["zones_max"] == 4
     assert listing["ckpt"]["active_zones_max"] == 2
+    assert m.unmount() == 0
+
+
+def _write_for(directory: Path, seconds: float | None, total: int | None,
+               stop: threading.Event | None = None) -> tuple[int, float]:
+    """Write 1 MiB at a time (fsync each, so the bytes reach the device now) into files
+    of 8 MiB rewritten in turn, for `seconds`, or `total` bytes, or until `stop`;
+    return (bytes, seconds taken)."""
+    block = os.urandom(MiB)
+    done = 0
+    t0 = time.monotonic()
+    n = 0
+    while True:
+        with open(directory / f"f{n % 3}", "wb") as f:
+            for _ in range(8):
+                f.write(block)
+                f.flush()
+                os.fsync(f.fileno())
+                done += MiB
+                took = time.monotonic() - t0
+                if ((seconds is not None and took >= seconds)
+                        or (total is not None and done >= total)
+                        or (stop is not None and stop.is_set())):
+                    return done, took
+        n += 1
+
+
+def test_a_write_cap_holds_while_another_tenant_writes_and_lifts_alone(
+        image: Path, mount_factory: Mount) -> None:
+    """Tenant `ckpt` capped at 4 MB/s: while `data` writes, its rate stays near the cap
+    (at most 2x, loosely: a shared machine); once `data` is idle it writes at the
+    device's speed (over 2x the cap). The policy survives a remount."""
+    m = mount_factory.start()
+    a, b = m.path / "ckpt", m.path / "data"
+    a.mkdir()
+    b.mkdir()
+    zonefs("tenant", "add", str(a), "--write-mbps", "4")
+    zonefs("tenant", "add", str(b), "--read-share", "50")
+    both = zonefs("tenant", "set", str(a), "--write-mbps", "4", "--write-share", "3",
+                  check=False)
+    assert both.returncode == 2
+    assert "not allowed with" in both.stderr
+    stop = threading.Event()
+    other: list[tuple[int, float]] = []
+    writer = threading.Thread(target=lambda: other.append(_write_for(b, None, None, stop)))
+    writer.start()
+    try:
+        time.sleep(0.5)  # `data` is busy first
+        capped, took = _write_for(a, 3.0, None)
+    finally:
+        stop.set()
+        writer.join()
+    capped_rate = capped / took
+    assert 0.5e6 < capped_rate <= 2 * 4e6, f"capped at {capped_rate / 1e6:.1f} MB/s"
+    assert other[0][0] > capped  # the other tenant was not held
+    doc = json.loads(zonefs("stat", str(m.path), "--json").stdout)
+    t = doc["tenants"]["ckpt"]
+    assert t["write_cap_mb_s"] == 4.0
+    assert t["write_cap_bytes_per_s"] == 4_000_000
+    assert t["throttled_seconds"] > 1.0
+    assert doc["tenants"]["data"]["read_share_pct"] == 50
+    assert "4 MB/s" in zonefs("tenant", "list", str(m.path)).stdout
+    time.sleep(0.5)  # `data` idle now
+    alone, took = _write_for(a, None, 48 * MiB)
+    alone_rate = alone / took
+    print(f"capped {capped_rate / 1e6:.1f} MB/s, alone {alone_rate / 1e6:.1f} MB/s")
+    assert alone_rate > 2 * 4e6, f"alone at {alone_rate / 1e6:.1f} MB/s"
+    assert m.unmount() == 0
+    m.start()
+    listing = json.loads(zonefs("tenant", "list", str(m.path), "--json").stdout)
+    assert listing["ckpt"]["write_cap_mb_s"] == 4.0
+    assert listing["data"]["read_share_pct"] == 50
+    zonefs("tenant", "set", str(a), "--write-mbps", "0")
+    listing = json.loads(zonefs("tenant", "list", str(m.path), "--json").stdout)
+    assert listing["ckpt"]["write_cap_mb_s"] is None
     assert m.unmount() == 0
