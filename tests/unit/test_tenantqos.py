@@ -299,3 +299,12 @@ def test_prometheus_shows_the_bandwidth_figures() -> None:
     assert 'zonefs_tenant_share_ratio{kind="write",tenant="ckpt"} 0.3' in text
     assert 'kind="read"' not in text.split("zonefs_tenant_share_ratio")[-1]
     assert 'zonefs_tenant_throttled_seconds_total{tenant="ckpt"} 1.5' in text
+
+
+def test_mount_option_fixes_the_device_bandwidth() -> None:
+    from zonefs_py.fs.options import FsOptions
+
+    opts, _ = FsOptions.from_mount_options({"device_write_mb": "400"})
+    assert opts.device_write_mb == 400
+    with pytest.raises(ValueError, match="device_write_mb"):
+        FsOptions.from_mount_options({"device_write_mb": "-1"})

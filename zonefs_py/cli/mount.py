@@ -48,6 +48,9 @@ OPTIONS_HELP = textwrap.dedent("""\
                 idle time in ms, 0 off, default 2),
               read_latency_ms=MS (read QoS: file-data appends are slowed only while the
                 engine's p90 read latency is above MS, 0 off, default 2),
+              device_write_mb=N (the device write bandwidth, MB/s, that tenants'
+                --write-share and --read-share are shares of; 0, the default: the
+                peak append rate seen since mount),
               prefetch_mb=N (device reads kept in flight ahead of a file read
                 sequentially, MiB, 0 off, default 8),
               cache_mb=N (memory for the checksums of full zones, read from the

@@ -137,7 +137,7 @@ class ZoneFS(NamespaceOps, HandleOps, AttrOps, FileSystemAPI):
                              reader=reader, stamp_times=not options.kernel_write_times,
                              prefetch_bytes=options.prefetch_mb << 20,
                              fast_read=options.fast_read, on_need_space=self._need_space,
-                             tasks=tasks)
+                             device_write_bps=options.device_write_mb * 1e6, tasks=tasks)
         self.inline = InlineData(self.state, self.data, self.journal,
                                  inline_threshold(self.bs, options.inline_max_bytes))
         self.reclaim = SpaceReclaim(dev, self.state, self.journal, self.alloc, self.limiter,

@@ -62,6 +62,9 @@ class FsOptions:
     #: Read QoS: p90 latency (ms) reads may see in the engine before file-data appends
     #: are slowed down (fs/data/qos.py); 0 disables the controller.
     read_latency_ms: float = 2.0
+    #: The device's write bandwidth (MB/s) that tenants' --write-share and --read-share
+    #: are shares of (fs/data/tenantqos.py); 0: the peak append rate seen since mount.
+    device_write_mb: float = 0.0
     #: Sequential read-ahead in the engine: MiB of device reads kept in flight ahead
     #: of a file read sequentially (fs/data/prefetch.py); 0 disables it.
     prefetch_mb: int = 8
@@ -122,6 +125,7 @@ class FsOptions:
         "fast_read": ("fast_read", _flag),
         "c_reads": ("c_reads", _flag),
         "read_latency_ms": ("read_latency_ms", float),
+        "device_write_mb": ("device_write_mb", float),
         "prefetch_mb": ("prefetch_mb", int),
         "cache_mb": ("cache_mb", int),
         "inode_cache": ("inode_cache", int),
@@ -187,6 +191,8 @@ class FsOptions:
                              "number of inodes")
         if not result.read_latency_ms >= 0:
             raise ValueError("read_latency_ms must be 0 (off) or a positive number of ms")
+        if not result.device_write_mb >= 0:
+            raise ValueError("device_write_mb must be 0 (measured) or a number of MB/s")
         if not 5 <= result.drain_part_mb <= 5120 or not 1 <= result.drain_parts <= 64 \
                 or not 1 <= result.drain_parallel <= 64:
             raise ValueError("drain_part_mb must be 5..5120 (S3's part sizes), "

@@ -175,6 +175,7 @@ def build_status(fs: StatusSource) -> dict[str, object]:
                     "broken": fs.journal.broken},
         "latency": {"read": fs.read_latency.summary(), "write": fs.write_latency.summary()},
         "read_qos": fs.data.qos.status(),
+        "tenant_bandwidth": fs.data.writes.bandwidth.status(),
         "prefetch": fs.data.prefetch.status() if fs.data.prefetch is not None else None,
         "zone_summaries": {"sealed_zones": len(fs.state.zone_seals),
                            "sealed_this_mount": fs.data.sealer.sealed,

@@ -78,7 +78,7 @@ class DataPath:
                  reader: AsyncReader | None = None, stamp_times: bool = True,
                  prefetch_bytes: int = 0, fast_read: bool = True,
                  on_need_space: Callable[[int], Awaitable[bool]] | None = None,
-                 tasks: MountTasks) -> None:
+                 device_write_bps: float = 0.0, tasks: MountTasks) -> None:
         self.dev = dev
         self.state = state
         self.journal = journal
@@ -90,7 +90,8 @@ class DataPath:
         read_limiter = read_limiter or limiter
         #: Per-file write state; its `qos` is the read QoS gate for appends
         #: (disabled without a target).
-        self.writes = FileWrites(qos or ReadLatencyController(0), TenantBandwidth(state))
+        self.writes = FileWrites(qos or ReadLatencyController(0),
+                                 TenantBandwidth(state, device_write_bps=device_write_bps))
         self.buffers = self.writes.buffers
         self.inflight = self.writes.inflight
         self.locks = self.writes.locks
