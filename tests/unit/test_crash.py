@@ -53,7 +53,8 @@ from zonefs_py.journal import journal as journal_mod
 from zonefs_py.journal.recovery import read_superblock
 
 DIR = "<dir>"
-#: Tracker paths of declared tenants' policies ("tenant:/a" -> "min/max").
+#: Tracker paths of declared tenants' policies ("tenant:/a" -> "min/max", then
+#: "/write kB/s/write share/read share" with a bandwidth policy).
 TENANT = "tenant:"
 Version = bytes | str | None  # content, DIR, or absent
 
@@ -681,8 +682,8 @@ async def _write_acked(fs: ZoneFS, t: Tracker, path: str, data: bytes) -> None:
 
 async def tenant_lifecycle(fs: ZoneFS, t: Tracker) -> None:
     """Declare two tenants, write into both (small and private-head files), change a
-    policy, checkpoint, remove one and write on into its (now shared) directory (issue 45;
-    fsck checks INV-27 at every cut)."""
+    policy (zones and bandwidth in one op), checkpoint, remove one and write on into its
+    (now shared) directory (issue 45; fsck checks INV-27 at every cut)."""
     a, b = await _tenant_dirs(fs, t, "a", "b")
     t.expect(TENANT + "/a", "1/3")
     fs.tenants.declare(a, 1, 3)
@@ -694,8 +695,8 @@ async def tenant_lifecycle(fs: ZoneFS, t: Tracker) -> None:
     await _write_acked(fs, t, "/b/small", pattern(171, 24 * KiB))
     await _write_acked(fs, t, "/a/model.ckpt", pattern(172, 300 * KiB))
     await _write_acked(fs, t, "/b/big", pattern(173, 2200 * KiB))
-    t.expect(TENANT + "/a", "0/4")
-    fs.tenants.change(a, 0, 4)
+    t.expect(TENANT + "/a", "0/4/0/30/50")
+    fs.tenants.change(a, 0, 4, write_share=30, read_share=50)
     await fs.sync()
     t.ack(TENANT + "/a")
     await fs.checkpoint()
@@ -842,8 +843,9 @@ async def verify_after_crash(image: Path, t: Tracker, where: str) -> set[str]:
             if rec.newest_checkpoint and rec.newest_checkpoint.offset != sb_checkpoint:
                 paths.add("checkpoint newer than superblock")
             files, dirs = await read_tree(fs)
-            tenants = {fs.path_of(p.dir_ino): f"{p.min_zones}/{p.max_zones}"
-                       for p in fs.state.tenants.by_id.values()}
+            tenants = {fs.path_of(p.dir_ino): f"{p.min_zones}/{p.max_zones}" + (
+                f"/{p.write_cap_kbs}/{p.write_share}/{p.read_share}"
+                if p.has_bandwidth_policy else "") for p in fs.state.tenants.by_id.values()}
             try:
                 t.check(files, dirs, tenants)
             except AssertionError as exc:
