@@ -43,8 +43,8 @@ _MEANING = {
     errno.EEXIST: "it is a tenant already (use `zonefs-py tenant set`)",
     errno.ENOTEMPTY: "it holds file data in shared zones: declare tenants on directories "
                      "without file data, then copy the data in",
-    errno.EINVAL: "the root, a directory inside or holding another tenant, or --max-zones "
-                  "below --min-zones",
+    errno.EINVAL: "the root, a directory inside or holding another tenant, --max-zones "
+                  "below --min-zones, or a bad bandwidth policy",
     errno.ENOSPC: "the reservations do not fit the free zones",
     errno.ENOENT: "it is not a tenant",
     errno.ENOTDIR: "not a directory",

@@ -11,5 +11,7 @@ modules behind it:
   DESIGN 4.10) through `ReadPath.maps`;
 * prefetch.py: sequential read-ahead of stored data;
 * qos.py: the read-latency controller that paces appends;
+* tenantqos.py: declared tenants' write caps and read shares (work-conserving
+  token buckets appends wait in; per-tenant read and write rates);
 * zonesums.py: zone summaries: sealing, the checksum cache.
 """
