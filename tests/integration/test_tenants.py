@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import threading
 import time
@@ -159,4 +160,61 @@ def test_a_write_cap_holds_while_another_tenant_writes_and_lifts_alone(
     zonefs("tenant", "set", str(a), "--write-mbps", "0")
     listing = json.loads(zonefs("tenant", "list", str(m.path), "--json").stdout)
     assert listing["ckpt"]["write_cap_mb_s"] is None
+    assert m.unmount() == 0
+
+
+def _read_until(path: Path, stop: threading.Event) -> int:
+    """Read `path` (O_DIRECT: every read reaches the daemon) over and over until `stop`."""
+    size = path.stat().st_size
+    buf = mmap.mmap(-1, MiB)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    done = 0
+    try:
+        while not stop.is_set():
+            for off in range(0, size, MiB):
+                done += os.preadv(fd, [buf], off)
+    finally:
+        os.close(fd)
+        buf.close()
+    return done
+
+
+def test_a_read_share_holds_other_writers_back_while_its_tenant_reads(
+        image: Path, mount_factory: Mount) -> None:
+    """Tenant `data` has a 90% read share of a device fixed at 40 MB/s: while it reads
+    (served in C), the other tenant's writes get at most ~4 MB/s (2x, loosely); once
+    it stops reading they run free."""
+    m = mount_factory.start("c_reads=on", "device_write_mb=40")
+    a, b = m.path / "ckpt", m.path / "data"
+    a.mkdir()
+    b.mkdir()
+    zonefs("tenant", "add", str(a))
+    zonefs("tenant", "add", str(b), "--read-share", "90")
+    shard = b / "shard"
+    shard.write_bytes(os.urandom(4 * MiB))
+    fd = os.open(shard, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+    stop = threading.Event()
+    reads: list[int] = []
+    reader = threading.Thread(target=lambda: reads.append(_read_until(shard, stop)))
+    reader.start()
+    try:
+        time.sleep(0.5)  # `data` is reading first
+        held, took = _write_for(a, 3.0, None)
+    finally:
+        stop.set()
+        reader.join()
+    held_rate = held / took
+    assert 0.5e6 < held_rate <= 2 * 4e6, f"held at {held_rate / 1e6:.1f} MB/s"
+    assert reads[0] > 8 * MiB
+    doc = json.loads(zonefs("stat", str(m.path), "--json").stdout)
+    assert doc["tenants"]["ckpt"]["throttled_seconds"] > 1.0
+    assert doc["tenants"]["data"]["bytes_read"] >= reads[0] // 2
+    assert doc["tenant_bandwidth"]["device_write_bytes_per_s"] == 40_000_000
+    time.sleep(0.5)  # `data` idle now
+    free, took = _write_for(a, None, 48 * MiB)
+    free_rate = free / took
+    print(f"held {held_rate / 1e6:.1f} MB/s, free {free_rate / 1e6:.1f} MB/s")
+    assert free_rate > 2 * 4e6, f"free at {free_rate / 1e6:.1f} MB/s"
     assert m.unmount() == 0
