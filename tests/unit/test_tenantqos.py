@@ -308,3 +308,12 @@ def test_mount_option_fixes_the_device_bandwidth() -> None:
     assert opts.device_write_mb == 400
     with pytest.raises(ValueError, match="device_write_mb"):
         FsOptions.from_mount_options({"device_write_mb": "-1"})
+
+
+def test_figures_outside_a_trio_run() -> None:
+    t = Tenants()
+    t.declare(1, write_share=20)
+    report = TenantBandwidth(t).report(1)
+    assert report["write_share_pct"] == 20
+    assert report["write_cap_bytes_per_s"] is None  # no device figure yet
+    assert report["write_capped_now"] is False

@@ -109,11 +109,10 @@ class _Bucket:
 class TenantBandwidth:
     """Per-tenant write caps and read shares (the module docstring)."""
 
-    def __init__(self, source: _TenantSource, *,
-                 clock: Callable[[], float] = trio.current_time,
-                 device_write_bps: float = 0.0) -> None:
+    def __init__(self, source: _TenantSource, *, device_write_bps: float = 0.0) -> None:
         self._source = source
-        self._clock = clock
+        #: The trio clock (a test's MockClock moves it): the buckets sleep on it.
+        self._clock: Callable[[], float] = trio.current_time
         #: Fixed device write bandwidth (bytes/s), 0: measured (`device_write_bps`).
         self.fixed_device_bps = device_write_bps
         #: Highest total append rate over a window so far (bytes/s), 0 before one.
@@ -256,9 +255,14 @@ class TenantBandwidth:
 
     # -- figures ------------------------------------------------------------------------------
     def report(self, tid: int) -> dict[str, Any]:
-        """Figures and policy of one declared tenant, for the status document."""
-        now = self._clock()
-        self._tick(now)
+        """Figures and policy of one declared tenant, for the status document (outside a
+        trio run, e.g. an engine used offline: the figures as they stand)."""
+        try:
+            now: float | None = self._clock()
+        except RuntimeError:
+            now = None
+        if now is not None:
+            self._tick(now)
         f = self.figures.get(tid) or TenantFigures()
         policy = self._source.tenants.get(tid)
         dev = self.device_write_bps
@@ -275,7 +279,8 @@ class TenantBandwidth:
             else policy.write_cap_kbs / 1e3,
             "write_share_pct": (policy.write_share or None) if policy else None,
             "read_share_pct": (policy.read_share or None) if policy else None,
-            "write_capped_now": any(k == ("cap", tid) for k, _ in self.limits(tid, now)),
+            "write_capped_now": now is not None and any(
+                k == ("cap", tid) for k, _ in self.limits(tid, now)),
             "throttled_seconds": round(f.throttled_s, 3),
             "bytes_read": f.read_bytes,
         }
