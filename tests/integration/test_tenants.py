@@ -6,8 +6,10 @@ cap (ENOSPC for it while the other still writes), EXDEV across the boundary, the
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
+import random
 from pathlib import Path
 
 import pytest
@@ -83,3 +85,73 @@ def test_declare_fill_enospc_of_one_tenant_remount(image: Path, mount_factory: M
     assert listing["ckpt"]["zones_max"] == 4
     assert listing["ckpt"]["active_zones_max"] == 2
     assert m.unmount() == 0
+
+
+def _tenant_status(m: Mount) -> dict[str, object]:
+    return dict(json.loads(zonefs("stat", str(m.path), "--json").stdout))
+
+
+def _block(seed: int, i: int) -> bytes:
+    return random.Random(seed * 1_000_003 + i).randbytes(MiB)
+
+
+def _digest(seed: int, nbytes: int) -> str:
+    h = hashlib.sha256()
+    for i in range(nbytes // MiB):
+        h.update(_block(seed, i))
+    return h.hexdigest()
+
+
+def _digest_file(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_a_tenant_at_its_cap_gets_enospc_from_write_while_another_writes(
+        image: Path, mount_factory: Mount) -> None:
+    """Under the writeback cache, the writer of a tenant at its cap gets ENOSPC from
+    write(2) itself (not only at fsync or close), the writer of another tenant goes
+    on, and every byte write(2) acknowledged is stored (remount; fsck at teardown)."""
+    m = mount_factory.start()
+    a, b = m.path / "capped", m.path / "free"
+    a.mkdir()
+    b.mkdir()
+    zonefs("tenant", "add", str(a), "--max-zones", "3")  # 3 zones of 16 MiB
+    zonefs("tenant", "add", str(b))
+    assert _tenant_status(m)["write_gate"]["enabled"]
+    fa = os.open(a / "big", os.O_CREAT | os.O_WRONLY, 0o644)
+    fb = os.open(b / "big", os.O_CREAT | os.O_WRONLY, 0o644)
+    written_a = written_b = 0
+    error: OSError | None = None
+    try:
+        for i in range(96):
+            if error is None:
+                try:
+                    n = os.write(fa, _block(1, i))
+                    assert n == MiB
+                    written_a += n
+                except OSError as exc:
+                    error = exc
+            written_b += os.write(fb, _block(2, i))
+        doc = _tenant_status(m)
+        gate = doc["write_gate"]
+        print(f"tenant wrote {written_a / MiB} MiB, the other {written_b / MiB} MiB; "
+              f"gate {gate}; tenants {doc['tenants']}")
+        assert error is not None
+        assert error.errno == errno.ENOSPC
+        tid = doc["tenants"]["capped"]["tenant_id"]
+        assert gate["closed_tenants"] == [tid]
+        assert not gate["closed"]  # the device gate: the other tenant keeps the cache
+        assert 48 * MiB - int(gate["full_refuse_below_bytes"]) - 2 * MiB <= written_a
+        assert written_a <= 48 * MiB
+        assert written_b == 96 * MiB
+        os.fsync(fa)  # nothing write(2) acknowledged was refused at writeback
+        os.fsync(fb)
+    finally:
+        os.close(fa)  # raises if a writeback failed
+        os.close(fb)
+    assert (a / "big").stat().st_size == written_a
+    assert m.unmount() == 0
+    m.start()
+    assert (a / "big").stat().st_size == written_a
+    assert _digest_file(a / "big") == _digest(1, written_a)
+    assert _digest_file(b / "big") == _digest(2, written_b)
