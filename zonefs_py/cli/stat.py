@@ -4,7 +4,9 @@ Reads the virtual xattr `trusted.zonefs.status` (root) or `user.zonefs.status`
 (the user who mounted) of the mount root (see `zonefs_py.control`). The
 default is one screen for people (`statusview.summary_lines`: device and
 size, used / free / reserve, write amplification, zones by role and
-condition, cleaner, journal, latency, drain queue and lag, failsafe and last
+condition, the declared tenants (one line each: zones owned/min/max, bytes
+stored, written by its users and its cleaner, write amplification, resets,
+wear; cut at `statusview.TENANTS_SHOWN` with "+K more"), cleaner, journal, latency, drain queue and lag, failsafe and last
 error, log file); `--all` lists every figure of the document; `--json` and
 `--format prometheus` print it for programs (`zonefs_py.metrics`);
 `--watch [SECONDS]` prints one line of rates per interval (read and write
