@@ -155,3 +155,40 @@ def test_a_tenant_at_its_cap_gets_enospc_from_write_while_another_writes(
     assert (a / "big").stat().st_size == written_a
     assert _digest_file(a / "big") == _digest(1, written_a)
     assert _digest_file(b / "big") == _digest(2, written_b)
+
+
+def test_zone_map_by_tenant(image: Path, mount_factory: Mount) -> None:
+    """`stat --all --by-tenant` prints each tenant's zones as its character, and
+    `--zone-map F.png --by-tenant` draws them (with the [plot] extra)."""
+    m = mount_factory.start()
+    a, b = m.path / "ckpt", m.path / "data"
+    a.mkdir()
+    b.mkdir()
+    zonefs("tenant", "add", str(a))
+    zonefs("tenant", "add", str(b))
+    (a / "x").write_bytes(os.urandom(20 * MiB))
+    (b / "y").write_bytes(os.urandom(4 * MiB))
+    (m.path / "shared").write_bytes(os.urandom(4 * MiB))
+    os.sync()
+    doc = _tenant_status(m)
+    legend = doc["zone_tenant_legend"]
+    assert sorted(legend.values()) == ["ckpt", "data"]
+    char = {v: k for k, v in legend.items()}
+    owners = doc["zone_tenants"]
+    assert {i for i, ch in enumerate(owners) if ch == char["ckpt"]} == set(
+        doc["tenants"]["ckpt"]["zones"])
+    assert {i for i, ch in enumerate(owners) if ch == char["data"]} == set(
+        doc["tenants"]["data"]["zones"])
+    text = zonefs("stat", "--all", "--by-tenant", str(m.path)).stdout
+    grid = "".join(line.strip() for line in
+                   text.split("Zone map\n", 1)[1].split("\n  (", 1)[0].splitlines())
+    assert grid.count(char["ckpt"]) >= 2
+    assert grid.count(char["data"]) >= 1
+    assert f"zones by tenant: {char['ckpt']} ckpt" in text
+    refused = zonefs("stat", "--by-tenant", str(m.path), check=False)
+    assert refused.returncode == 2
+    assert "--by-tenant" in refused.stderr
+    pytest.importorskip("matplotlib", reason="the [plot] extra is not installed")
+    png = m.path.parent / "tenants.png"
+    zonefs("stat", str(m.path), "--zone-map", str(png), "--by-tenant")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
