@@ -10,11 +10,12 @@ import hashlib
 import json
 import os
 import random
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from .conftest import Mount, zonefs
+from .conftest import ZONEFS, Mount, env, zonefs
 
 pytestmark = pytest.mark.integration
 
@@ -192,3 +193,41 @@ def test_zone_map_by_tenant(image: Path, mount_factory: Mount) -> None:
     png = m.path.parent / "tenants.png"
     zonefs("stat", str(m.path), "--zone-map", str(png), "--by-tenant")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _as(uid: int, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run zonefs-py as `uid` (no such user needed), in no supplementary group."""
+    return subprocess.run([*ZONEFS, *args], user=uid, group=uid, extra_groups=[], env=env(),
+                          cwd="/", capture_output=True, text=True, timeout=120,
+                          stdin=subprocess.DEVNULL)
+
+
+def test_users_root_allows_run_tenant_commands(image: Path, mount_factory: Mount) -> None:
+    """`-o tenant_admins=UID`: that user declares, changes and removes tenants on
+    directories it can write; another user is refused with the daemon's reason."""
+    allowed, other = 4242, 4243
+    m = mount_factory.start("allow_other", f"tenant_admins={allowed}")
+    mine, theirs, roots = m.path / "mine", m.path / "theirs", m.path / "roots"
+    for d, uid in ((mine, allowed), (theirs, other), (roots, 0)):
+        d.mkdir()
+        os.chown(d, uid, uid)
+    ok = _as(allowed, "tenant", "add", str(mine), "--max-zones", "3")
+    assert ok.returncode == 0, ok.stderr
+    ok = _as(allowed, "tenant", "set", str(mine), "--active-zones", "2")
+    assert ok.returncode == 0, ok.stderr
+    listing = json.loads(zonefs("tenant", "list", str(m.path), "--json").stdout)
+    assert (listing["mine"]["zones_max"], listing["mine"]["active_zones_max"]) == (3, 2)
+    refused = _as(other, "tenant", "add", str(theirs))
+    assert refused.returncode == 1
+    assert "Operation not permitted" in refused.stderr
+    assert f"uid {other} may not declare or change tenants" in refused.stderr
+    assert "tenant_admins=" in refused.stderr
+    denied = _as(allowed, "tenant", "add", str(roots))  # it may not write that directory
+    assert denied.returncode == 1
+    assert "Permission denied" in denied.stderr
+    (mine / "f").write_bytes(b"x" * 100000)
+    ok = _as(allowed, "tenant", "remove", str(mine))
+    assert ok.returncode == 0, ok.stderr
+    listing = json.loads(zonefs("tenant", "list", str(m.path), "--json").stdout)
+    assert listing == {}
+    assert (mine / "f").read_bytes() == b"x" * 100000
