@@ -251,12 +251,12 @@ class Operations(pyfuse3.Operations):
         #: (without it every write(2) is a WRITE the engine admits or refuses).
         space_gate = getattr(fs, "space_gate", None)
         has_reservation = getattr(fs, "has_reservation", None)
-        tenant_space = getattr(fs, "tenant_space", None)
+        tenant_of_ino = getattr(getattr(fs, "tenant_space", None), "tenant_of_ino", None)
         self.write_gate = WriteGate(
             space_gate if writeback_cache and isinstance(space_gate, SpaceGate) else None,
             self._invalidate,
             has_reservation if callable(has_reservation) else lambda ino: False,
-            tenant_space.tenant_of_ino if tenant_space is not None else lambda ino: 0)
+            tenant_of_ino if callable(tenant_of_ino) else lambda ino: 0)
         # Built before pyfuse3.init (daemon/serve.py): the FALLOCATE handler goes in then.
         self.install_extra_handlers()
 
