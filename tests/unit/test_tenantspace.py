@@ -66,6 +66,9 @@ async def test_a_write_past_a_tenants_cap_is_refused_at_admission(tmp_path: Path
         assert fs.tenant_space.avail_bytes(ta) == cap - written
         await write_file(fs, "/b/other", pattern(9, 3 * MiB))
         assert len(fs.alloc.tenant_zones(ta)) <= 3 + 1
+        # The recorded ownership it walks is the allocator's.
+        assert sorted(fs.tenant_space._zones(ta)) == sorted(
+            dz.idx for dz in fs.alloc.tenant_zones(ta))
     async with mounted(image) as fs:
         assert await read_file(fs, "/a/big") == pattern(1, 4 * cap)[:written]
         assert await read_file(fs, "/b/other") == pattern(9, 3 * MiB)

@@ -18,10 +18,11 @@ tenant's handles when its free space nears what the kernel may hold.
   before it refuses, `ZoneFS._need_space`).
 
 Pure accounting (no I/O, never awaits), on the trio thread. A tenant's used
-bytes are found by walking its zones and the files with write state, so the
-sums cost O(zones + files being written); only tenants with a cap pay them,
-and only when the device-wide upper bound (`might_exceed`) says the cap might
-be near.
+bytes are found by walking the zones tenants own and the files with write
+state, so the sums cost O(tenants' zones + files being written); only tenants
+with a cap pay them, and only when the upper bound (`might_exceed`: the bytes
+written in its zones, every pending byte of the device) says the cap might be
+near.
 
 Caveats: the capacity is live bytes; a tenant whose data is spread over many
 streams (small files, several large files written at once, checkpoint lanes)
@@ -85,9 +86,16 @@ class TenantSpace:
             return None
         return policy.max_zones * self.zone_data_bytes()
 
+    def _zones(self, tid: int) -> list[int]:
+        """Zones the tenant owns: the recorded ownership (State.zone_tenant, set by the
+        ZONE_TENANT op when a zone is opened for it, ended by its reset), walked instead
+        of every zone of the device (this runs on every growing write of a capped
+        tenant)."""
+        return [z for z, t in self.state.zone_tenant.items() if t == tid]
+
     def live_bytes(self, tid: int) -> int:
         """Live bytes in the zones the tenant owns."""
-        return sum(self.alloc.live_bytes(dz.idx) for dz in self.alloc.tenant_zones(tid))
+        return sum(self.alloc.live_bytes(z) for z in self._zones(tid))
 
     def pending_bytes(self, tid: int) -> int:
         """The tenant's files' bytes accepted and not placed, admitted, or held."""
@@ -118,7 +126,8 @@ class TenantSpace:
         cap = self.capacity_bytes(tid)
         if cap is None:
             return False
-        written = sum(dz.reserved for dz in self.alloc.tenant_zones(tid))
+        zones = self.alloc.zones
+        written = sum(zones[z].reserved for z in self._zones(tid) if z in zones)
         writes = self._writes()
         bound = (written + writes.pending_bytes() + sum(self.admitted.values())
                  + self.state.prealloc.held_total * self.alloc.block_size)
