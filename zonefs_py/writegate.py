@@ -26,6 +26,14 @@ not let the next write(2) through without asking. When the gate opens, the
 list is emptied; the next GETATTR is answered and the attributes cached as
 before.
 
+Per declared tenant (issue 45): a handle open for writing records its
+file's tenant; when the engine says a tenant is near its cap
+(`SpaceGate.refusing_tenants`), only that tenant's handles are listed
+(`closed_tenants`), and unlisted again when it has room (the device gate
+opening leaves them listed). A tenant's first writer may lower the dirty
+limit before its open is answered, so that it is refused only when really
+near its cap.
+
 The loop (`run`) also sets the kernel's dirty limit the engine wants
 (`set_limit`, a sysfs write given by the daemon). It wakes when the engine's
 `SpaceGate.check` found something to do, and polls every `POLL_S` while the
@@ -46,6 +54,10 @@ Caveats:
     the reservation, near full, can be refused at writeback only.
   * Without the C extension (`fuseext.installed()` False) nothing can be
     refused: the gate logs a warning once and stays open.
+  * A handle's tenant is taken at its open: a file opened before its
+    directory was declared a tenant is not refused by that tenant's gate
+    (its WRITEs are still held to the cap by the engine, reported at
+    fsync/close).
 """
 
 from __future__ import annotations

@@ -231,3 +231,34 @@ def test_users_root_allows_run_tenant_commands(image: Path, mount_factory: Mount
     listing = json.loads(zonefs("tenant", "list", str(m.path), "--json").stdout)
     assert listing == {}
     assert (mine / "f").read_bytes() == b"x" * 100000
+
+
+def test_room_made_in_a_full_tenant_lets_its_write_pass(image: Path,
+                                                        mount_factory: Mount) -> None:
+    """Once a tenant's writer got ENOSPC from write(2), truncating a file of that
+    tenant gives the space back at once: the next write(2) passes."""
+    m = mount_factory.start()
+    a = m.path / "capped"
+    a.mkdir()
+    zonefs("tenant", "add", str(a), "--max-zones", "2")
+    fd = os.open(a / "big", os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        written = 0
+        error: OSError | None = None
+        for i in range(64):
+            try:
+                written += os.write(fd, _block(3, i))
+            except OSError as exc:
+                error = exc
+                break
+        assert error is not None
+        assert error.errno == errno.ENOSPC
+        assert _tenant_status(m)["write_gate"]["closed_tenants"]
+        os.fsync(fd)
+        os.ftruncate(fd, 0)
+        assert os.pwrite(fd, _block(4, 0), 0) == MiB
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    assert (a / "big").read_bytes() == _block(4, 0)
+    assert written > 16 * MiB

@@ -30,6 +30,14 @@ free space and that limit, two things the adapter carries out
   limit cannot be set (a mount by a user who is not root), it stays the
   kernel's default and refusal starts that much earlier.
 
+Per declared tenant (issue 45, DESIGN 3.9a): a tenant with `--max-zones`
+has free space of its own under its cap (`tenant_avail`, fs/tenantspace.py).
+While the adapter has handles open for writing in it (`writing_tenants`),
+the same thresholds apply to it alone: below `refuse_below_bytes` it is in
+`refusing_tenants` and only its handles are refused, the others keep the
+writeback cache. The dirty limit being the mount's, `wanted_limit_bytes`
+follows the smallest free space of the device and of those tenants.
+
 `held_bound` is measured, not derived: held bytes stayed within 1.22x the
 limit plus 1 MiB (a writer's last 1 MiB write) at limits of 1 MiB to 48 MiB
 on Linux 6.18 (DESIGN 4.3). A writer that overshoots that bound (a write(2) of
