@@ -74,6 +74,26 @@ async def test_a_write_past_a_tenants_cap_is_refused_at_admission(tmp_path: Path
         assert await read_file(fs, "/b/other") == pattern(9, 3 * MiB)
 
 
+async def test_room_left_in_another_streams_zone_is_not_admitted(tmp_path: Path) -> None:
+    """Streams never share a zone: with a log file and a dataset file each holding a
+    zone of a 3-zone cap, a default-stream writer has one zone, and is refused at
+    admission when it is full, not at writeback (its fsync reports nothing)."""
+    async with mounted(tmp_path / "fs.img", create=True) as fs:
+        a = await _mkdir(fs, "/a")
+        ta = fs.tenants.declare(a, 0, 3)
+        zone = fs.tenant_space.zone_data_bytes()
+        await write_file(fs, "/a/x.log", pattern(1, 300 * KiB))
+        await write_file(fs, "/a/y.tar", pattern(2, 300 * KiB))
+        assert fs.tenant_space.lost_bytes(ta, None) > 0
+        fh, written, error = await _fill_without_fsync(fs, a, "big", 3, 4 * zone)
+        assert isinstance(error, errors.NoSpace)
+        assert zone - STEP < written <= zone
+        await fs.fsync(fh, False)
+        await fs.release(fh)
+        assert await read_file(fs, "/a/big") == pattern(3, 4 * zone)[:written]
+        assert await read_file(fs, "/a/x.log") == pattern(1, 300 * KiB)
+
+
 async def test_deleting_within_a_tenant_admits_its_writes_again(tmp_path: Path) -> None:
     async with mounted(tmp_path / "fs.img", create=True) as fs:
         a = await _mkdir(fs, "/a")

@@ -21,6 +21,7 @@ import trio
 from zonefs_py import errors
 from zonefs_py.alloc.allocator import Allocator
 from zonefs_py.drain.manager import DrainManager
+from zonefs_py.format.constants import FLAG_STREAM_SET
 from zonefs_py.format.ops import Op
 from zonefs_py.fs.api import (
     FILE_SIZE_MAX,
@@ -237,9 +238,11 @@ class HandleOps:
         tenant = self.tenant_space.tenant_of(inode)
         if not tenant:
             return 0
-        over = self.tenant_space.over_bytes(tenant, grow)
+        # The file's stream: room in the tenant's zones of other streams is not its.
+        stream = inode.stream if inode.flags & FLAG_STREAM_SET else None
+        over = self.tenant_space.over_bytes(tenant, grow, stream)
         if over > 0 and not (await self.drain.relieve_space(over, tenant=tenant)
-                             and self.tenant_space.over_bytes(tenant, grow) <= 0):
+                             and self.tenant_space.over_bytes(tenant, grow, stream) <= 0):
             policy = self.state.tenants.get(tenant)
             where = self.path_of(policy.dir_ino) if policy is not None else f"#{tenant}"
             raise errors.NoSpace(f"tenant {where} is at its cap (--max-zones)")

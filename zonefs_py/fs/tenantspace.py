@@ -13,9 +13,11 @@ tenant's handles when its free space nears what the kernel may hold.
   of the usable data zones: zones of one device seldom differ).
 * `used_bytes`: live bytes in the zones it owns, plus, for its files, bytes
   accepted and not yet placed (`pending_bytes_of`), bytes admitted and not yet
-  pending (`admit`), and blocks held by fallocate. Dead bytes in its zones
-  do not count: its cleaner reclaims them (placement cleans within the tenant
-  before it refuses, `ZoneFS._need_space`).
+  pending (`admit`), and blocks held by fallocate, plus the room left in its
+  partly written zones of *other* streams than the writer's (`lost_bytes`:
+  streams never share a zone, so that room is not the writer's). Dead bytes
+  in its zones do not count: its cleaner reclaims them (placement cleans
+  within the tenant before it refuses, `ZoneFS._need_space`).
 
 Pure accounting (no I/O, never awaits), on the trio thread. A tenant's used
 bytes are found by walking the zones tenants own and the files with write
@@ -24,11 +26,11 @@ with a cap pay them, and only when the upper bound (`might_exceed`: the bytes
 written in its zones, every pending byte of the device) says the cap might be
 near.
 
-Caveats: the capacity is live bytes; a tenant whose data is spread over many
-streams (small files, several large files written at once, checkpoint lanes)
-leaves room in heads of one stream that another cannot use, so within about a
-zone per stream of its cap a write admitted here may still find no room at
-writeback (reported by the file's next fsync or close, as before). fallocate
+Caveats: a writer's stream is that of its file (one not decided yet: the
+stream with the most room, as for the gate). Dead bytes in a zone still
+being written (a head) are not reclaimable until it is full, yet not
+counted: a tenant overwriting data in place near its cap can still be
+refused at writeback (the file's next fsync or close reports it). fallocate
 into a tenant is not held to its cap here (placement still is).
 """
 
@@ -110,26 +112,46 @@ class TenantSpace:
                          if self.tenant_of_ino(ino) == tid) * self.alloc.block_size
         return total
 
-    def used_bytes(self, tid: int) -> int:
-        return self.live_bytes(tid) + self.pending_bytes(tid)
+    def lost_bytes(self, tid: int, stream: int | None) -> int:
+        """Room in the tenant's partly written zones that a writer of `stream` cannot
+        use: zones of other streams (streams never share a zone, INV-9; at its cap
+        a writer shares only a head of its own stream). `stream` None: for the
+        stream with the most room (the write gate's view of the tenant)."""
+        zones = self.alloc.zones
+        room: dict[int, int] = {}
+        for z in self._zones(tid):
+            dz = zones.get(z)
+            if dz is not None and dz.remaining > 0:
+                room[dz.stream] = room.get(dz.stream, 0) + dz.remaining
+        if not room:
+            return 0
+        usable = max(room.values()) if stream is None else room.get(stream, 0)
+        return sum(room.values()) - usable
 
-    def avail_bytes(self, tid: int) -> int | None:
-        """Free bytes under the tenant's cap (None: no cap)."""
+    def used_bytes(self, tid: int, stream: int | None = None) -> int:
+        """Live and pending bytes of the tenant, and the room its writer of `stream`
+        cannot use (`lost_bytes`)."""
+        return self.live_bytes(tid) + self.pending_bytes(tid) + self.lost_bytes(tid, stream)
+
+    def avail_bytes(self, tid: int, stream: int | None = None) -> int | None:
+        """Free bytes under the tenant's cap for a writer of `stream` (None: no cap)."""
         cap = self.capacity_bytes(tid)
         if cap is None:
             return None
-        return max(0, cap - self.used_bytes(tid))
+        return max(0, cap - self.used_bytes(tid, stream))
 
     def might_exceed(self, tid: int, grow: int) -> bool:
-        """A cheap upper bound: False when `grow` more bytes surely fit the cap (its
-        owned zones' written bytes and every pending byte of the device counted)."""
+        """A cheap upper bound: False when `grow` more bytes surely fit the cap (the
+        whole capacity of the zones it owns and every pending byte of the device
+        counted)."""
         cap = self.capacity_bytes(tid)
         if cap is None:
             return False
         zones = self.alloc.zones
-        written = sum(zones[z].reserved for z in self._zones(tid) if z in zones)
+        taken = sum(max(zones[z].capacity, zones[z].reserved) for z in self._zones(tid)
+                    if z in zones)
         writes = self._writes()
-        bound = (written + writes.pending_bytes() + sum(self.admitted.values())
+        bound = (taken + writes.pending_bytes() + sum(self.admitted.values())
                  + self.state.prealloc.held_total * self.alloc.block_size)
         return bound + grow > cap
 
@@ -140,13 +162,14 @@ class TenantSpace:
             return None
         return self.avail_bytes(tid)
 
-    def over_bytes(self, tid: int, grow: int) -> int:
-        """By how much `grow` more bytes would exceed the tenant's cap (<= 0: fit)."""
+    def over_bytes(self, tid: int, grow: int, stream: int | None = None) -> int:
+        """By how much `grow` more bytes of a writer of `stream` would exceed the
+        tenant's cap (<= 0: fit)."""
         if not self.might_exceed(tid, grow):
             return 0
         cap = self.capacity_bytes(tid)
         assert cap is not None
-        return self.used_bytes(tid) + grow - cap
+        return self.used_bytes(tid, stream) + grow - cap
 
     def admit(self, tid: int, nbytes: int) -> Callable[[], None] | None:
         """Count `nbytes` against the tenant from its check until its bytes are pending;
