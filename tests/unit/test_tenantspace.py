@@ -88,6 +88,13 @@ async def test_room_left_in_another_streams_zone_is_not_admitted(tmp_path: Path)
         fh, written, error = await _fill_without_fsync(fs, a, "big", 3, 4 * zone)
         assert isinstance(error, errors.NoSpace)
         assert zone - STEP < written <= zone
+        # The gate sees the tenant as the stream being written does (the default
+        # stream's room only), not by the stream with the most room.
+        assert fs.data.writes.pending_bytes_of(fs.files[fh]) > 0  # being written
+        assert fs.tenant_space.writing_streams(ta) == {0}
+        gate_view = fs.tenant_space.avail_within(ta, 1 << 40)
+        assert gate_view is not None
+        assert gate_view < fs.tenant_space.avail_bytes(ta) - 2 * STEP
         await fs.fsync(fh, False)
         await fs.release(fh)
         assert await read_file(fs, "/a/big") == pattern(3, 4 * zone)[:written]

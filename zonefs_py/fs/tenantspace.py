@@ -40,6 +40,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from zonefs_py.alloc.allocator import Allocator
+from zonefs_py.format.constants import FLAG_STREAM_SET
 from zonefs_py.model.inode import Inode
 from zonefs_py.model.state import State
 from zonefs_py.model.tenants import tenant_of, tenant_of_dir
@@ -155,12 +156,31 @@ class TenantSpace:
                  + self.state.prealloc.held_total * self.alloc.block_size)
         return bound + grow > cap
 
+    def writing_streams(self, tid: int) -> set[int]:
+        """Streams of the tenant's files with bytes accepted and not yet placed (the
+        files being written; a file whose stream is not decided yet counts as
+        none)."""
+        writes = self._writes()
+        streams: set[int] = set()
+        for ino in {*writes.buffers, *writes.inflight}:
+            inode = self.state.inodes.get(ino)
+            if (inode is not None and inode.flags & FLAG_STREAM_SET
+                    and tenant_of(self.state, inode) == tid):
+                streams.add(inode.stream)
+        return streams
+
     def avail_within(self, tid: int, within: int) -> int | None:
         """The tenant's free bytes under its cap when they may be below `within`; None
-        when it has no cap or surely has more (the write gate, fs/spacegate.py)."""
+        when it has no cap or surely has more (the write gate, fs/spacegate.py).
+        For the stream being written with the least room (the stream with the
+        most room when none is being written)."""
         if not self.might_exceed(tid, within):
             return None
-        return self.avail_bytes(tid)
+        cap = self.capacity_bytes(tid)
+        assert cap is not None
+        base = self.live_bytes(tid) + self.pending_bytes(tid)
+        streams: list[int | None] = [*self.writing_streams(tid)] or [None]
+        return max(0, cap - base - max(self.lost_bytes(tid, s) for s in streams))
 
     def over_bytes(self, tid: int, grow: int, stream: int | None = None) -> int:
         """By how much `grow` more bytes of a writer of `stream` would exceed the
