@@ -254,3 +254,27 @@ async def test_a_tenants_first_writer_lowers_the_limit_before_it_is_refused(
     await wg2.opened(7, 70, created=True)
     assert wg2.closed_tenants == {2}
     assert c.listed == {7}
+
+
+async def test_fallocate_is_held_to_the_cap_and_writes_into_it_pass(tmp_path: Path) -> None:
+    """A reservation past the cap is refused at the fallocate; one within it is kept
+    for its file: writing into it near the cap passes (its bytes counted once)."""
+    async with mounted(tmp_path / "fs.img", create=True) as fs:
+        a = await _mkdir(fs, "/a")
+        ta = fs.tenants.declare(a, 0, 2)
+        cap = fs.tenant_space.capacity_bytes(ta)
+        assert cap is not None
+        fh, attr = await fs.create(a, b"pre", 0o644, os.O_WRONLY, CTX)
+        fs.forget([(attr.ino, 1)])
+        with pytest.raises(errors.NoSpace, match="cap"):
+            await fs.fallocate(fh, 0, 0, cap + 1 * MiB)
+        reserve = cap - 512 * KiB
+        await fs.fallocate(fh, 0, 0, reserve)
+        assert fs.tenant_space.avail_bytes(ta) == cap - reserve
+        data = pattern(5, reserve)
+        for off in range(0, reserve, STEP):
+            await fs.write(fh, off, data[off:off + STEP])
+            assert fs.tenant_space.avail_bytes(ta) >= cap - reserve - STEP
+        await fs.fsync(fh, False)
+        await fs.release(fh)
+        assert await read_file(fs, "/a/pre") == data

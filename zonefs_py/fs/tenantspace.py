@@ -31,7 +31,7 @@ stream with the most room, as for the gate). Dead bytes in a zone still
 being written (a head) are not reclaimable until it is full, yet not
 counted: a tenant overwriting data in place near its cap can still be
 refused at writeback (the file's next fsync or close reports it). fallocate
-into a tenant is not held to its cap here (placement still is).
+into a tenant is held to its cap at the fallocate (`Fallocator._admit`).
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ class PendingWrites(Protocol):
 
     def pending_bytes(self) -> int: ...
     def pending_bytes_of(self, ino: int) -> int: ...
+    def pending_blocks(self, ino: int, block_size: int) -> list[tuple[int, int]]: ...
 
 
 class TenantSpace:
@@ -101,16 +102,26 @@ class TenantSpace:
         return sum(self.alloc.live_bytes(z) for z in self._zones(tid))
 
     def pending_bytes(self, tid: int) -> int:
-        """The tenant's files' bytes accepted and not placed, admitted, or held."""
+        """The tenant's files' bytes accepted and not placed, admitted, or held, each
+        byte once (a write into held blocks is both until it lands: counted as
+        held only, as `Fallocator.used_bytes` does for the device)."""
         writes = self._writes()
+        bs = self.alloc.block_size
+        pre = self.state.prealloc
         total = self.admitted.get(tid, 0)
         for ino in {*writes.buffers, *writes.inflight}:
-            if self.tenant_of_ino(ino) == tid:
-                total += writes.pending_bytes_of(ino)
-        held = self.state.prealloc.held
-        if held:
-            total += sum(blocks for ino, blocks in held.items()
-                         if self.tenant_of_ino(ino) == tid) * self.alloc.block_size
+            if self.tenant_of_ino(ino) != tid:
+                continue
+            pending = writes.pending_bytes_of(ino)
+            inode = self.state.inodes.get(ino)
+            if ino in pre.ranges and inode is not None and inode.extents is not None:
+                both = sum(pre.held_in(ino, inode.extents, lo, hi)
+                           for lo, hi in writes.pending_blocks(ino, bs)) * bs
+                pending -= min(both, pending)
+            total += pending
+        if pre.held:
+            total += sum(blocks for ino, blocks in pre.held.items()
+                         if self.tenant_of_ino(ino) == tid) * bs
         return total
 
     def lost_bytes(self, tid: int, stream: int | None) -> int:
