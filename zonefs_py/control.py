@@ -28,14 +28,29 @@ they are not stored anywhere:
                         kept), change or remove it (fs/tenants.py); durable when
                         the setxattr returns. `zonefs-py tenant` writes these.
     Reading it gives ENODATA; unknown commands give EINVAL.
+  * ``user.zonefs.tenant`` on any directory (issue 45): the tenant commands for
+    that directory, for root and for the users and groups root named with the
+    mount option ``tenant_admins=`` (`TenantDelegates`); anyone else gets EPERM.
+    Write ``add MIN MAX [ACTIVE]``, ``set MIN MAX [ACTIVE]`` (``-`` keeps a
+    value) or ``remove``; durable when the setxattr returns. Read it for JSON:
+    ``tenant`` (the directory's figures, as in the status, or null),
+    ``may_change`` (whether the caller may run the commands) and ``last_error``
+    (the daemon's reason for the caller's last refused command, kept per uid).
+    The kernel lets a user set a ``user.`` xattr only on a directory it may
+    write (the mount has default_permissions): so a delegate declares and
+    changes only directories it can write. `zonefs-py tenant` uses it when not
+    run as root.
 
 Why xattrs: no extra socket, no daemon lookup by pid file, works through
 the mount point alone, and the kernel already limits the ``trusted.``
 namespace to CAP_SYS_ADMIN (non-root getxattr sees ENODATA, setxattr EPERM).
 We also check ``ctx.uid == 0`` ourselves, so an unprivileged caller in a user
 namespace cannot reach it either. Commands stay root-only even on a user's
-own mount (docs/DESIGN.md, "Operating it"); ``user.zonefs.status`` cannot be
-set or removed.
+own mount (docs/DESIGN.md, "Operating it"), the tenant commands but for the
+delegates root named (a daemon not run by root refuses ``tenant_admins=``);
+``user.zonefs.status`` and ``user.zonefs.tenant`` cannot be removed, and
+``user.zonefs.tenant`` is never stored (a file's own xattr of that name
+cannot be set).
 
 Caveats: neither name is listed by listxattr (so `cp -a` / `getfattr -d` do not
 copy them); the status JSON must fit the kernel's 64 KiB xattr limit, so
@@ -46,6 +61,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from zonefs_py import errors
@@ -59,6 +75,35 @@ COMMANDS = ("sync", "checkpoint", "failsafe", "drain-pause", "drain-resume", "te
             "tenant-set", "tenant-remove")
 #: Set by the daemon once it serves: log file, mount point, uid, metrics endpoint.
 DAEMON_INFO: dict[str, Any] = {}
+
+
+#: Tenant commands on the directory itself, for root and its delegates (issue 45).
+TENANT_XATTR = b"user.zonefs.tenant"
+#: uid -> the reason its last tenant command through TENANT_XATTR was refused.
+LAST_TENANT_ERROR: dict[int, str] = {}
+#: Refusals kept at most (the oldest goes first).
+LAST_TENANT_ERRORS_MAX = 256
+
+
+@dataclass(frozen=True)
+class TenantDelegates:
+    """Who besides root may run tenant commands (mount option ``tenant_admins=``)."""
+
+    uids: frozenset[int] = frozenset()
+    gids: frozenset[int] = frozenset()
+
+    def allows(self, ctx: Ctx) -> bool:
+        """Whether the caller is root, a listed user, or in a listed group (its
+        supplementary groups read from /proc, `zonefs_py.caller`)."""
+        if ctx.uid == 0 or ctx.uid in self.uids:
+            return True
+        if not self.gids:
+            return False
+        groups, _cap = ctx.credentials()
+        return ctx.gid in self.gids or not self.gids.isdisjoint(groups)
+
+    def status(self) -> dict[str, list[int]]:
+        return {"uids": sorted(self.uids), "gids": sorted(self.gids)}
 
 
 def is_control_name(name: bytes) -> bool:
@@ -174,3 +219,44 @@ async def tenant_command(fs: FileSystemAPI, words: list[str]) -> None:
     else:
         raise errors.InvalidArgument(f"malformed tenant command {' '.join(words)!r}")
     await fs.sync()
+
+
+async def tenant_xattr_set(fs: FileSystemAPI, dir_ino: int, value: bytes, ctx: Ctx,
+                           delegates: TenantDelegates) -> None:
+    """Run a tenant command written to `user.zonefs.tenant` of directory `dir_ino`.
+    Raises NotPermitted (not root nor a delegate), InvalidArgument, and what
+    `tenant_command` raises; the reason is kept for the caller (`tenant_xattr_get`)."""
+    words = value.strip(b"\0 \n").decode("ascii", errors="replace").split()
+    try:
+        if not delegates.allows(ctx):
+            raise errors.NotPermitted(
+                f"uid {ctx.uid} may not declare or change tenants: root may allow users "
+                "and groups with the mount option tenant_admins=USER:@GROUP")
+        if not words or words[0] not in ("add", "set", "remove"):
+            raise errors.InvalidArgument(
+                f"{TENANT_XATTR.decode()}: write 'add MIN MAX [ACTIVE [WKBS WSHARE "
+                f"RSHARE]]', 'set ...' (the same, '-' keeps a value) or 'remove', not "
+                f"{' '.join(words)!r}")
+        await tenant_command(fs, [f"tenant-{words[0]}", str(dir_ino), *words[1:]])
+    except errors.ZoneFSError as exc:
+        LAST_TENANT_ERROR.pop(ctx.uid, None)
+        LAST_TENANT_ERROR[ctx.uid] = str(exc)
+        while len(LAST_TENANT_ERROR) > LAST_TENANT_ERRORS_MAX:
+            del LAST_TENANT_ERROR[next(iter(LAST_TENANT_ERROR))]
+        raise
+    LAST_TENANT_ERROR.pop(ctx.uid, None)
+
+
+def tenant_xattr_get(fs: FileSystemAPI, dir_ino: int, ctx: Ctx,
+                     delegates: TenantDelegates) -> bytes:
+    """Answer getxattr of `user.zonefs.tenant`: the directory's tenant figures (or
+    null), whether the caller may change tenants, and its last refusal."""
+    figures: dict[str, Any] | None = None
+    admin = getattr(fs, "tenants", None)
+    tid = admin.state.tenants.by_dir.get(dir_ino) if admin is not None else None
+    if admin is not None and tid is not None:
+        figures = next((f for f in admin.report().values() if f.get("tenant_id") == tid),
+                       None)
+    return json.dumps({"tenant": figures, "may_change": delegates.allows(ctx),
+                       "last_error": LAST_TENANT_ERROR.get(ctx.uid)},
+                      separators=(",", ":"), sort_keys=True, default=str).encode()

@@ -219,8 +219,11 @@ class Operations(pyfuse3.Operations):
     def __init__(self, fs: FileSystemAPI, *, writeback_cache: bool = True,
                  attr_timeout_s: float = 3600.0, entry_timeout_s: float = 3600.0,
                  negative_timeout_s: float = 3600.0,
-                 stuck_request_s: float = STUCK_REQUEST_S) -> None:
+                 stuck_request_s: float = STUCK_REQUEST_S,
+                 tenant_admins: control.TenantDelegates | None = None) -> None:
         super().__init__()
+        #: Who besides root may run tenant commands (mount option tenant_admins=).
+        self.tenant_admins = tenant_admins or control.TenantDelegates()
         global _injector
         injector = FailureInjector.from_env()  # TEST HOOK: None unless the variable is set
         if injector is not None:
@@ -248,10 +251,12 @@ class Operations(pyfuse3.Operations):
         #: (without it every write(2) is a WRITE the engine admits or refuses).
         space_gate = getattr(fs, "space_gate", None)
         has_reservation = getattr(fs, "has_reservation", None)
+        tenant_of_ino = getattr(getattr(fs, "tenant_space", None), "tenant_of_ino", None)
         self.write_gate = WriteGate(
             space_gate if writeback_cache and isinstance(space_gate, SpaceGate) else None,
             self._invalidate,
-            has_reservation if callable(has_reservation) else lambda ino: False)
+            has_reservation if callable(has_reservation) else lambda ino: False,
+            tenant_of_ino if callable(tenant_of_ino) else lambda ino: 0)
         # Built before pyfuse3.init (daemon/serve.py): the FALLOCATE handler goes in then.
         self.install_extra_handlers()
 
@@ -664,6 +669,8 @@ class Operations(pyfuse3.Operations):
         if inode == ROOT_INO and control.is_control_name(name):
             return control.get(self.fs, name, ctx_of(ctx), self.failsafe_reason,
                                self.status_extra())
+        if name == control.TENANT_XATTR:
+            return control.tenant_xattr_get(self.fs, inode, ctx_of(ctx), self.tenant_admins)
         return await self.fs.getxattr(inode, name)
 
     @_handler
@@ -673,6 +680,10 @@ class Operations(pyfuse3.Operations):
             if ctx.uid != 0:
                 raise errors.NotPermitted("the test hook is for root only")
             _injector.arm(value)  # TEST HOOK (FailureInjector)
+            return
+        if name == control.TENANT_XATTR:
+            await control.tenant_xattr_set(self.fs, inode, value, ctx_of(ctx),
+                                           self.tenant_admins)
             return
         if inode == ROOT_INO and control.is_control_name(name):
             await control.command(self.fs, name, value, ctx_of(ctx))
@@ -698,7 +709,8 @@ class Operations(pyfuse3.Operations):
     @_handler
     async def removexattr(self, inode: int, name: bytes,
                           ctx: pyfuse3.RequestContext) -> None:
-        if inode == ROOT_INO and control.is_control_name(name):
+        if (inode == ROOT_INO and control.is_control_name(name)) or \
+                name == control.TENANT_XATTR:
             raise errors.NotPermitted(f"{name!r} cannot be removed")
         try:
             await self.fs.removexattr(inode, name, ctx_of(ctx))

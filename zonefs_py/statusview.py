@@ -154,6 +154,7 @@ def summary_lines(doc: dict[str, Any], now: float | None = None) -> list[str]:
     by_role, by_cond = doc.get("zones_by_role") or {}, doc.get("zones_by_condition") or {}
     rows.append(("zones", f"{sum(_int(v) for v in by_role.values())}: {_counts(by_role)} | "
                  f"{_counts({k.lower(): v for k, v in by_cond.items()})}"))
+    tenants_at = len(rows)  # the declared tenants' lines go here (`tenant_lines`)
     rows.append(("cleaner", f"{cleaner_state(cleaner)}, {cleaner.get('policy', '?')} at "
                  f"{cleaner.get('rate_mb_s', '?')} MB/s; {_int(cleaner.get('empty_zones'))} "
                  "empty zones"
@@ -181,14 +182,74 @@ def summary_lines(doc: dict[str, Any], now: float | None = None) -> list[str]:
                  "ok (read-only mount)" if fs.get("read_only") else "ok"))
     rows.append(("last error", last_error(doc) or "-"))
     rows.append(("log", log_target(daemon)))
-    out = [f"zonefs-py on {daemon.get('mountpoint', '?')}"]
+    before, after = _wrap_rows(rows[:tenants_at]), _wrap_rows(rows[tenants_at:])
+    head = [f"zonefs-py on {daemon.get('mountpoint', '?')}"]
+    foot = ["(--all: every figure; --watch: rates; --json, --format prometheus)"]
+    room = SUMMARY_LINES - len(head) - len(before) - len(after) - len(foot)
+    return head + before + tenant_lines(doc, room) + after + foot
+
+
+def _wrap_rows(rows: list[tuple[str, str]]) -> list[str]:
+    out: list[str] = []
     for label, value in rows:
         out += textwrap.wrap(value, SUMMARY_COLUMNS,
                              initial_indent=f"  {label.ljust(LABEL_WIDTH)}"[:LABEL_WIDTH + 2],
                              subsequent_indent=" " * (LABEL_WIDTH + 2),
                              break_on_hyphens=False, max_lines=3,
                              placeholder=" [...]") or [f"  {label}"]
-    out.append("(--all: every figure; --watch: rates; --json, --format prometheus)")
+    return out
+
+
+#: Declared tenants the summary lists at most (one line each; `tenant list` has all).
+TENANTS_SHOWN = 6
+#: Columns of a tenant line: name, zones owned/min/max, bytes stored, written by its
+#: users and by its cleaner, write amplification, zone resets, wear (max/mean resets).
+_TENANT_COLS = (18, 11, 10, 10, 10, 5, 6, 9)
+_TENANT_HEAD = ("", "own/min/max", "stored", "by users", "by cleaner", "WA", "resets", "wear")
+
+
+def _tenant_row(cells: tuple[str, ...]) -> str:
+    name, width = cells[0], _TENANT_COLS[0]
+    if len(name) > width:  # its start and its end: where tenants' paths differ
+        name = name[:7] + "~" + name[-(width - 8):]
+    return " ".join([name.ljust(_TENANT_COLS[0])]
+                    + [c.rjust(w) for c, w in zip(cells[1:], _TENANT_COLS[1:], strict=True)])
+
+
+def tenant_lines(doc: dict[str, Any], room: int = SUMMARY_LINES) -> list[str]:
+    """The declared tenants (`tenants` objects with `declared`), one line each after a
+    header, the most zones first, at most TENANTS_SHOWN and `room` lines in all: the
+    rest are "+K more". Empty when none is declared."""
+    tenants = sorted(((str(k), v) for k, v in _section(doc, "tenants").items()
+                      if isinstance(v, dict) and v.get("declared")),
+                     key=lambda kv: (-_int(kv[1].get("zones_owned")), kv[0]))
+    if not tenants:
+        return []
+    indent = " " * (LABEL_WIDTH + 2)
+    label = f"  {'tenants'.ljust(LABEL_WIDTH)}"
+    if room < 3:  # no room for a header and a tenant: say how many
+        return [f"{label}{len(tenants)} declared (zonefs-py tenant list)"][:max(0, room)]
+    shown = min(len(tenants), TENANTS_SHOWN, room - 1)
+    if shown < len(tenants):
+        shown = min(shown, room - 2)
+    out = [label + _tenant_row(_TENANT_HEAD).rstrip()]
+    for name, t in tenants[:shown]:
+        wear = _section(t, "wear")
+        wa = t.get("write_amplification")
+        mean = wear.get("mean")
+        out.append(indent + _tenant_row((
+            name or "/",
+            f"{_int(t.get('zones_owned'))}/{_int(t.get('zones_reserved'))}/"
+            + (str(_int(t["zones_max"])) if t.get("zones_max") else "-"),
+            human_bytes(_int(t.get("bytes_stored"))),
+            human_bytes(_int(t.get("device_bytes_written_users"))),
+            human_bytes(_int(t.get("device_bytes_written_cleaner"))),
+            f"{wa:.2f}" if isinstance(wa, int | float) else "-",
+            str(_int(t.get("zone_resets"))),
+            f"{_int(wear.get('max'))}/"
+            + (f"{mean:.1f}" if isinstance(mean, int | float) else "-"))))
+    if shown < len(tenants):
+        out.append(f"{indent}+{len(tenants) - shown} more (zonefs-py tenant list)")
     return out
 
 

@@ -26,6 +26,14 @@ not let the next write(2) through without asking. When the gate opens, the
 list is emptied; the next GETATTR is answered and the attributes cached as
 before.
 
+Per declared tenant (issue 45): a handle open for writing records its
+file's tenant; when the engine says a tenant is near its cap
+(`SpaceGate.refusing_tenants`), only that tenant's handles are listed
+(`closed_tenants`), and unlisted again when it has room (the device gate
+opening leaves them listed). A tenant's first writer may lower the dirty
+limit before its open is answered, so that it is refused only when really
+near its cap.
+
 The loop (`run`) also sets the kernel's dirty limit the engine wants
 (`set_limit`, a sysfs write given by the daemon). It wakes when the engine's
 `SpaceGate.check` found something to do, and polls every `POLL_S` while the
@@ -46,6 +54,10 @@ Caveats:
     the reservation, near full, can be refused at writeback only.
   * Without the C extension (`fuseext.installed()` False) nothing can be
     refused: the gate logs a warning once and stays open.
+  * A handle's tenant is taken at its open: a file opened before its
+    directory was declared a tenant is not refused by that tenant's gate
+    (its WRITEs are still held to the cap by the engine, reported at
+    fsync/close).
 """
 
 from __future__ import annotations
@@ -69,9 +81,18 @@ class WriteGate:
 
     def __init__(self, gate: SpaceGate | None,
                  invalidate: Callable[[list[int]], Awaitable[None]],
-                 reserved: Callable[[int], bool] = lambda ino: False) -> None:
+                 reserved: Callable[[int], bool] = lambda ino: False,
+                 tenant_of: Callable[[int], int] = lambda ino: 0) -> None:
         self.gate = gate
         self._invalidate = invalidate
+        #: The declared tenant of an inode (0: none), taken when a handle opens.
+        self._tenant_of = tenant_of
+        #: Handle -> its inode's tenant, for the handles of declared tenants.
+        self._fh_tenant: dict[int, int] = {}
+        #: Inode -> its tenant, while it has handles open for writing in a tenant.
+        self._ino_tenant: dict[int, int] = {}
+        #: Tenants whose handles the C side refuses (near their cap; issue 45).
+        self.closed_tenants: set[int] = set()
         #: Whether an inode holds blocks reserved by fallocate: its handles are never
         #: listed (writes into a reservation must not get ENOSPC; INV-24).
         self._reserved = reserved
@@ -87,15 +108,38 @@ class WriteGate:
         self._warned = False
 
     # -- handles (from the request handlers) -------------------------------------------
+    def _refused(self, ino: int) -> bool:
+        """Whether handles of `ino` are listed now (the gate, or its tenant's, closed)."""
+        if self._reserved(ino):
+            return False
+        return self.closed or self._ino_tenant.get(ino, 0) in self.closed_tenants
+
     def gated(self, ino: int) -> bool:
         """Whether `ino`'s attributes must not be cached (a listed handle is open)."""
-        return self.closed and ino in self._by_ino and not self._reserved(ino)
+        return ino in self._by_ino and self._refused(ino)
 
     async def opened(self, fh: int, ino: int, *, created: bool) -> None:
         """A handle open for writing, before the OPEN or CREATE is answered."""
         self._writable[fh] = ino
         self._by_ino[ino] = self._by_ino.get(ino, 0) + 1
-        if not self.closed or self._reserved(ino):
+        tenant = self._tenant_of(ino) if self.gate is not None else 0
+        if tenant:
+            self._fh_tenant[fh] = tenant
+            self._ino_tenant[ino] = tenant
+            assert self.gate is not None
+            first = tenant not in self.gate.writing_tenants
+            self.gate.tenant_writer(tenant, +1)
+            self.gate.check()  # a tenant at its cap: refused from its first write(2)
+            if first and tenant in self.gate.refusing_tenants:
+                # Its first writer: the dirty limit did not follow its free space
+                # yet (it had none), so the threshold is the default limit's.
+                # Lower the limit first; refused only if still near its cap then.
+                await self._apply_limit()
+            if tenant in self.gate.refusing_tenants and tenant not in self.closed_tenants:
+                # Every handle of the tenant, this one with them, before the answer.
+                await self._close_tenants({tenant})
+                return
+        if not self._refused(ino):
             return
         self._list(fh)
         if not created:
@@ -113,12 +157,18 @@ class WriteGate:
             self._by_ino[ino] = left
         else:
             del self._by_ino[ino]
+            self._ino_tenant.pop(ino, None)
+        tenant = self._fh_tenant.pop(fh, 0)
+        if tenant and self.gate is not None:
+            self.gate.tenant_writer(tenant, -1)
+            if tenant not in self.gate.writing_tenants:
+                self.closed_tenants.discard(tenant)
         fuseext.gate_remove(fh)
 
     async def reservation_changed(self, ino: int) -> None:
         """A fallocate changed `ino`'s reservation: while closed, its handles are
         unlisted if it now holds reserved blocks, listed again if it holds none."""
-        if not self.closed:
+        if not self.closed and self._ino_tenant.get(ino, 0) not in self.closed_tenants:
             return
         fhs = [fh for fh, i in self._writable.items() if i == ino]
         if self._reserved(ino):
@@ -133,18 +183,52 @@ class WriteGate:
         """A request that may have freed space finished (unlink, truncate, release,
         forget, a hole punched, rename, statfs): if the gate is closed and the space
         is back, open it now, so the next write(2) passes (never awaits)."""
-        if not self.closed or self.gate is None:
+        if (not self.closed and not self.closed_tenants) or self.gate is None:
             return
         self.gate.check()
-        if not self.gate.refusing:
+        if self.closed and not self.gate.refusing:
             self._open()
+        for tenant in self.closed_tenants - self.gate.refusing_tenants:
+            self._open_tenant(tenant)
 
     def _open(self) -> None:
         assert self.gate is not None
         self.closed = False
         fuseext.gate_clear()
+        # The handles of tenants near their caps stay refused.
+        for fh, tenant in self._fh_tenant.items():
+            if tenant in self.closed_tenants and not self._reserved(self._writable[fh]):
+                self._list(fh)
         log.info("space is back (%d MiB free): write(2) passes again",
                  self.gate.avail_bytes() >> 20)
+
+    def _open_tenant(self, tenant: int) -> None:
+        """Stop refusing the tenant's handles (unless the whole gate is closed)."""
+        self.closed_tenants.discard(tenant)
+        if not self.closed:
+            for fh, t in self._fh_tenant.items():
+                if t == tenant:
+                    fuseext.gate_remove(fh)
+        self._log_tenant(tenant, closed=False)
+
+    async def _close_tenants(self, tenants: set[int]) -> None:
+        """Refuse write(2) on the handles of `tenants` (near their caps)."""
+        self.closed_tenants |= tenants
+        listed: set[int] = set()
+        for fh, t in self._fh_tenant.items():
+            ino = self._writable[fh]
+            if t in tenants and not self._reserved(ino):
+                self._list(fh)
+                listed.add(ino)
+        for tenant in tenants:
+            self._log_tenant(tenant, closed=True)
+        await self._invalidate(sorted(listed))
+
+    def _log_tenant(self, tenant: int, *, closed: bool) -> None:
+        if closed:
+            log.info("tenant %d is near its cap: write(2) on its files gets ENOSPC", tenant)
+        else:
+            log.info("tenant %d has room again under its cap: write(2) passes", tenant)
 
     def _list(self, fh: int) -> None:
         if not fuseext.gate_add(fh) and not self._warned:
@@ -175,12 +259,22 @@ class WriteGate:
         gate = self.gate
         if gate is None:
             return
-        if gate.refusing and not self.closed:
+        if (gate.refusing and not self.closed) or gate.refusing_tenants - self.closed_tenants:
             await gate.relieve()
         if gate.refusing and not self.closed:
             await self._close()
         elif not gate.refusing and self.closed:
             self._open()
+        for tenant in self.closed_tenants - gate.refusing_tenants:
+            self._open_tenant(tenant)
+        if gate.refusing_tenants - self.closed_tenants:
+            await self._close_tenants(gate.refusing_tenants - self.closed_tenants)
+        await self._apply_limit()
+
+    async def _apply_limit(self) -> None:
+        """Set the kernel's dirty limit the engine wants, if it is due."""
+        gate = self.gate
+        assert gate is not None
         if gate.limit_change_due() and self.set_limit is not None:
             wanted = gate.wanted_limit_bytes
             applied = await trio.to_thread.run_sync(self.set_limit, wanted)
@@ -207,7 +301,8 @@ class WriteGate:
     def status(self) -> dict[str, object]:
         """The gate for `zonefs-py stat`: the engine's thresholds and what was refused."""
         doc: dict[str, object] = dict(self.gate.status()) if self.gate is not None else {}
-        doc.update(closed=self.closed, writable_handles=len(self._writable),
+        doc.update(closed=self.closed, closed_tenants=sorted(self.closed_tenants),
+                   writable_handles=len(self._writable),
                    writes_refused=fuseext.gate_refused())
         return doc
 

@@ -6,16 +6,19 @@ cap (ENOSPC for it while the other still writes), EXDEV across the boundary, the
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import mmap
 import os
+import random
+import subprocess
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from .conftest import Mount, zonefs
+from .conftest import ZONEFS, Mount, env, zonefs
 
 pytestmark = pytest.mark.integration
 
@@ -218,3 +221,179 @@ def test_a_read_share_holds_other_writers_back_while_its_tenant_reads(
     print(f"held {held_rate / 1e6:.1f} MB/s, free {free_rate / 1e6:.1f} MB/s")
     assert free_rate > 2 * 4e6, f"free at {free_rate / 1e6:.1f} MB/s"
     assert m.unmount() == 0
+
+
+def _tenant_status(m: Mount) -> dict[str, object]:
+    return dict(json.loads(zonefs("stat", str(m.path), "--json").stdout))
+
+
+def _block(seed: int, i: int) -> bytes:
+    return random.Random(seed * 1_000_003 + i).randbytes(MiB)
+
+
+def _digest(seed: int, nbytes: int) -> str:
+    h = hashlib.sha256()
+    for i in range(nbytes // MiB):
+        h.update(_block(seed, i))
+    return h.hexdigest()
+
+
+def _digest_file(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_a_tenant_at_its_cap_gets_enospc_from_write_while_another_writes(
+        image: Path, mount_factory: Mount) -> None:
+    """Under the writeback cache, the writer of a tenant at its cap gets ENOSPC from
+    write(2) itself (not only at fsync or close), the writer of another tenant goes
+    on, and every byte write(2) acknowledged is stored (remount; fsck at teardown)."""
+    m = mount_factory.start()
+    a, b = m.path / "capped", m.path / "free"
+    a.mkdir()
+    b.mkdir()
+    zonefs("tenant", "add", str(a), "--max-zones", "3")  # 3 zones of 16 MiB
+    zonefs("tenant", "add", str(b))
+    assert _tenant_status(m)["write_gate"]["enabled"]
+    fa = os.open(a / "big", os.O_CREAT | os.O_WRONLY, 0o644)
+    fb = os.open(b / "big", os.O_CREAT | os.O_WRONLY, 0o644)
+    written_a = written_b = 0
+    error: OSError | None = None
+    try:
+        for i in range(96):
+            if error is None:
+                try:
+                    n = os.write(fa, _block(1, i))
+                    assert n == MiB
+                    written_a += n
+                except OSError as exc:
+                    error = exc
+            written_b += os.write(fb, _block(2, i))
+        doc = _tenant_status(m)
+        gate = doc["write_gate"]
+        print(f"tenant wrote {written_a / MiB} MiB, the other {written_b / MiB} MiB; "
+              f"gate {gate}; tenants {doc['tenants']}")
+        assert error is not None
+        assert error.errno == errno.ENOSPC
+        tid = doc["tenants"]["capped"]["tenant_id"]
+        assert gate["closed_tenants"] == [tid]
+        assert not gate["closed"]  # the device gate: the other tenant keeps the cache
+        assert 48 * MiB - int(gate["full_refuse_below_bytes"]) - 2 * MiB <= written_a
+        assert written_a <= 48 * MiB
+        assert written_b == 96 * MiB
+        os.fsync(fa)  # nothing write(2) acknowledged was refused at writeback
+        os.fsync(fb)
+    finally:
+        os.close(fa)  # raises if a writeback failed
+        os.close(fb)
+    assert (a / "big").stat().st_size == written_a
+    assert m.unmount() == 0
+    m.start()
+    assert (a / "big").stat().st_size == written_a
+    assert _digest_file(a / "big") == _digest(1, written_a)
+    assert _digest_file(b / "big") == _digest(2, written_b)
+
+
+def test_zone_map_by_tenant(image: Path, mount_factory: Mount) -> None:
+    """`stat --all --by-tenant` prints each tenant's zones as its character, and
+    `--zone-map F.png --by-tenant` draws them (with the [plot] extra)."""
+    m = mount_factory.start()
+    a, b = m.path / "ckpt", m.path / "data"
+    a.mkdir()
+    b.mkdir()
+    zonefs("tenant", "add", str(a))
+    zonefs("tenant", "add", str(b))
+    (a / "x").write_bytes(os.urandom(20 * MiB))
+    (b / "y").write_bytes(os.urandom(4 * MiB))
+    (m.path / "shared").write_bytes(os.urandom(4 * MiB))
+    os.sync()
+    doc = _tenant_status(m)
+    legend = doc["zone_tenant_legend"]
+    assert sorted(legend.values()) == ["ckpt", "data"]
+    char = {v: k for k, v in legend.items()}
+    owners = doc["zone_tenants"]
+    assert {i for i, ch in enumerate(owners) if ch == char["ckpt"]} == set(
+        doc["tenants"]["ckpt"]["zones"])
+    assert {i for i, ch in enumerate(owners) if ch == char["data"]} == set(
+        doc["tenants"]["data"]["zones"])
+    text = zonefs("stat", "--all", "--by-tenant", str(m.path)).stdout
+    grid = "".join(line.strip() for line in
+                   text.split("Zone map\n", 1)[1].split("\n  (", 1)[0].splitlines())
+    assert grid.count(char["ckpt"]) >= 2
+    assert grid.count(char["data"]) >= 1
+    assert f"zones by tenant: {char['ckpt']} ckpt" in text
+    refused = zonefs("stat", "--by-tenant", str(m.path), check=False)
+    assert refused.returncode == 2
+    assert "--by-tenant" in refused.stderr
+    pytest.importorskip("matplotlib", reason="the [plot] extra is not installed")
+    png = m.path.parent / "tenants.png"
+    zonefs("stat", str(m.path), "--zone-map", str(png), "--by-tenant")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _as(uid: int, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run zonefs-py as `uid` (no such user needed), in no supplementary group."""
+    return subprocess.run([*ZONEFS, *args], user=uid, group=uid, extra_groups=[], env=env(),
+                          cwd="/", capture_output=True, text=True, timeout=120,
+                          stdin=subprocess.DEVNULL)
+
+
+def test_users_root_allows_run_tenant_commands(image: Path, mount_factory: Mount) -> None:
+    """`-o tenant_admins=UID`: that user declares, changes and removes tenants on
+    directories it can write; another user is refused with the daemon's reason."""
+    allowed, other = 4242, 4243
+    m = mount_factory.start("allow_other", f"tenant_admins={allowed}")
+    mine, theirs, roots = m.path / "mine", m.path / "theirs", m.path / "roots"
+    for d, uid in ((mine, allowed), (theirs, other), (roots, 0)):
+        d.mkdir()
+        os.chown(d, uid, uid)
+    ok = _as(allowed, "tenant", "add", str(mine), "--max-zones", "3")
+    assert ok.returncode == 0, ok.stderr
+    ok = _as(allowed, "tenant", "set", str(mine), "--active-zones", "2")
+    assert ok.returncode == 0, ok.stderr
+    listing = json.loads(zonefs("tenant", "list", str(m.path), "--json").stdout)
+    assert (listing["mine"]["zones_max"], listing["mine"]["active_zones_max"]) == (3, 2)
+    refused = _as(other, "tenant", "add", str(theirs))
+    assert refused.returncode == 1
+    assert "Operation not permitted" in refused.stderr
+    assert f"uid {other} may not declare or change tenants" in refused.stderr
+    assert "tenant_admins=" in refused.stderr
+    denied = _as(allowed, "tenant", "add", str(roots))  # it may not write that directory
+    assert denied.returncode == 1
+    assert "Permission denied" in denied.stderr
+    (mine / "f").write_bytes(b"x" * 100000)
+    ok = _as(allowed, "tenant", "remove", str(mine))
+    assert ok.returncode == 0, ok.stderr
+    listing = json.loads(zonefs("tenant", "list", str(m.path), "--json").stdout)
+    assert listing == {}
+    assert (mine / "f").read_bytes() == b"x" * 100000
+
+
+def test_room_made_in_a_full_tenant_lets_its_write_pass(image: Path,
+                                                        mount_factory: Mount) -> None:
+    """Once a tenant's writer got ENOSPC from write(2), truncating a file of that
+    tenant gives the space back at once: the next write(2) passes."""
+    m = mount_factory.start()
+    a = m.path / "capped"
+    a.mkdir()
+    zonefs("tenant", "add", str(a), "--max-zones", "2")
+    fd = os.open(a / "big", os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        written = 0
+        error: OSError | None = None
+        for i in range(64):
+            try:
+                written += os.write(fd, _block(3, i))
+            except OSError as exc:
+                error = exc
+                break
+        assert error is not None
+        assert error.errno == errno.ENOSPC
+        assert _tenant_status(m)["write_gate"]["closed_tenants"]
+        os.fsync(fd)
+        os.ftruncate(fd, 0)
+        assert os.pwrite(fd, _block(4, 0), 0) == MiB
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    assert (a / "big").read_bytes() == _block(4, 0)
+    assert written > 16 * MiB

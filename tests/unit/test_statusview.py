@@ -177,3 +177,51 @@ def test_watch_repeats_the_header_every_screenful(monkeypatch: pytest.MonkeyPatc
     headers = [i for i, line in enumerate(lines) if line.split()[0] == "time"]
     assert headers == [0, 6, 12]  # 5 rows a screen of 7 lines (a header, a prompt)
     assert len(lines) == 15
+
+
+def _tenant(zones: int, cap: int | None) -> dict[str, Any]:
+    return {"declared": True, "tenant_id": zones, "zones_owned": zones, "zones_reserved": 2,
+            "zones_max": cap, "bytes_stored": zones << 30,
+            "device_bytes_written_users": 900 << 30, "device_bytes_written_cleaner": 5 << 30,
+            "write_amplification": 1.0056, "zone_resets": 1234,
+            "wear": {"max": 17, "mean": 3.25}}
+
+
+def test_summary_lists_declared_tenants_one_line_each() -> None:
+    doc = sample_doc()
+    doc["tenants"] = {"plain-top": {"bytes_written": 5, "declared": False},
+                      "ckpt": _tenant(12, 40), "data/shards": _tenant(30, None)}
+    lines = statusview.summary_lines(doc, now=5000.0)
+    assert len(lines) <= statusview.SUMMARY_LINES
+    assert max(map(len, lines)) <= statusview.SUMMARY_COLUMNS
+    at = next(i for i, line in enumerate(lines) if line.startswith("  tenants"))
+    for word in ("own/min/max", "stored", "by users", "by cleaner", "WA", "resets", "wear"):
+        assert word in lines[at]
+    # The most zones first; undeclared top-level directories are not tenants here.
+    assert lines[at + 1].split() == ["data/shards", "30/2/-", "30.0", "GiB", "900.0", "GiB",
+                                     "5.0", "GiB", "1.01", "1234", "17/3.2"]
+    assert lines[at + 2].split()[:2] == ["ckpt", "12/2/40"]
+    assert lines[at + 3].startswith("  cleaner")
+    assert "plain-top" not in "\n".join(lines)
+
+
+def test_summary_cuts_many_tenants_and_still_fits_one_screen() -> None:
+    doc = sample_doc()
+    doc["tenants"] = {f"jobs/team-{i:03d}/ckpt-{i:03d}": _tenant(i + 1, 50) for i in range(40)}
+    for variant in (doc, {**doc, "daemon": {**doc["daemon"], "failsafe": "device error " * 9}}):
+        lines = statusview.summary_lines(variant, now=5000.0)
+        assert len(lines) <= statusview.SUMMARY_LINES, "\n".join(lines)
+        assert max(map(len, lines)) <= statusview.SUMMARY_COLUMNS, "\n".join(lines)
+        shown = [line for line in lines if "/50 " in line]
+        assert 1 <= len(shown) <= statusview.TENANTS_SHOWN
+        assert f"+{40 - len(shown)} more (zonefs-py tenant list)" in "\n".join(lines)
+        assert "jobs/te~9/ckpt-039" in shown[0]  # the most zones; a long path cut inside
+
+
+def test_tenant_lines_without_room_say_how_many() -> None:
+    doc = {"tenants": {"a": _tenant(1, None), "b": _tenant(2, None)}}
+    assert statusview.tenant_lines(doc, room=2) == [
+        "  tenants     2 declared (zonefs-py tenant list)"]
+    assert statusview.tenant_lines(doc, room=0) == []
+    assert statusview.tenant_lines({"tenants": {}}) == []
+    assert len(statusview.tenant_lines(doc, room=3)) == 3

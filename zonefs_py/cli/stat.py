@@ -1,18 +1,23 @@
-"""`zonefs-py stat MOUNTPOINT [--all | --json | --format F | --watch [S]] [--zone-map FILE.png]`.
+"""`zonefs-py stat MOUNTPOINT [--all | --json | --format F | --watch [S]] [--zone-map FILE.png]
+[--by-tenant]`.
 
 Reads the virtual xattr `trusted.zonefs.status` (root) or `user.zonefs.status`
-(the user who mounted) of the mount root (see `zonefs_py.control`). The
-default is one screen for people (`statusview.summary_lines`: device and
-size, used / free / reserve, write amplification, zones by role and
-condition, cleaner, journal, latency, drain queue and lag, failsafe and last
-error, log file); `--all` lists every figure of the document; `--json` and
-`--format prometheus` print it for programs (`zonefs_py.metrics`);
-`--watch [SECONDS]` prints one line of rates per interval (read and write
-MiB/s and IOPS, read p99, write amplification, cleaner and drain MiB/s,
-drain queue, free space) until Ctrl-C or `--count` lines; `--zone-map
-FILE.png` draws the zone map (`zonefs_py.zonemap`). When the mount is gone
-or its daemon died, the daemon's state record says why and where its log
-is. Every `stat` sweeps stale lock and state files (`runstate.sweep_stale`).
+(the user who mounted) of the mount root (see `zonefs_py.control`). The default
+is one screen for people (`statusview.summary_lines`: device and size, used /
+free / reserve, write amplification, zones by role and condition, the declared
+tenants (one line each: zones owned/min/max, bytes stored, written by its users
+and its cleaner, write amplification, resets, wear; cut at
+`statusview.TENANTS_SHOWN` with "+K more"), cleaner, journal, latency, drain
+queue and lag, failsafe and last error, log file); `--all` lists every figure
+of the document; `--json` and `--format prometheus` print it for programs
+(`zonefs_py.metrics`); `--watch [SECONDS]` prints one line of rates per
+interval (read and write MiB/s and IOPS, read p99, write amplification, cleaner
+and drain MiB/s, drain queue, free space) until Ctrl-C or `--count` lines;
+`--zone-map FILE.png` draws the zone map (`zonefs_py.zonemap`); `--by-tenant`
+colours the zone map of `--all` and of `--zone-map` by the declared tenant
+owning each zone. When the mount is gone or its daemon died, the daemon's state
+record says why and where its log is. Every `stat` sweeps stale lock and state
+files (`runstate.sweep_stale`).
 
 Flags are checked before anything is read or printed. The `--all` layout
 follows whatever `fs.status()` returns, so new engine figures show up
@@ -37,7 +42,7 @@ from zonefs_py.statusview import human_bytes
 STATUS_XATTR = "trusted.zonefs.status"
 USER_STATUS_XATTR = "user.zonefs.status"
 #: Per-zone strings of the status document drawn by the zone map, not printed as figures.
-ZONE_KEYS = ("zone_map", "zone_streams", "zone_live")
+ZONE_KEYS = ("zone_map", "zone_streams", "zone_live", "zone_tenants", "zone_tenant_legend")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -57,6 +62,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="with --watch: stop after N lines")
     p.add_argument("--zone-map", metavar="FILE.png",
                    help="also draw the zone map into FILE.png (needs zonefs-py[plot])")
+    p.add_argument("--by-tenant", action="store_true",
+                   help="with --all or --zone-map: draw the zone map by the declared "
+                        "tenant owning each zone instead of by stream")
     p.set_defaults(func=run)
 
 
@@ -77,6 +85,8 @@ def check_flags(args: argparse.Namespace) -> str | None:
         if fmt == "prometheus" or args.all or args.zone_map:
             return "--watch prints rates (text, or JSON lines with --json); it takes no " \
                    "--all, --format prometheus or --zone-map"
+    if getattr(args, "by_tenant", False) and not (args.zone_map or (args.all and fmt == "text")):
+        return "--by-tenant changes the zone map: give it with --all or --zone-map"
     if args.zone_map:
         try:
             zonemap.require_matplotlib()
@@ -142,12 +152,13 @@ def run(args: argparse.Namespace) -> int:
 
         print(render_prometheus(doc), end="")
     elif args.all:
-        print(render(doc, colour=zonemap.use_colour(sys.stdout)), end="")
+        print(render(doc, colour=zonemap.use_colour(sys.stdout),
+                     by_tenant=args.by_tenant), end="")
     else:
         print("\n".join(statusview.summary_lines(doc)))
     if args.zone_map:
         try:
-            zonemap.save_png(doc, args.zone_map)
+            zonemap.save_png(doc, args.zone_map, by_tenant=args.by_tenant)
         except (zonemap.MissingExtra, ValueError) as exc:
             print(f"zonefs-py stat: {exc}", file=sys.stderr)
             return 1
@@ -281,9 +292,9 @@ def render_mapping(obj: dict[str, Any], indent: str) -> list[str]:
     return lines
 
 
-def render(doc: dict[str, Any], colour: bool = False) -> str:
+def render(doc: dict[str, Any], colour: bool = False, by_tenant: bool = False) -> str:
     """Render the whole status document as readable text (ANSI colours in the zone map
-    if `colour`)."""
+    if `colour`; the map by declared tenant if `by_tenant`)."""
     keys = [k for k in SECTION_ORDER if k in doc] + sorted(k for k in doc if k not in
                                                            SECTION_ORDER)
     out: list[str] = []
@@ -295,14 +306,14 @@ def render(doc: dict[str, Any], colour: bool = False) -> str:
         out.append("")
     if isinstance(doc.get("zone_map"), str):
         out.append("Zone map")
-        out += ["  " + line for line in zonemap.grid(doc, colour)]
+        out += ["  " + line for line in zonemap.grid(doc, colour, by_tenant=by_tenant)]
         out.append("  (" + ZONE_MAP_LEGEND + ")")
-        if colour:
-            out.append("  " + zonemap.grid_legend(colour))
+        if colour or by_tenant:
+            out.append("  " + zonemap.grid_legend(colour, doc, by_tenant))
         out.append("")
     for key in keys:
         value = doc[key]
-        if isinstance(value, dict | list):
+        if isinstance(value, dict | list) and key not in ZONE_KEYS:
             out.append(key.replace("_", " ").capitalize())
             out += render_mapping({key: value}, "  ")[1:] if isinstance(value, list) \
                 else render_mapping(value, "  ")

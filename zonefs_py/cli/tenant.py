@@ -20,9 +20,11 @@
   by the cleaner, write amplification, resets and wear of its zones, write and
   read rate, write cap and read share, time throttled).
 
-add/set/remove are root only: they go through the control xattr
-`trusted.zonefs.ctl` of the mount root (control.py), and return once the change
-is durable. `--max-zones 0` means no cap.
+add/set/remove go, for root, through the control xattr `trusted.zonefs.ctl` of
+the mount root (control.py); for the users and groups root allowed with the
+mount option `tenant_admins=`, through `user.zonefs.tenant` of DIR itself (they
+must be able to write DIR); anyone else is refused (EPERM, with the daemon's
+reason). Both return once the change is durable. `--max-zones 0` means no cap.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from typing import Any
 from zonefs_py.cli.stat import read_status
 
 CTL_XATTR = "trusted.zonefs.ctl"
+#: The tenant commands on a directory itself, for root's delegates (control.py).
+TENANT_XATTR = "user.zonefs.tenant"
 
 #: What an errno of a tenant command means, beyond the daemon's own message.
 _MEANING = {
@@ -48,7 +52,9 @@ _MEANING = {
     errno.ENOSPC: "the reservations do not fit the free zones",
     errno.ENOENT: "it is not a tenant",
     errno.ENOTDIR: "not a directory",
-    errno.EPERM: "the control interface is for root only",
+    errno.EPERM: "tenant commands are for root and the users and groups root allows "
+                 "(mount option tenant_admins=)",
+    errno.EACCES: "you may not write that directory",
 }
 
 
@@ -104,10 +110,6 @@ def mount_root(path: str) -> str:
 def run_change(args: argparse.Namespace) -> int:
     """`tenant add|set|remove DIR`: one control command, durable when it returns."""
     prog = f"zonefs-py tenant {args.action}"
-    if os.geteuid() != 0:
-        print(f"{prog}: tenants are declared and changed by root (the control interface "
-              "trusted.zonefs.ctl is root only)", file=sys.stderr)
-        return 1
     for flag in ("min_zones", "max_zones", "active_zones", "write_mbps", "write_share",
                  "read_share"):
         value = getattr(args, flag, None)
@@ -129,6 +131,8 @@ def run_change(args: argparse.Namespace) -> int:
         print(f"{prog}: {args.dir}: {exc.strerror}", file=sys.stderr)
         return 1
     root = mount_root(args.dir)
+    if os.geteuid() != 0:
+        return _run_delegated(prog, args, bandwidth)
     if args.action == "add":
         word = (f"tenant-add {st.st_ino} {args.min_zones or 0} {args.max_zones or 0} "
                 f"{args.active_zones or 0}")
@@ -167,6 +171,41 @@ def bandwidth_words(args: argparse.Namespace) -> list[str] | None:
     if mbps is not None and mbps > 0 and kbs == 0:
         return None
     return ["-" if v is None else str(v) for v in (kbs, share, reads)]
+
+
+def _run_delegated(prog: str, args: argparse.Namespace, bandwidth: list[str]) -> int:
+    """A user who is not root: the command on `user.zonefs.tenant` of DIR itself."""
+    def keep(v: int | None, default: str) -> str:
+        return default if v is None else str(v)
+
+    if args.action == "remove":
+        word = "remove"
+    else:
+        default = "0" if args.action == "add" else "-"
+        word = (f"{args.action} {keep(args.min_zones, default)} "
+                f"{keep(args.max_zones, default)} {keep(args.active_zones, default)}")
+        if bandwidth:
+            word += " " + " ".join(default if w == "-" else w for w in bandwidth)
+    try:
+        os.setxattr(args.dir, TENANT_XATTR, word.encode())
+    except OSError as exc:
+        why = _delegate_reason(args.dir) or _MEANING.get(exc.errno or 0, "")
+        if exc.errno in (errno.EOPNOTSUPP, errno.ENOTSUP):
+            why = f"{args.dir} is not on a zonefs-py mount"
+        print(f"{prog}: {args.dir}: {exc.strerror}" + (f": {why}" if why else ""),
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _delegate_reason(directory: str) -> str | None:
+    """The daemon's message for this user's last refused tenant command."""
+    try:
+        doc = json.loads(os.getxattr(directory, TENANT_XATTR))
+    except (OSError, ValueError):
+        return None
+    reason = doc.get("last_error") if isinstance(doc, dict) else None
+    return str(reason) if reason else None
 
 
 def _daemon_reason(root: str) -> str | None:

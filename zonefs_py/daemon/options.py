@@ -49,6 +49,9 @@ DAEMON_OPTIONS = {
     "metrics_interval": "S: seconds between textfile rewrites (default 15)",
     "stuck_request_s": "S: a FUSE request unanswered this long is logged once and listed "
                        "by `zonefs-py stat` (default 30)",
+    "tenant_admins": "USER[:@GROUP...]: users and groups (names or numbers, @ before a "
+                     "group) who may run `zonefs-py tenant add|set|remove` on directories "
+                     "they can write (a mount by root only; default: root alone)",
     "stop_grace": "S: seconds requests in flight may take to finish once the daemon stops "
                   "(SIGTERM, or an unmount with requests stuck); then they are cancelled "
                   "and their callers get an error (default 10)",
@@ -110,6 +113,9 @@ class MountConfig:
     metrics_interval_s: float = 15.0
     stuck_request_s: float = 30.0
     stop_grace_s: float = 10.0
+    #: Users and groups root allows to run tenant commands (`tenant_admins=`).
+    tenant_admin_uids: frozenset[int] = frozenset()
+    tenant_admin_gids: frozenset[int] = frozenset()
     #: The mount point with symlinks resolved, before the mount (the daemon must
     #: not stat its own mount from the trio thread: daemon/stopping.py).
     resolved_mountpoint: str = ""
@@ -168,6 +174,9 @@ class MountConfig:
             if not os.path.isdir(cfg.metrics_textfile_dir):
                 raise MountError(f"metrics_textfile: {cfg.metrics_textfile_dir} is not a "
                                  "directory")
+        if (cfg.tenant_admin_uids or cfg.tenant_admin_gids) and os.geteuid() != 0:
+            raise MountError("tenant_admins: only root may let others run tenant commands "
+                             "(mount as root)")
         cfg.fuse_options.add("default_permissions")  # always: the kernel checks modes
         cfg.fuse_options.add(f"fsname={fsname}")
         cfg.fuse_options.add(f"subtype={subtype}")
@@ -205,12 +214,41 @@ class MountConfig:
                 self.stuck_request_s = float(value)
                 if not 0.1 <= self.stuck_request_s <= 86400:
                     raise ValueError(value)
+            elif name == "tenant_admins":
+                self.tenant_admin_uids, self.tenant_admin_gids = parse_tenant_admins(value)
             elif name == "stop_grace":
                 self.stop_grace_s = float(value)
                 if not 0 <= self.stop_grace_s <= 3600:
                     raise ValueError(value)
         except ValueError:
             raise MountError(f"bad value for mount option {name}: {value!r}") from None
+
+
+def parse_tenant_admins(value: str) -> tuple[frozenset[int], frozenset[int]]:
+    """Parse `tenant_admins=`'s `USER[:@GROUP...]` (names or numbers) into uids and gids;
+    raise MountError naming an unknown user or group."""
+    import grp
+    import pwd
+
+    uids: set[int] = set()
+    gids: set[int] = set()
+    for item in value.split(":"):
+        group = item.startswith("@")
+        name = item[1:] if group else item
+        if not name:
+            raise MountError(f"tenant_admins: empty entry in {value!r}")
+        if name.isdigit():
+            (gids if group else uids).add(int(name))
+            continue
+        try:
+            if group:
+                gids.add(grp.getgrnam(name).gr_gid)
+            else:
+                uids.add(pwd.getpwnam(name).pw_uid)
+        except KeyError:
+            raise MountError(f"tenant_admins: no such {'group' if group else 'user'} "
+                             f"{name!r}") from None
+    return frozenset(uids), frozenset(gids)
 
 
 def _int_at_least(value: str, low: int, high: int | None = None) -> int:

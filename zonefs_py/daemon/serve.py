@@ -272,12 +272,15 @@ async def serve(cfg: MountConfig, report: Reporter, state: RunState,
                                  attr_timeout_s=cfg.attr_timeout_s,
                                  entry_timeout_s=cfg.attr_timeout_s,
                                  negative_timeout_s=cfg.attr_timeout_s,
-                                 stuck_request_s=cfg.stuck_request_s)
+                                 stuck_request_s=cfg.stuck_request_s,
+                                 tenant_admins=control.TenantDelegates(
+                                     cfg.tenant_admin_uids, cfg.tenant_admin_gids))
                 if os.environ.get(TEST_HOOK_ENV) == "hang":
                     _arm_hang_hook(ops)
                 control.DAEMON_INFO.update(log_file=cfg.log_file, mountpoint=cfg.mountpoint,
                                            uid=os.getuid(), started=time.time(),
-                                           journal=logs_to_journal(cfg.log_file))
+                                           journal=logs_to_journal(cfg.log_file),
+                                           tenant_admins=ops.tenant_admins.status())
                 c_reads = dataplane_wiring.arm_before_init(fs, cfg.fs_options.c_reads)
                 try:
                     pyfuse3.init(ops, cfg.mountpoint, cfg.fuse_options)

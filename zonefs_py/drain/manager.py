@@ -49,6 +49,7 @@ from zonefs_py.format.ops import Op
 from zonefs_py.model import drain as model
 from zonefs_py.model.drain import DrainRecord, DrainState
 from zonefs_py.model.state import Inode
+from zonefs_py.model.tenants import tenant_of
 
 log = logging.getLogger(__name__)
 
@@ -411,12 +412,15 @@ class DrainManager(DrainStatus):
                 evicted += 1
         return evicted
 
-    async def relieve_space(self, need_bytes: int) -> bool:
+    async def relieve_space(self, need_bytes: int, tenant: int = 0) -> bool:
         """ENOSPC: evict drained, closed files, oldest mtime first, until `need_bytes`
-        of data are released. Returns True if anything was evicted."""
+        of data are released; with `tenant`, only files of that declared tenant (its
+        cap, issue 45). Returns True if anything was evicted."""
         bs = self.host.bs
         cands = [self.state.inodes[i] for i, r in self.state.drain.items()
                  if r.state == DrainState.DRAINED and i in self.state.inodes]
+        if tenant:
+            cands = [i for i in cands if tenant_of(self.state, i) == tenant]
         cands.sort(key=lambda i: i.mtime)
         freed = 0
         for inode in cands:

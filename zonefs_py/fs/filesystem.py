@@ -77,6 +77,7 @@ from zonefs_py.fs.spacegate import SpaceGate
 from zonefs_py.fs.status import build_status
 from zonefs_py.fs.tasks import MountTasks
 from zonefs_py.fs.tenants import TenantAdmin
+from zonefs_py.fs.tenantspace import TenantSpace
 from zonefs_py.journal.journal import Journal
 from zonefs_py.journal.nsindex import IndexReader
 from zonefs_py.journal.recovery import Recovered, recover
@@ -155,7 +156,10 @@ class ZoneFS(NamespaceOps, HandleOps, AttrOps, FileSystemAPI):
         self.copier = Copier(self)  # fs/reflink.py: copy_file_range, shared extents (3.13)
         #: When write(2) through the kernel's page cache must be refused (issue 42);
         #: configured by the adapter once it knows the kernel's dirty limit.
-        self.space_gate = SpaceGate(self.avail_bytes, relieve=self.drain.relieve_space)
+        #: Declared tenants' space under their caps, for admission and the gate (issue 45).
+        self.tenant_space = TenantSpace(self.state, self.alloc, lambda: self.data.writes)
+        self.space_gate = SpaceGate(self.avail_bytes, relieve=self.drain.relieve_space,
+                                    tenant_avail=self.tenant_space.avail_within)
         self.files: dict[int, int] = {}  # fh -> ino
         #: Time spent in read/write requests by the engine (not FUSE queueing).
         self.read_latency = Histogram()

@@ -21,6 +21,7 @@ import trio
 from zonefs_py import errors
 from zonefs_py.alloc.allocator import Allocator
 from zonefs_py.drain.manager import DrainManager
+from zonefs_py.format.constants import FLAG_STREAM_SET
 from zonefs_py.format.ops import Op
 from zonefs_py.fs.api import (
     FILE_SIZE_MAX,
@@ -40,6 +41,7 @@ from zonefs_py.fs.prealloc import Fallocator
 from zonefs_py.fs.quota import QuotaTracker
 from zonefs_py.fs.reflink import Copier
 from zonefs_py.fs.spacegate import SpaceGate
+from zonefs_py.fs.tenantspace import TenantSpace
 from zonefs_py.journal.journal import Journal
 from zonefs_py.journal.nsindex import NotCached
 from zonefs_py.model.lazy import LazyEntries
@@ -82,6 +84,7 @@ class HandleOps:
     copier: Copier
     quota: QuotaTracker
     space_gate: SpaceGate
+    tenant_space: TenantSpace
     files: dict[int, int]
     dirs: dict[int, DirHandle]
     failsafe: str | None
@@ -92,6 +95,7 @@ class HandleOps:
 
     if TYPE_CHECKING:  # the rest of ZoneFS, for the type checker only
         def _writable(self) -> None: ...
+        def path_of(self, ino: int) -> str: ...
         def inode(self, ino: int) -> Inode: ...
         def _dir(self, ino: int) -> Inode: ...
         def attr(self, inode: Inode) -> Attr: ...
@@ -194,6 +198,7 @@ class HandleOps:
         # New bytes: those past the visible end. A hole before them takes no space,
         # and blocks reserved by fallocate were charged already (INV-24).
         grow = min(end - visible, len(data))
+        tenant = 0
         if grow > 0:
             start = max(offset, visible)
             grow -= self.falloc.held_bytes_in(inode, start, end - start)
@@ -202,9 +207,12 @@ class HandleOps:
             over = self.falloc.used_bytes() + grow - self.alloc.user_capacity_bytes()
             if over > 0 and not await self.drain.relieve_space(over):
                 raise errors.NoSpace("the live data would not fit on the device")
+            tenant = await self._admit_tenant(inode, grow)
         # From the check (no await since) until the bytes are pending: counted as
-        # used, so that a concurrent request's check sees them (FileWrites.admit).
-        admitted = self.data.writes.admit(max(0, grow))
+        # used, so that a concurrent request's check sees them (FileWrites.admit),
+        # for the device and for the file's tenant (fs/tenantspace.py).
+        admitted = self.data.writes.admit(
+            max(0, grow), self.tenant_space.admit(tenant, grow) if grow > 0 else None)
         try:
             self.drain.on_write(inode)
             if inode.inline:
@@ -219,6 +227,26 @@ class HandleOps:
         if self.journal.pending_bytes > (4 << 20):
             self.wake_background()
         return n
+
+    async def _admit_tenant(self, inode: Inode, grow: int) -> int:
+        """Hold a write of `grow` new bytes to the cap of the file's tenant, as the
+        device's admission does (issue 45): raise NoSpace when its live and pending
+        bytes would exceed what its `max_zones` hold, after evicting drained files
+        of that tenant. Returns the tenant (0: none). Never awaits unless over."""
+        if not self.state.tenants:
+            return 0
+        tenant = self.tenant_space.tenant_of(inode)
+        if not tenant:
+            return 0
+        # The file's stream: room in the tenant's zones of other streams is not its.
+        stream = inode.stream if inode.flags & FLAG_STREAM_SET else None
+        over = self.tenant_space.over_bytes(tenant, grow, stream)
+        if over > 0 and not (await self.drain.relieve_space(over, tenant=tenant)
+                             and self.tenant_space.over_bytes(tenant, grow, stream) <= 0):
+            policy = self.state.tenants.get(tenant)
+            where = self.path_of(policy.dir_ino) if policy is not None else f"#{tenant}"
+            raise errors.NoSpace(f"tenant {where} is at its cap (--max-zones)")
+        return tenant
 
     async def flush(self, fh: int) -> None:
         inode = self._fh_inode(fh)

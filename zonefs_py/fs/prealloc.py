@@ -52,7 +52,7 @@ SUPPORTED = FallocFlags.KEEP_SIZE | FallocFlags.PUNCH_HOLE | FallocFlags.ZERO_RA
 class _Drain(Protocol):
     async def before_truncate(self, inode: Inode, new_size: int) -> None: ...
 
-    async def relieve_space(self, need_bytes: int) -> bool: ...
+    async def relieve_space(self, need_bytes: int, tenant: int = 0) -> bool: ...
 
 
 class FallocHost(Protocol):
@@ -68,6 +68,8 @@ class FallocHost(Protocol):
     def drain(self) -> _Drain: ...
 
     def _check_quota(self, inode: Inode, extra_bytes: int) -> None: ...
+
+    async def _admit_tenant(self, inode: Inode, grow: int) -> int: ...
 
     def _txn(self, ops: list[Op]) -> None: ...
 
@@ -137,6 +139,7 @@ class Fallocator:
         over = self.used_bytes() + need_bytes - self.fs.alloc.user_capacity_bytes()
         if over > 0 and not await self.fs.drain.relieve_space(over):
             raise errors.NoSpace("the reservation would not fit on the device")
+        await self.fs._admit_tenant(inode, need_bytes)  # its tenant's cap (issue 45)
 
     # -- the call ----------------------------------------------------------------------
     async def fallocate(self, inode: Inode, mode: int, offset: int, length: int) -> None:

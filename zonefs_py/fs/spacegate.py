@@ -30,6 +30,14 @@ free space and that limit, two things the adapter carries out
   limit cannot be set (a mount by a user who is not root), it stays the
   kernel's default and refusal starts that much earlier.
 
+Per declared tenant (issue 45, DESIGN 3.9a): a tenant with `--max-zones`
+has free space of its own under its cap (`tenant_avail`, fs/tenantspace.py).
+While the adapter has handles open for writing in it (`writing_tenants`),
+the same thresholds apply to it alone: below `refuse_below_bytes` it is in
+`refusing_tenants` and only its handles are refused, the others keep the
+writeback cache. The dirty limit being the mount's, `wanted_limit_bytes`
+follows the smallest free space of the device and of those tenants.
+
 `held_bound` is measured, not derived: held bytes stayed within 1.22x the
 limit plus 1 MiB (a writer's last 1 MiB write) at limits of 1 MiB to 48 MiB
 on Linux 6.18 (DESIGN 4.3). A writer that overshoots that bound (a write(2) of
@@ -69,11 +77,25 @@ class SpaceGate:
     STEP = 1.5
 
     def __init__(self, avail_bytes: Callable[[], int],
-                 relieve: Callable[[int], Awaitable[bool]] | None = None) -> None:
+                 relieve: Callable[..., Awaitable[bool]] | None = None,
+                 tenant_avail: Callable[[int, int], int | None] | None = None) -> None:
         self._avail = avail_bytes
         #: Frees space on demand before the gate closes (the drain's eviction of
-        #: files already in the object store, as the engine's admission does).
+        #: files already in the object store, as the engine's admission does);
+        #: called as relieve(need_bytes) for the device, relieve(need_bytes,
+        #: tenant=tid) for a declared tenant's files.
         self._relieve = relieve
+        #: tenant_avail(tid, within) -> a capped tenant's free bytes under its cap
+        #: when they may be below `within`, else None (TenantSpace.avail_within).
+        self._tenant_avail = tenant_avail
+        #: Declared tenant -> its handles open for writing (kept by the adapter): the
+        #: tenants whose free space under their cap the gate watches (issue 45).
+        self.writing_tenants: dict[int, int] = {}
+        #: Tenants whose handles' write(2) is refused (near their cap), per tenant:
+        #: the other tenants keep the writeback cache.
+        self.refusing_tenants: set[int] = set()
+        #: Times a tenant's gate closed since the mount.
+        self.tenant_closed_count = 0
         #: The kernel's own dirty limit for the mount (an upper bound), 0 = disabled.
         self.default_limit_bytes = 0
         #: Whether the adapter can set the limit (else it stays the default).
@@ -108,6 +130,43 @@ class SpaceGate:
         """Free space now (statfs's)."""
         return max(0, self._avail())
 
+    # -- tenants (issue 45) ------------------------------------------------------------
+    def tenant_writer(self, tenant: int, delta: int) -> None:
+        """The adapter opened (+1) or released (-1) a handle for writing in `tenant`."""
+        if not tenant:
+            return
+        left = self.writing_tenants.get(tenant, 0) + delta
+        if left > 0:
+            self.writing_tenants[tenant] = left
+        else:
+            self.writing_tenants.pop(tenant, None)
+            self.refusing_tenants.discard(tenant)
+
+    def _tenant_watch_bytes(self) -> int:
+        """Free space under a cap below which a tenant's exact figure matters: its gate,
+        or (tunable) the dirty limit it would lower."""
+        watch = 2 * self.refuse_below_bytes + self.RESUME_BYTES
+        if self.tunable:
+            watch = max(watch, self.default_limit_bytes * self.LIMIT_SHARE)
+        return watch
+
+    def tenant_avails(self) -> dict[int, int]:
+        """Free bytes under their caps of the writing tenants near enough to matter."""
+        if self._tenant_avail is None or not self.writing_tenants:
+            return {}
+        within = self._tenant_watch_bytes()
+        out: dict[int, int] = {}
+        for tid in self.writing_tenants:
+            avail = self._tenant_avail(tid, within)
+            if avail is not None:
+                out[tid] = max(0, avail)
+        return out
+
+    def _limit_avail(self, avail: int, tenants: dict[int, int]) -> int:
+        """The free space the dirty limit follows: the device's, or less under the cap
+        of a tenant being written (the limit is the mount's, one for all tenants)."""
+        return min(avail, *tenants.values()) if tenants else avail
+
     # -- the bounds --------------------------------------------------------------------
     @staticmethod
     def held_bound(limit_bytes: int) -> int:
@@ -135,14 +194,16 @@ class SpaceGate:
 
     @property
     def wanted_limit_bytes(self) -> int:
-        return self.wanted_limit(max(0, self._avail()))
+        return self.wanted_limit(self._limit_avail(max(0, self._avail()),
+                                                   self.tenant_avails()))
 
     def limit_change_due(self, avail_bytes: int | None = None) -> bool:
         """Whether the wanted limit is far enough from the one in effect to apply it:
         lowered by `STEP`, or raised by `STEP` (or back to the default)."""
         if not self.enabled or not self.tunable:
             return False
-        avail = self.avail_bytes() if avail_bytes is None else max(0, avail_bytes)
+        avail = (self._limit_avail(self.avail_bytes(), self.tenant_avails())
+                 if avail_bytes is None else max(0, avail_bytes))
         wanted, now = self.wanted_limit(avail), self.limit_bytes
         if wanted < now:
             return wanted * self.STEP <= now or wanted == self.FLOOR_BYTES
@@ -162,11 +223,19 @@ class SpaceGate:
             refusing = avail < below + self.RESUME_BYTES
         else:
             refusing = avail < below
+        tenants = self.tenant_avails()
+        refusing_tenants = {
+            tid for tid, t_avail in tenants.items()
+            if t_avail < below + (self.RESUME_BYTES if tid in self.refusing_tenants else 0)}
         if refusing != self.refusing:
             self.refusing = refusing
             self.closed_count += refusing
             self._changed.set()
-        elif self.limit_change_due(avail):
+        if refusing_tenants != self.refusing_tenants:
+            self.tenant_closed_count += len(refusing_tenants - self.refusing_tenants)
+            self.refusing_tenants = refusing_tenants
+            self._changed.set()
+        elif self.limit_change_due(self._limit_avail(avail, tenants)):
             self._changed.set()
 
     @property
@@ -176,19 +245,28 @@ class SpaceGate:
         resets), and near the threshold fallocate and copies take space without it."""
         if not self.enabled:
             return False
-        return (self.refusing or self.limit_bytes < self.default_limit_bytes
-                or self._avail() < 2 * self.refuse_below_bytes)
+        return (self.refusing or bool(self.refusing_tenants)
+                or self.limit_bytes < self.default_limit_bytes
+                or self._avail() < 2 * self.refuse_below_bytes
+                or any(a < 2 * self.refuse_below_bytes
+                       for a in self.tenant_avails().values()))
 
     async def relieve(self) -> bool:
         """Before closing, or while closed: ask for the space that would keep the gate
         open (`relieve`); re-evaluate and return True if anything was freed."""
         if self._relieve is None or not self.enabled:
             return False
+        freed = False
         need = self.refuse_below_bytes + self.RESUME_BYTES - self.avail_bytes()
-        if need <= 0 or not await self._relieve(need):
-            return False
-        self.check()
-        return True
+        if need > 0 and await self._relieve(need):
+            freed = True
+        for tid, t_avail in self.tenant_avails().items():
+            need = self.refuse_below_bytes + self.RESUME_BYTES - t_avail
+            if need > 0 and await self._relieve(need, tenant=tid):
+                freed = True
+        if freed:
+            self.check()
+        return freed
 
     async def wait_changed(self) -> None:
         """Wait until `check` found something to do (returns at once if it had)."""
@@ -202,7 +280,9 @@ class SpaceGate:
                 "full_refuse_below_bytes": self.full_refuse_below_bytes if self.enabled else 0,
                 "kernel_dirty_limit_bytes": self.limit_bytes,
                 "kernel_default_limit_bytes": self.default_limit_bytes,
-                "tunable": self.tunable, "times_closed": self.closed_count}
+                "tunable": self.tunable, "times_closed": self.closed_count,
+                "refusing_tenants": sorted(self.refusing_tenants),
+                "times_closed_for_tenants": self.tenant_closed_count}
 
 
 __all__ = ["SpaceGate"]

@@ -9,7 +9,7 @@ interface: `zonefs-py stat` prints them and metrics are built from them.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Protocol
+from typing import Any, Protocol
 
 from zonefs_py.alloc.allocator import Allocator
 from zonefs_py.cleaner.cleaner import Cleaner
@@ -197,21 +197,50 @@ STREAM_CHARS: dict[int, str] = {Stream.DEFAULT: "f", Stream.METADATA: "m", Strea
                 Stream.DATASET: "d", Stream.LOG: "l", Stream.SCRATCH: "s", Stream.CLEANER: "k"}
 
 
-def _zone_detail(fs: StatusSource, zones: list) -> dict[str, str]:
+#: Characters of declared tenants in `zone_tenants`, given in tenant-id order: letters
+#: and digits but those of `zone_map` (the grid by tenant shows both); tenants past the
+#: last share TENANT_CHAR_MORE ("other tenants").
+TENANT_CHARS = "".join(ch for ch in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+                       "0123456789" if ch not in "SMmdDxc")
+TENANT_CHAR_MORE = "+"
+
+
+def tenant_chars(fs: StatusSource) -> dict[int, str]:
+    """tenant id -> its character in `zone_tenants` (ids in order)."""
+    ids = sorted(fs.state.tenants.by_id)
+    return {tid: TENANT_CHARS[i] if i < len(TENANT_CHARS) else TENANT_CHAR_MORE
+            for i, tid in enumerate(ids)}
+
+
+def _zone_detail(fs: StatusSource, zones: list) -> dict[str, Any]:
     """Per zone, for pictures: `zone_streams` (STREAM_CHARS, "-" for no data zone or
     none written) and `zone_live` (live tenths of the capacity, "0"-"9" and "X" for all,
-    "-" for no data zone)."""
-    streams, live = [], []
+    "-" for no data zone). With declared tenants (issue 45), `zone_tenants` too: the
+    character of the tenant owning each data zone ("." nobody, "-" no data zone), and
+    `zone_tenant_legend`, character -> the tenant's path (as keyed in `tenants`)."""
+    streams, live, owners = [], [], []
+    chars = tenant_chars(fs) if fs.state.tenants else {}
     for z in zones:
         dz = fs.alloc.zones.get(z.index)
         if dz is None:
             streams.append("-")
             live.append("-")
+            owners.append("-")
             continue
         streams.append(STREAM_CHARS.get(dz.stream, "f") if dz.reserved else "-")
         frac = fs.alloc.live_bytes(dz.idx) / dz.capacity if dz.capacity else 0.0
         live.append("X" if frac >= 0.999 else str(min(9, int(frac * 10))))
-    return {"zone_streams": "".join(streams), "zone_live": "".join(live)}
+        owned = dz.tenant and (dz.reserved or dz.head_of is not None)
+        owners.append(chars.get(dz.tenant, TENANT_CHAR_MORE) if owned else ".")
+    out: dict[str, Any] = {"zone_streams": "".join(streams), "zone_live": "".join(live)}
+    if chars:
+        legend: dict[str, str] = {}
+        for tid, ch in chars.items():
+            path = fs.tenants.path_of(fs.state.tenants.by_id[tid].dir_ino).lstrip("/")
+            legend[ch] = path if ch not in legend else "other tenants"
+        out["zone_tenants"] = "".join(owners)
+        out["zone_tenant_legend"] = legend
+    return out
 
 
 def _dead_zones(fs: StatusSource) -> dict[str, object]:

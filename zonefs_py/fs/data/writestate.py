@@ -25,7 +25,7 @@ and land. Nothing here awaits except `after_earlier_writes` and `drain`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import trio
@@ -71,17 +71,24 @@ class Chunk:
 class Admitted:
     """Bytes of one write request counted in `FileWrites.admitted_bytes` until
     `settle` (called, without an await before it, where the request's bytes join
-    the buffer or the chunks in flight; and again, harmlessly, when it ends)."""
+    the buffer or the chunks in flight; and again, harmlessly, when it ends).
+    `on_settle` is called once, at the first settle (a tenant's own count,
+    fs/tenantspace.py)."""
 
-    __slots__ = ("_writes", "_nbytes")
+    __slots__ = ("_writes", "_nbytes", "_on_settle")
 
-    def __init__(self, writes: FileWrites, nbytes: int) -> None:
+    def __init__(self, writes: FileWrites, nbytes: int,
+                 on_settle: Callable[[], None] | None = None) -> None:
         self._writes = writes
         self._nbytes = nbytes
+        self._on_settle = on_settle
 
     def settle(self) -> None:
         self._writes.admitted_bytes -= self._nbytes
         self._nbytes = 0
+        if self._on_settle is not None:
+            on_settle, self._on_settle = self._on_settle, None
+            on_settle()
 
 
 class FileWrites:
@@ -181,7 +188,7 @@ class FileWrites:
         """Whether the file has buffered or in-flight data (then reads take its lock)."""
         return ino in self.buffers or ino in self.inflight
 
-    def admit(self, nbytes: int) -> Admitted:
+    def admit(self, nbytes: int, on_settle: Callable[[], None] | None = None) -> Admitted:
         """Count `nbytes` of a write request as taken from the free space from its
         space check until its bytes are counted in `pending_bytes` (`Admitted.settle`).
 
@@ -192,7 +199,7 @@ class FileWrites:
         was; how much more depended on the interleaving (issue 42, item 6).
         """
         self.admitted_bytes += nbytes
-        return Admitted(self, nbytes)
+        return Admitted(self, nbytes, on_settle)
 
     def pending_bytes(self) -> int:
         """File bytes accepted but not yet placed on the device (O(1))."""
