@@ -285,8 +285,8 @@ async def serve(cfg: MountConfig, report: Reporter, state: RunState,
                     await fs.close()
                     raise MountError(f"{cfg.mountpoint}: the FUSE mount failed "
                                      "(libfuse's message is above)") from None
-                if c_reads:
-                    dataplane_wiring.attach_after_init(fs)
+                if c_reads and dataplane_wiring.attach_after_init(fs):
+                    dataplane_wiring.attach_writes(fs, cfg.fs_options.c_writes)
                 log.info("mounted %s on %s (options %s, writeback_cache=%s, max_tasks=%d, "
                          "min_tasks=%d)",
                          cfg.device, cfg.mountpoint, ",".join(sorted(cfg.fuse_options)),
@@ -372,6 +372,7 @@ async def _serve_mounted(cfg: MountConfig, fs: Any, ops: Any, signals: Any,
         nursery.start_soon(MemoryTrimmer(lambda: _write_activity(fs)).run)
         nursery.start_soon(GcFreezer().run)
         nursery.start_soon(dataplane_wiring.feed_qos, fs)
+        nursery.start_soon(dataplane_wiring.absorb_writes, fs)
         await start_exporters(
             nursery, cfg.device, cfg.metrics_addr, cfg.metrics_textfile_dir,
             cfg.metrics_interval_s, status_doc)
@@ -409,6 +410,8 @@ async def _serve_mounted(cfg: MountConfig, fs: Any, ops: Any, signals: Any,
                 closing.set()
                 # After a lazy unmount nothing is left to unmount (libfuse would try).
                 pyfuse3.close(unmount=not stopper.detached)
+                # The dispatcher has stopped: the WRITEs it took go to the engine now.
+                dataplane_wiring.close_writes(fs)
                 log.info("unmounted %s; closing the filesystem", cfg.mountpoint)
                 try:
                     with trio.move_on_after(CLOSE_DEADLINE_S) as close_scope:

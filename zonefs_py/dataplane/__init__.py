@@ -140,6 +140,8 @@ class ReadMaps:
         self._cold: dict[int, Any] = {}
         self._cold_tx, self._cold_rx = trio.open_memory_channel[int](math.inf)
         self.warmed = 0
+        #: Whether a C write stream is armed for an inode (None without C writes).
+        self.c_streamed: Callable[[int], bool] | None = None
 
     # -- revoking (synchronous: no await) ------------------------------------------------
     def revoke(self, ino: int) -> None:
@@ -162,6 +164,8 @@ class ReadMaps:
         if inode.extents is None or inode.inline or self.writes.has_state(ino) \
                 or self.writes.writes_arriving(ino):
             return False
+        if self.c_streamed is not None and self.c_streamed(ino):
+            return False  # C takes its WRITEs (dataplane/cwrites.py)
         # Queued, uploading and drained files hold their bytes here (the upload only
         # reads them); an evicted one holds none (its restore lands as EXTENT ops,
         # each revoking, before the DRAIN op that makes it DRAINED again).
