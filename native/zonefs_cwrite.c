@@ -307,6 +307,12 @@ static int zdw_request(const struct zdp_in_header *in, const uint8_t *body, size
     return 0;
 }
 
+/* A new session (zdp_start): the probe is answered here again until a SETXATTR. */
+static void zdw_session_start(void)
+{
+    zdw_caps_off = 0;
+}
+
 /* ---- Python's side -------------------------------------------------------------- */
 
 /* Let streams be armed (1; returns the eventfd) or not (0). */

@@ -540,6 +540,7 @@ static void *zdp_buf_get(void);
 static int zdw_request(const struct zdp_in_header *in, const uint8_t *body, size_t blen,
                        uint64_t mut);
 void zdw_close(void);
+static void zdw_session_start(void);
 
 /* Answer a request with -err here, for a request that cannot be handed on (no
  * memory to queue it): every request gets an answer, an error rather than none.
@@ -1046,6 +1047,7 @@ static int zdp_start(int real_fd)
         return -ENOMEM;
     }
     zdp_nfree = ZDP_SLOTS;
+    zdw_session_start();
     for (i = 0; i < 1; i++)   /* one buffer up front: a READ never waits for memory */
         if ((zdp_slots[i].buf = aligned_alloc(4096, ZDP_BUFSZ)) == NULL) {
             free(zdp_slots);
