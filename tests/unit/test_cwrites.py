@@ -12,12 +12,25 @@ from __future__ import annotations
 
 import errno
 import select
+import socket
 import struct
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from test_dataplane import IN_HDR, OP_GETATTR, OP_READ, OP_SETATTR, OP_WRITE, Dispatcher, _read
+from test_dataplane import (  # noqa: F401 - disp, geometry: fixtures used here
+    IN_HDR,
+    OP_GETATTR,
+    OP_READ,
+    OP_SETATTR,
+    OP_WRITE,
+    SO_SNDBUFFORCE,
+    Dispatcher,
+    _read,
+    disp,
+    geometry,
+)
 
 from zonefs_py import dataplane
 from zonefs_py.dataplane.cwrites import END_REASONS, c_stats
@@ -120,6 +133,7 @@ def test_sequential_writes_are_answered_in_c_and_staged_in_order(
 
 def test_a_full_buffer_is_queued_at_once(streams: tuple[Dispatcher, int]) -> None:
     d, efd = streams
+    d.sock.setsockopt(socket.SOL_SOCKET, SO_SNDBUFFORCE, 8 << 20)  # 1 MiB requests
     assert ext.lib.zdw_arm(INO, 0, 2 * CHUNK) == 0
     mib = 1 << 20
     for i in range(5):
@@ -189,12 +203,12 @@ def test_arm_is_refused_while_a_change_of_the_file_waits_for_pyfuse3(
         streams: tuple[Dispatcher, int]) -> None:
     d, _efd = streams
     d.send(_write(1, INO, 0, _blocks(1, 1)))  # no stream: queued for pyfuse3
-    deadline = 50
-    while ext.lib.zdw_arm(INO, BS, 8 * BS) != -errno.EAGAIN and deadline:
-        ext.lib.zdw_end(INO)  # the WRITE had not been read yet: try again
+    deadline = time.monotonic() + 10
+    while ext.lib.zdw_arm(INO, BS, 8 * BS) != -errno.EAGAIN:
+        ext.lib.zdw_end(INO)  # the dispatcher had not read the WRITE yet: again
         _take()
-        deadline -= 1
-    assert deadline, "the queued WRITE never blocked an arm"
+        assert time.monotonic() < deadline, "the queued WRITE never blocked an arm"
+        time.sleep(0.001)
     assert d.handed()[:2] == (OP_WRITE, 1)  # pyfuse3 takes it: now it may be armed
     assert ext.lib.zdw_arm(INO, BS, 8 * BS) == 0
     assert ext.lib.zdw_arm(INO, BS, 8 * BS) == -errno.EEXIST

@@ -114,6 +114,10 @@ def raw_stats() -> list[int]:
 class ReadMaps:
     """Publishes and revokes read maps (module docstring); the engine's only door to C."""
 
+    #: Whether a C write stream is armed for an inode (None without C writes: set by
+    #: dataplane/wiring.py).
+    c_streamed: Callable[[int], bool] | None = None
+
     def __init__(self, dev: Any, state: Any, writes: Any, sums: Any,
                  alloc: Any = None) -> None:
         ext = _ext()
@@ -140,8 +144,6 @@ class ReadMaps:
         self._cold: dict[int, Any] = {}
         self._cold_tx, self._cold_rx = trio.open_memory_channel[int](math.inf)
         self.warmed = 0
-        #: Whether a C write stream is armed for an inode (None without C writes).
-        self.c_streamed: Callable[[int], bool] | None = None
 
     # -- revoking (synchronous: no await) ------------------------------------------------
     def revoke(self, ino: int) -> None:

@@ -39,7 +39,9 @@ log = logging.getLogger(__name__)
 #: Files whose highest streaming write end is kept (`CStreamEngine.high`).
 HIGH_KEPT = 4096
 #: Bytes a stream is armed with and topped up to.
-CREDIT_BYTES = 32 << 20
+CREDIT_BYTES = 16 << 20
+#: All streams' credit together stays under this fraction of the free space.
+CREDIT_SHARE_OF_FREE = 8
 #: The credit is topped up once this much of it was used.
 TOPUP_STEP = 4 << 20
 #: A stream's credit is topped up only while the file has at most this many chunks in
@@ -120,13 +122,25 @@ class CStreamEngine:
         return None
 
     def _admit(self, inode: Inode, nbytes: int) -> bool:
-        """The admission a write request of `nbytes` new bytes passes (no await)."""
+        """The admission a write request of `nbytes` new bytes passes, and the bound on
+        all credit: an eighth of the space still free (no await)."""
         fs = self.fs
         try:
             fs._check_quota(inode, nbytes)
         except errors.ZoneFSError:
             return False
-        return fs.falloc.used_bytes() + nbytes <= fs.alloc.user_capacity_bytes()
+        free = fs.alloc.user_capacity_bytes() - fs.falloc.used_bytes()
+        return sum(self.granted.values()) + nbytes <= free // CREDIT_SHARE_OF_FREE
+
+    def give_back(self) -> bool:
+        """A write request found the device full: end every stream, so that the credit
+        admitted ahead for them (space nobody wrote yet) is free again; True if there
+        was any (no await)."""
+        if not any(self.granted.values()):
+            return False
+        for ino in list(self.granted):
+            self.streams.end(ino)
+        return True
 
     # -- what C staged ---------------------------------------------------------------------
     def c_staged(self, ino: int, offset: int, data: bytes) -> None:

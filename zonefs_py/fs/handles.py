@@ -206,6 +206,9 @@ class HandleOps:
         if grow > 0:
             self._check_quota(inode, grow)
             over = self.falloc.used_bytes() + grow - self.alloc.user_capacity_bytes()
+            if over > 0 and self.c_streams is not None and self.c_streams.give_back():
+                # Credit admitted ahead for C write streams is space nobody wrote yet.
+                over = self.falloc.used_bytes() + grow - self.alloc.user_capacity_bytes()
             if over > 0 and not await self.drain.relieve_space(over):
                 raise errors.NoSpace("the live data would not fit on the device")
         # From the check (no await since) until the bytes are pending: counted as
