@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from . import fsx
 from .conftest import Mount, zonefs
 
 BS = 4096
@@ -229,3 +230,17 @@ def test_unmount_right_after_writes_keeps_every_byte(cw: Mount) -> None:
     assert mounted.unmount() == 0
     mounted.start()
     assert (mounted.path / "f").read_bytes() == data
+
+
+@pytest.mark.parametrize("seed", [4411, 4412])
+def test_fsx_with_sequential_writers(cw: Mount, tmp_path: Path, seed: int) -> None:
+    """fsx's every operation and its sequential writers (`--streams`), two processes
+    on files of up to 16 MiB: C streams start and end among truncates, copies,
+    mmap stores, O_DIRECT and AIO, against the model."""
+    d = cw.path / f"fsx-{seed}"
+    d.mkdir()
+    ops = 600 * int(os.environ.get("ZONEFS_STRESS_SCALE", "1"))
+    errors = fsx.run(d, seed, ops, 2, max_size=16 << 20, log_dir=tmp_path,
+                     use_falloc=True, use_more=True, use_streams=True)
+    assert not errors, errors
+    _check_c_took(cw)
