@@ -58,7 +58,8 @@ def cw(request: pytest.FixtureRequest, image: Path, mount_factory: Mount) -> Mou
 def _check_c_took(m: Mount) -> None:
     if getattr(m, "c_writes_expected", False):
         st = _writes(m)
-        assert st["writes_c"] > 0 and st["records"] > 0, st
+        assert st["writes_c"] > 0, st
+        assert st["records"] > 0, st
 
 
 def _write_seq(path: Path, data: bytes, step: int = MiB, fsync: bool = True) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from test_dataplane import (  # noqa: F401 - disp, geometry: fixtures used here
+from test_dataplane import (
     IN_HDR,
     OP_GETATTR,
     OP_READ,
@@ -28,8 +28,6 @@ from test_dataplane import (  # noqa: F401 - disp, geometry: fixtures used here
     SO_SNDBUFFORCE,
     Dispatcher,
     _read,
-    disp,
-    geometry,
 )
 
 from zonefs_py import dataplane
@@ -90,12 +88,17 @@ def _take() -> list[tuple[str, int, int, bytes, int, str]]:
 
 
 @pytest.fixture
-def streams(disp: Dispatcher) -> Iterator[tuple[Dispatcher, int]]:
+def streams() -> Iterator[tuple[Dispatcher, int]]:
+    """The dispatcher on its socket pair (test_dataplane.py) with streams enabled."""
+    assert ext.lib.zdp_configure(8, BS) == 0
+    d = Dispatcher()
     efd = ext.lib.zdw_enable(1)
     assert efd >= 0
-    yield disp, efd
+    yield d, efd
     ext.lib.zdw_close()
     _take()
+    d.close()
+    ext.lib.zdp_revoke_all()
 
 
 def _staged_reply(d: Dispatcher, unique: int, size: int) -> None:
@@ -128,7 +131,8 @@ def test_sequential_writes_are_answered_in_c_and_staged_in_order(
     assert d.handed()[:2] == (OP_READ, 5)
     assert _take() == [("data", INO, len(a + b), a, 0, "")]
     stats = c_stats()
-    assert stats["writes_c"] >= 3 and stats["staged_bytes"] == 0
+    assert stats["writes_c"] >= 3
+    assert stats["staged_bytes"] == 0
 
 
 def test_a_full_buffer_is_queued_at_once(streams: tuple[Dispatcher, int]) -> None:
@@ -196,7 +200,8 @@ def test_requests_that_change_the_file_end_it_others_keep_it(
     assert ext.lib.zdw_arm(INO, 2 * BS, 8 * BS) == 0
     d.send(_setattr(6, INO + 1, FATTR_SIZE))
     assert d.handed()[:2] == (OP_SETATTR, 6)
-    assert ext.lib.zdw_armed(INO) == 1 and _take() == []
+    assert ext.lib.zdw_armed(INO) == 1
+    assert _take() == []
 
 
 def test_arm_is_refused_while_a_change_of_the_file_waits_for_pyfuse3(

@@ -244,7 +244,7 @@ async def serve(cfg: MountConfig, report: Reporter, state: RunState,
 
     from zonefs_py.device import open_device
     from zonefs_py.fs.filesystem import ZoneFS
-    from zonefs_py.fuse_ops import Operations
+    from zonefs_py.fuse_ops import Operations, set_c_write_absorber
 
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         sweep_stale()
@@ -286,7 +286,9 @@ async def serve(cfg: MountConfig, report: Reporter, state: RunState,
                     raise MountError(f"{cfg.mountpoint}: the FUSE mount failed "
                                      "(libfuse's message is above)") from None
                 if c_reads and dataplane_wiring.attach_after_init(fs):
-                    dataplane_wiring.attach_writes(fs, cfg.fs_options.c_writes)
+                    streams = dataplane_wiring.attach_writes(fs, cfg.fs_options.c_writes)
+                    if streams is not None:
+                        set_c_write_absorber(streams.absorb)
                 log.info("mounted %s on %s (options %s, writeback_cache=%s, max_tasks=%d, "
                          "min_tasks=%d)",
                          cfg.device, cfg.mountpoint, ",".join(sorted(cfg.fuse_options)),
@@ -339,6 +341,7 @@ async def _serve_mounted(cfg: MountConfig, fs: Any, ops: Any, signals: Any,
     """Run the FUSE loop, the engine's background work and the signal watcher; shut down."""
     import pyfuse3
 
+    from zonefs_py.fuse_ops import set_c_write_absorber
     from zonefs_py.metrics import start_exporters
     from zonefs_py.statusview import serving_line
 
@@ -411,6 +414,7 @@ async def _serve_mounted(cfg: MountConfig, fs: Any, ops: Any, signals: Any,
                 # After a lazy unmount nothing is left to unmount (libfuse would try).
                 pyfuse3.close(unmount=not stopper.detached)
                 # The dispatcher has stopped: the WRITEs it took go to the engine now.
+                set_c_write_absorber(None)
                 dataplane_wiring.close_writes(fs)
                 log.info("unmounted %s; closing the filesystem", cfg.mountpoint)
                 try:

@@ -10,7 +10,7 @@ from typing import Any
 
 import trio
 
-from zonefs_py import dataplane, fuse_ops
+from zonefs_py import dataplane
 from zonefs_py.dataplane.cwrites import WriteStreams, c_stats, census_extra, census_names
 from zonefs_py.device.base import capabilities
 from zonefs_py.fs.cstreams import CREDIT_BYTES, CStreamEngine
@@ -59,7 +59,8 @@ def attach_after_init(fs: Any) -> bool:
 
 def attach_writes(fs: Any, on: bool) -> WriteStreams | None:
     """After `attach_after_init`: let C take sequential WRITEs (`-o c_writes`, on by
-    default) when the dispatcher runs; the streams, or None."""
+    default) when the dispatcher runs; the streams, or None. The caller makes
+    every request handler absorb first (`fuse_ops.set_c_write_absorber`)."""
     if not on or fs.data.reads.maps is None:
         return None
     engine = CStreamEngine(fs, None)
@@ -73,7 +74,6 @@ def attach_writes(fs: Any, on: bool) -> WriteStreams | None:
     fs.data.writes.before_change = engine.before_change
     fs.data.writes.after_chunk = engine.after_chunk
     fs.data.reads.maps.c_streamed = streams.armed
-    fuse_ops.set_c_write_absorber(streams.absorb)
     log.info("C writes on: the dispatcher takes the sequential WRITEs of files the "
              "engine arms (whole blocks at the file's end)")
     return streams
@@ -92,7 +92,6 @@ def close_writes(fs: Any) -> None:
     engine = getattr(fs, "c_streams", None)
     if engine is None:
         return
-    fuse_ops.set_c_write_absorber(None)
     engine.streams.close()
     fs.data.writes.after_chunk = None
 

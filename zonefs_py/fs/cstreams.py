@@ -78,6 +78,8 @@ class CStreamEngine:
         ino = inode.ino
         end = offset + nbytes
         high = self.high.get(ino, 0)
+        if high > self.fs.data.writes.visible_size(inode):
+            high = 0  # truncated since, or another file's (a reused inode number)
         if end > high:
             if len(self.high) >= HIGH_KEPT:
                 self.high.clear()
@@ -132,6 +134,12 @@ class CStreamEngine:
         free = fs.alloc.user_capacity_bytes() - fs.falloc.used_bytes()
         return sum(self.granted.values()) + nbytes <= free // CREDIT_SHARE_OF_FREE
 
+    def stop(self) -> None:
+        """The engine went read-only (failsafe): C takes no WRITE from now on, and what
+        it staged is reported to the files' next fsync (c_staged)."""
+        if not self.streams.closed:
+            self.streams.close()
+
     def give_back(self) -> bool:
         """A write request found the device full: end every stream, so that the credit
         admitted ahead for them (space nobody wrote yet) is free again; True if there
@@ -155,6 +163,11 @@ class CStreamEngine:
         if inode is None:  # freed meanwhile (its last handle closed): nobody can read it
             writes.admitted_bytes -= took
             self.staged_for_freed += n
+            return
+        if fs.failsafe is not None:  # answered before C stopped: the next fsync says so
+            writes.admitted_bytes -= took
+            writes.write_errors.setdefault(ino, errors.IOFailure(
+                f"write not stored: the filesystem went read-only ({fs.failsafe})"))
             return
         if ino in writes.buffers:
             self.behind_buffer += 1
