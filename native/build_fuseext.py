@@ -20,6 +20,8 @@ SOURCE = NATIVE_DIR / "zonefs_fuseext.c"
 #: The data plane's dispatcher and read map (issue 43), compiled into the same
 #: module so that its libfuse stand-ins are in the global scope with the others.
 DISPATCH_SOURCE = NATIVE_DIR / "zonefs_dispatch.c"
+#: The write streams (issue 44): compiled after the dispatcher, whose statics they use.
+CWRITE_SOURCE = NATIVE_DIR / "zonefs_cwrite.c"
 
 CDEF = """
 extern "Python" int zfx_py_fallocate(void *req, uint64_t ino, int mode, int64_t offset,
@@ -96,6 +98,24 @@ int zdp_test_qfd(void);
 int64_t zdp_test_take(uint8_t *out, uint64_t max, uint64_t *seq);
 """
 
+#: native/zonefs_cwrite.c's API (zonefs_py/dataplane/cwrites.py is its Python side).
+CWRITE_CDEF = """
+struct zdw_out {
+    uint64_t ino, file_off, len, credit_left;
+    uint8_t *mem;
+    uint32_t kind, reason;
+};
+int zdw_enable(int on);
+int zdw_arm(uint64_t ino, uint64_t next_off, uint64_t credit);
+int zdw_end(uint64_t ino);
+int zdw_credit(uint64_t ino, uint64_t add);
+int zdw_armed(uint64_t ino);
+int zdw_take(struct zdw_out *out, int max);
+void zdw_free(void *mem);
+void zdw_close(void);
+int zdw_stats(uint64_t *out, int max);
+"""
+
 
 def _pkg_config(*args: str) -> list[str]:
     """Return pkg-config's answer for fuse3, or [] if pkg-config is missing."""
@@ -109,14 +129,15 @@ def _pkg_config(*args: str) -> list[str]:
 
 def _make_builder() -> FFI:
     builder = FFI()
-    builder.cdef(CDEF + DISPATCH_CDEF)
+    builder.cdef(CDEF + DISPATCH_CDEF + CWRITE_CDEF)
     cflags = _pkg_config("--cflags") or ["-I/usr/include/fuse3"]
     libs = [flag[2:] for flag in _pkg_config("--libs") if flag.startswith("-l")] or ["fuse3"]
     # The C text goes into the generated module itself (not a separate source),
     # so that it sees cffi's declaration of the extern "Python" callback.
     builder.set_source(
         "zonefs_py._fuseext",
-        SOURCE.read_text() + "\n" + DISPATCH_SOURCE.read_text(),
+        SOURCE.read_text() + "\n" + DISPATCH_SOURCE.read_text() + "\n"
+        + CWRITE_SOURCE.read_text(),
         # liburing: the dispatcher's device reads (one io_uring_submit per batch)
         libraries=[*libs, "uring", "dl", "pthread"],
         include_dirs=[str(NATIVE_DIR)],

@@ -557,6 +557,11 @@ static void zdp_record_latency(uint64_t t0)
 
 static void zdp_enqueue(void *mem, size_t size, uint64_t seq);
 static void *zdp_buf_get(void);
+/* The write streams (native/zonefs_cwrite.c, compiled after this file). */
+static int zdw_request(const struct zdp_in_header *in, const uint8_t *body, size_t blen,
+                       uint64_t mut);
+void zdw_close(void);
+static void zdw_session_start(void);
 
 /* Answer a request with -err here, for a request that cannot be handed on (no
  * memory to queue it): every request gets an answer, an error rather than none.
@@ -955,10 +960,14 @@ static int zdp_handle(void *mem, ssize_t n, int alone)
 {
     struct zdp_in_header *in = mem;
     uint64_t t0 = zdp_now_ns(), seq = ++zdp_seq, ino;
-    if (in->opcode == ZOP_READ && (size_t)n >= sizeof *in + sizeof(struct zdp_read_in)
-            && zdp_take_read(in, (const void *)((uint8_t *)mem + sizeof *in), t0, seq, alone))
+    const uint8_t *body = (uint8_t *)mem + sizeof *in;
+    size_t blen = (size_t)n - sizeof *in;
+    ino = zdp_mutated_ino(in, body, blen);
+    if (zdw_request(in, body, blen, ino))   /* a WRITE staged, a probe answered */
         return 0;
-    ino = zdp_mutated_ino(in, (uint8_t *)mem + sizeof *in, (size_t)n - sizeof *in);
+    if (in->opcode == ZOP_READ && blen >= sizeof(struct zdp_read_in)
+            && zdp_take_read(in, (const void *)body, t0, seq, alone))
+        return 0;
     if (ino != 0) {
         pthread_mutex_lock(&zdp_lock);
         zdp_remove_locked(ino);
@@ -1060,6 +1069,7 @@ static int zdp_start(int real_fd)
         return -ENOMEM;
     }
     zdp_nfree = ZDP_SLOTS;
+    zdw_session_start();
     for (i = 0; i < 1; i++)   /* one buffer up front: a READ never waits for memory */
         if ((zdp_slots[i].buf = aligned_alloc(4096, ZDP_BUFSZ)) == NULL) {
             free(zdp_slots);
@@ -1265,6 +1275,7 @@ void zdp_shutdown(void)
     }
     pthread_join(zdp_thread, NULL);
     zdp_running = 0;
+    zdw_close();   /* no WRITE staged after this; Python takes what was */
     close(zdp_stopfd);
     zdp_stopfd = -1;
     /* zdp_qfd stays open: pyfuse3 may still hold it registered with trio.

@@ -149,6 +149,15 @@ def _safe_text(obj: object, how: Callable[[object], str]) -> str:
 #: TEST HOOK (`FailureInjector`): None unless the daemon was started with
 #: `ZONEFS_PY_FUSE_TEST_FAIL` set; then the hook `_handler` consults.
 _injector: FailureInjector | None = None
+#: Takes what C write streams staged into the engine (dataplane/cwrites.py), run at the
+#: start of every handler so that the request sees every WRITE answered before it;
+#: None without C writes.
+_absorb_c_writes: Callable[[], None] | None = None
+
+
+def set_c_write_absorber(fn: Callable[[], None] | None) -> None:
+    global _absorb_c_writes
+    _absorb_c_writes = fn
 
 
 def _handler(fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:
@@ -170,6 +179,8 @@ def _handler(fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[A
         self = args[0]
         assert isinstance(self, Operations)
         try:
+            if _absorb_c_writes is not None:
+                _absorb_c_writes()
             if _injector is None:
                 value = await fn(*args, **kwargs)
             else:

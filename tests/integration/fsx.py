@@ -34,6 +34,10 @@ Operations, on files of up to `--max-size` bytes (default 8 MiB):
             (with `--all-ops`): never changes bytes, whatever it answers
   awrite    an O_DIRECT write of aligned blocks through Linux AIO (libaio's
   aread     io_submit; with `--all-ops`), and the same read, compared
+  swrite    a sequential writer (with `--streams`, issue 44): 2-6 MiB from a
+            block-aligned offset at or below the file's end, in 1 MiB pwrites,
+            so that the daemon's C write streams take them (DESIGN 4.11) while
+            the other operations cut in
 
 Several processes (`--procs`) run at once, each on files of its own, and all
 of them on one shared file, where each owns a disjoint, unaligned stripe (so
@@ -69,6 +73,8 @@ except ImportError:  # run as a script: tests/integration is on sys.path
 BLOCK = 4096
 #: A stripe of the shared file: unaligned, so neighbours share a block.
 STRIPE = (1 << 20) + 1000
+#: The size of each pwrite of an `swrite` (a writer's WRITEs as the kernel sends them).
+STREAM_STEP = 1 << 20
 
 
 #: fallocate(2) modes (linux/falloc.h) fsx uses.
@@ -215,6 +221,11 @@ class Runner:
         if op == "write":
             data = data_for(dseed, b)
             os.pwrite(st.fd, data, a)
+            self._model_write(st, a, data)
+        elif op == "swrite":
+            data = data_for(dseed, b)
+            for off in range(0, b, STREAM_STEP):
+                os.pwrite(st.fd, data[off:off + STREAM_STEP], a + off)
             self._model_write(st, a, data)
         elif op == "read":
             self.expect(st, a, b, os.pread(st.fd, b, a), "read")
@@ -403,15 +414,24 @@ def generate_more(rnd: random.Random, name: str, proc: int, max_size: int,
 
 
 def generate(rnd: random.Random, proc: int, max_size: int, use_mmap: bool, use_direct: bool,
-             sizes: dict[str, int], use_falloc: bool = False, use_more: bool = False
-             ) -> tuple[str, str, int, int, int]:
+             sizes: dict[str, int], use_falloc: bool = False, use_more: bool = False,
+             use_streams: bool = False) -> tuple[str, str, int, int, int]:
     """One random operation (op, file, a, b, data seed); `sizes` tracks model sizes.
-    Without `use_falloc` the sequence of a seed is what it was before `falloc`, and
-    without `use_more` what it was before `--all-ops`."""
+    Without `use_falloc` the sequence of a seed is what it was before `falloc`,
+    without `use_more` what it was before `--all-ops`, and without `use_streams`
+    what it was before `--streams`."""
     name = rnd.choice([f"p{proc}-a", f"p{proc}-b", "shared"])
     lo, hi = (proc * STRIPE, (proc + 1) * STRIPE) if name == "shared" else (0, max_size)
     size = sizes.get(name, 0)
     dseed = rnd.randrange(1 << 30)
+    if use_streams and name != "shared" and rnd.random() < 0.15:
+        length = rnd.randrange(2, 7) * STREAM_STEP
+        off = max(0, min(size, max_size - length))
+        off -= off % BLOCK
+        if rnd.random() < 0.3:  # sometimes behind the end: over written bytes
+            off = rnd.randrange(0, off + 1) // BLOCK * BLOCK
+        sizes[name] = max(size, off + length)
+        return "swrite", name, off, length, dseed
     if use_more and name != "shared" and rnd.random() < 0.08:
         return generate_more(rnd, name, proc, max_size, sizes)
     if use_falloc and name != "shared" and rnd.random() < 0.04:
@@ -483,7 +503,7 @@ def generate(rnd: random.Random, proc: int, max_size: int, use_mmap: bool, use_d
 
 def run_proc(directory: str, seed: int, proc: int, ops: int, max_size: int, use_mmap: bool,
              use_direct: bool, log_dir: str, use_falloc: bool = False,
-             use_more: bool = False) -> str | None:
+             use_more: bool = False, use_streams: bool = False) -> str | None:
     """One worker: `ops` random operations; return an error message or None."""
     rnd = random.Random(seed * 1000 + proc)
     log_path = Path(log_dir) / f"fsx-{seed}.p{proc}.log"
@@ -493,7 +513,7 @@ def run_proc(directory: str, seed: int, proc: int, ops: int, max_size: int, use_
     try:
         for _ in range(ops):
             runner.apply(*generate(rnd, proc, max_size, use_mmap, use_direct, sizes,
-                                   use_falloc, use_more))
+                                   use_falloc, use_more, use_streams))
         runner.final_check()
     except Mismatch as exc:
         return f"seed {seed}: {exc}"
@@ -506,12 +526,13 @@ def run_proc(directory: str, seed: int, proc: int, ops: int, max_size: int, use_
 
 def run(directory: Path, seed: int, ops: int, procs: int = 1, max_size: int = 8 << 20,
         use_mmap: bool = True, use_direct: bool = True, log_dir: Path | None = None,
-        use_falloc: bool = False, use_more: bool = False) -> list[str]:
+        use_falloc: bool = False, use_more: bool = False,
+        use_streams: bool = False) -> list[str]:
     """Run `procs` workers at once; return their error messages (empty: all passed)."""
     log_dir = log_dir or directory
     (directory / "shared").unlink(missing_ok=True)
     args = [(str(directory), seed, p, ops, max_size, use_mmap, use_direct, str(log_dir),
-             use_falloc, use_more) for p in range(procs)]
+             use_falloc, use_more, use_streams) for p in range(procs)]
     if procs == 1:
         results = [run_proc(*args[0])]
     else:
@@ -558,6 +579,8 @@ def main() -> int:
     ap.add_argument("--all-ops", action="store_true",
                     help="every operation: --falloc's, and copies within a file, clone, "
                          "dedupe, Linux AIO")
+    ap.add_argument("--streams", action="store_true",
+                    help="add sequential writers of 2-6 MiB in 1 MiB pwrites (swrite)")
     ap.add_argument("--log-dir", type=Path, help="where logs and good/bad copies go")
     ap.add_argument("--replay", type=Path, help="replay this operation log instead")
     args = ap.parse_args()
@@ -566,7 +589,8 @@ def main() -> int:
         print(err or f"replay of {args.replay}: all operations matched the model")
         return 1 if err else 0
     errs = run(args.dir, args.seed, args.ops, args.procs, args.max_size, not args.no_mmap,
-               not args.no_direct, args.log_dir, args.falloc or args.all_ops, args.all_ops)
+               not args.no_direct, args.log_dir, args.falloc or args.all_ops, args.all_ops,
+               args.streams)
     for e in errs:
         print(e, file=sys.stderr)
     print(f"seed {args.seed}: {args.ops * args.procs} operations in {args.procs} process(es): "

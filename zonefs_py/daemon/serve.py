@@ -244,7 +244,7 @@ async def serve(cfg: MountConfig, report: Reporter, state: RunState,
 
     from zonefs_py.device import open_device
     from zonefs_py.fs.filesystem import ZoneFS
-    from zonefs_py.fuse_ops import Operations
+    from zonefs_py.fuse_ops import Operations, set_c_write_absorber
 
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         sweep_stale()
@@ -288,8 +288,10 @@ async def serve(cfg: MountConfig, report: Reporter, state: RunState,
                     await fs.close()
                     raise MountError(f"{cfg.mountpoint}: the FUSE mount failed "
                                      "(libfuse's message is above)") from None
-                if c_reads:
-                    dataplane_wiring.attach_after_init(fs)
+                if c_reads and dataplane_wiring.attach_after_init(fs):
+                    streams = dataplane_wiring.attach_writes(fs, cfg.fs_options.c_writes)
+                    if streams is not None:
+                        set_c_write_absorber(streams.absorb)
                 log.info("mounted %s on %s (options %s, writeback_cache=%s, max_tasks=%d, "
                          "min_tasks=%d)",
                          cfg.device, cfg.mountpoint, ",".join(sorted(cfg.fuse_options)),
@@ -342,6 +344,7 @@ async def _serve_mounted(cfg: MountConfig, fs: Any, ops: Any, signals: Any,
     """Run the FUSE loop, the engine's background work and the signal watcher; shut down."""
     import pyfuse3
 
+    from zonefs_py.fuse_ops import set_c_write_absorber
     from zonefs_py.metrics import start_exporters
     from zonefs_py.statusview import serving_line
 
@@ -375,6 +378,7 @@ async def _serve_mounted(cfg: MountConfig, fs: Any, ops: Any, signals: Any,
         nursery.start_soon(MemoryTrimmer(lambda: _write_activity(fs)).run)
         nursery.start_soon(GcFreezer().run)
         nursery.start_soon(dataplane_wiring.feed_qos, fs)
+        nursery.start_soon(dataplane_wiring.absorb_writes, fs)
         await start_exporters(
             nursery, cfg.device, cfg.metrics_addr, cfg.metrics_textfile_dir,
             cfg.metrics_interval_s, status_doc)
@@ -412,6 +416,9 @@ async def _serve_mounted(cfg: MountConfig, fs: Any, ops: Any, signals: Any,
                 closing.set()
                 # After a lazy unmount nothing is left to unmount (libfuse would try).
                 pyfuse3.close(unmount=not stopper.detached)
+                # The dispatcher has stopped: the WRITEs it took go to the engine now.
+                set_c_write_absorber(None)
+                dataplane_wiring.close_writes(fs)
                 log.info("unmounted %s; closing the filesystem", cfg.mountpoint)
                 try:
                     with trio.move_on_after(CLOSE_DEADLINE_S) as close_scope:

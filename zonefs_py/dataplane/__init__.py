@@ -115,6 +115,10 @@ def raw_stats() -> list[int]:
 class ReadMaps:
     """Publishes and revokes read maps (module docstring); the engine's only door to C."""
 
+    #: Whether a C write stream is armed for an inode (None without C writes: set by
+    #: dataplane/wiring.py).
+    c_streamed: Callable[[int], bool] | None = None
+
     def __init__(self, dev: Any, state: Any, writes: Any, sums: Any,
                  alloc: Any = None) -> None:
         ext = _ext()
@@ -163,6 +167,8 @@ class ReadMaps:
         if inode.extents is None or inode.inline or self.writes.has_state(ino) \
                 or self.writes.writes_arriving(ino):
             return False
+        if self.c_streamed is not None and self.c_streamed(ino):
+            return False  # C takes its WRITEs (dataplane/cwrites.py)
         # Queued, uploading and drained files hold their bytes here (the upload only
         # reads them); an evicted one holds none (its restore lands as EXTENT ops,
         # each revoking, before the DRAIN op that makes it DRAINED again).

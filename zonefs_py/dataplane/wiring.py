@@ -11,7 +11,9 @@ from typing import Any
 import trio
 
 from zonefs_py import dataplane
+from zonefs_py.dataplane.cwrites import WriteStreams, c_stats, census_extra, census_names
 from zonefs_py.device.base import capabilities
+from zonefs_py.fs.cstreams import CREDIT_BYTES, CStreamEngine
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,45 @@ def attach_after_init(fs: Any) -> bool:
     return True
 
 
+def attach_writes(fs: Any, on: bool) -> WriteStreams | None:
+    """After `attach_after_init`: let C take sequential WRITEs (`-o c_writes`, on by
+    default) when the dispatcher runs; the streams, or None. The caller makes
+    every request handler absorb first (`fuse_ops.set_c_write_absorber`)."""
+    if not on or fs.data.reads.maps is None:
+        return None
+    engine = CStreamEngine(fs, None)
+    try:
+        streams = WriteStreams(engine, CREDIT_BYTES)
+    except OSError as exc:
+        log.warning("C writes off: %s", exc)
+        return None
+    engine.streams = streams
+    fs.c_streams = engine
+    fs.data.writes.before_change = engine.before_change
+    fs.data.writes.after_chunk = engine.after_chunk
+    fs.data.reads.maps.c_streamed = streams.armed
+    log.info("C writes on: the dispatcher takes the sequential WRITEs of files the "
+             "engine arms (whole blocks at the file's end)")
+    return streams
+
+
+async def absorb_writes(fs: Any) -> None:
+    """For the mount's life: take what C staged whenever it says so."""
+    engine = getattr(fs, "c_streams", None)
+    if engine is not None:
+        await engine.streams.run()
+
+
+def close_writes(fs: Any) -> None:
+    """The FUSE session ended (pyfuse3.close ran): no WRITE is taken in C any more,
+    and what C staged goes into the engine before it closes."""
+    engine = getattr(fs, "c_streams", None)
+    if engine is None:
+        return
+    engine.streams.close()
+    fs.data.writes.after_chunk = None
+
+
 def with_c_reads(fs: Any, extra: dict[str, Any]) -> dict[str, Any]:
     """The adapter's status part with the data plane's counters: READs served in C
     join the census's READ counts, received and answered (the dispatcher answers
@@ -72,6 +113,16 @@ def with_c_reads(fs: Any, extra: dict[str, Any]) -> dict[str, Any]:
         if census and stats.get("reads_c"):
             census["READ"] = census.get("READ", 0) + stats["reads_c"]
         out[key] = census
+    engine = getattr(fs, "c_streams", None)
+    if engine is not None:
+        wstats = engine.streams.stats()
+        wstats.update(engine.figures())
+        stats["writes"] = wstats
+    else:  # no streams; the dispatcher answers the capability probes all the same
+        wstats = c_stats()
+        stats["caps_probes_c"] = wstats.get("caps_probes_c", 0)
+    out["requests"] = census_names(wstats, out["requests"])
+    out["requests_answered"] = census_extra(wstats, out["requests_answered"])
     return out
 
 

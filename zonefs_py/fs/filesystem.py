@@ -430,6 +430,8 @@ class ZoneFS(NamespaceOps, HandleOps, AttrOps, FileSystemAPI):
         if self.failsafe is None:
             self.failsafe = reason
             log.error("switching to read-only failsafe mode: %s", reason)
+            if self.c_streams is not None:
+                self.c_streams.stop()  # C answers no WRITE from now on
 
     def _record_counters(self) -> None:
         """Queue the write counters so that they survive a crash (persisted figures)."""

@@ -33,7 +33,8 @@ from zonefs_py.fs.api import (
     FallocFlags,
 )
 from zonefs_py.fs.clock import now_ns
-from zonefs_py.fs.data.datapath import DataPath
+from zonefs_py.fs.cstreams import CStreamEngine
+from zonefs_py.fs.data.datapath import CHUNK_BYTES, DataPath
 from zonefs_py.fs.inline import InlineData, drop_idle_lock
 from zonefs_py.fs.latency import Histogram
 from zonefs_py.fs.options import FsOptions
@@ -67,6 +68,8 @@ class DirHandle:
 
 #: Entries one readdir of a lazy directory returns at most.
 READDIR_BATCH = 1024
+#: A write this large (the engine's streaming chunk) may arm the file's C write stream.
+STREAM_MIN_BYTES = CHUNK_BYTES
 
 
 class HandleOps:
@@ -110,6 +113,9 @@ class HandleOps:
         def _stream_flags(self, d: Inode, name: bytes) -> int: ...
         def _create_node(self, d: Inode, name: bytes, op: Op,
                          extra: list[Op] | None = None, is_dir: bool = False) -> Inode: ...
+
+    #: The engine's side of C write streams (fs/cstreams.py), None without them.
+    c_streams: CStreamEngine | None = None
 
     # -- files ---------------------------------------------------------------------------
     def _new_fh(self, ino: int) -> int:
@@ -185,7 +191,7 @@ class HandleOps:
     async def write(self, fh: int, offset: int, data: bytes) -> int:
         self._writable()
         inode = self._fh_inode(fh)
-        with self.data.write_arriving(inode.ino):
+        with self.data.write_arriving(inode.ino, offset + len(data)):
             return await self._write(inode, offset, data)
 
     async def _write(self, inode: Inode, offset: int, data: bytes) -> int:
@@ -205,6 +211,9 @@ class HandleOps:
         if grow > 0:
             self._check_quota(inode, grow)
             over = self.falloc.used_bytes() + grow - self.alloc.user_capacity_bytes()
+            if over > 0 and self.c_streams is not None and self.c_streams.give_back():
+                # Credit admitted ahead for C write streams is space nobody wrote yet.
+                over = self.falloc.used_bytes() + grow - self.alloc.user_capacity_bytes()
             if over > 0 and not await self.drain.relieve_space(over):
                 raise errors.NoSpace("the live data would not fit on the device")
             tenant = await self._admit_tenant(inode, grow)
@@ -223,6 +232,8 @@ class HandleOps:
             admitted.settle()
         self.write_latency.record(time.perf_counter_ns() - t0)
         self.quota.count_written(inode, n)
+        if self.c_streams is not None:  # C may take the file's next WRITEs (issue 44)
+            self.c_streams.after_write(inode, offset, n, n >= STREAM_MIN_BYTES)
         self.space_gate.check()  # the write gate (fs/spacegate.py) may close now
         if self.journal.pending_bytes > (4 << 20):
             self.wake_background()

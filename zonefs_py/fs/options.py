@@ -59,6 +59,10 @@ class FsOptions:
     #: the trio thread (zonefs_py/dataplane, DESIGN 4.10); False: every request goes
     #: through pyfuse3 as before (`-o c_reads=off`).
     c_reads: bool = True
+    #: The dispatcher takes the sequential WRITEs of files the engine arms (issue 44,
+    #: dataplane/cwrites.py); needs c_reads (its dispatcher). `-o c_writes=off`:
+    #: every WRITE through pyfuse3 as before.
+    c_writes: bool = True
     #: Read QoS: p90 latency (ms) reads may see in the engine before file-data appends
     #: are slowed down (fs/data/qos.py); 0 disables the controller.
     read_latency_ms: float = 2.0
@@ -124,6 +128,7 @@ class FsOptions:
         "sqpoll_ms": ("sqpoll_ms", int),
         "fast_read": ("fast_read", _flag),
         "c_reads": ("c_reads", _flag),
+        "c_writes": ("c_writes", _flag),
         "read_latency_ms": ("read_latency_ms", float),
         "device_write_mb": ("device_write_mb", float),
         "prefetch_mb": ("prefetch_mb", int),

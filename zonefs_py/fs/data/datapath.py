@@ -217,6 +217,13 @@ class DataPath:
                 await self._flush_locked(inode, final=False)
         return len(data)
 
+    def queue_staged(self, inode: Inode, offset: int, data: bytes) -> None:
+        """Bytes a C write stream took for the file (whole blocks at `offset`): a chunk
+        in flight now, after every chunk of the file before it (no await)."""
+        self._count(C_USER_BYTES, len(data))
+        self.pipe.queue_chunk_nowait(inode, offset // self.bs, data, offset + len(data),
+                                     self.write_time())
+
     def write_time(self) -> int:
         """The mtime/ctime a write gives its file: now, or 0 (unchanged) when the
         caller owns the times."""
@@ -337,6 +344,8 @@ class DataPath:
     # -- truncate ------------------------------------------------------------------
     async def truncate(self, inode: Inode, new_size: int, ctime: int) -> list[Op]:
         """Change the size; return (applied) ops for the caller's transaction."""
+        if self.writes.before_change is not None:
+            self.writes.before_change(inode.ino)
         with self.qos.expedited(inode.ino):
             return await self._truncate(inode, new_size, ctime)
 

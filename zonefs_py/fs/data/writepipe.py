@@ -144,6 +144,21 @@ class WritePipeline:
         if len(chunks) > MAX_INFLIGHT:
             await chunks[-1 - MAX_INFLIGHT].applied.wait()
 
+    def queue_chunk_nowait(self, inode: Inode, fblock: int, data: bytes, logical_end: int,
+                           mtime: int) -> None:
+        """Send one chunk by a task of the mount without waiting (no await): bytes a C
+        write stream staged (fs/cstreams.py), whose own credit bounds what is in
+        flight. Raises NoTaskGroup when the mount's tasks have ended."""
+        chunk, _chunks = self.writes.add_chunk(inode.ino, fblock, data, logical_end, mtime)
+        try:
+            self.tasks.start_soon(self._write_chunk, inode, chunk,
+                                  name=f"zonefs-chunk-{inode.ino}")
+        except BaseException:
+            self.writes.write_errors.setdefault(
+                inode.ino, errors.IOFailure("staged chunk not written: the mount is closing"))
+            self.writes.chunk_done(inode.ino, chunk)
+            raise
+
     async def _write_chunk(self, inode: Inode, chunk: Chunk) -> None:
         """Write one chunk and apply its ops after its predecessor's.
 

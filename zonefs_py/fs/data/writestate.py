@@ -109,14 +109,21 @@ class FileWrites:
         #: `buffers` or `inflight` yet: the request is parked on the file's lock, a
         #: flush, or an inline conversion (`Admitted`; counted by `used_bytes`).
         self.admitted_bytes = 0
-        #: Unfinished write requests per file: arrival number -> None, and the
-        #: event set (and replaced) whenever one of them finishes.
-        self._arrivals: dict[int, tuple[dict[int, None], list[trio.Event]]] = {}
+        #: Unfinished write requests per file: arrival number -> the end of the bytes
+        #: it writes (None: not a plain write), and the event set (and replaced)
+        #: whenever one of them finishes.
+        self._arrivals: dict[int, tuple[dict[int, int | None], list[trio.Event]]] = {}
         self._arrival = 0
+        #: Called (no await) before Python changes a file's bytes or size (a write,
+        #: fallocate, copy into it, truncate): C's write stream of the file ends and
+        #: what it staged enters the pipeline first (fs/cstreams.py). None without.
+        self.before_change: Callable[[int], None] | None = None
+        #: Called when a chunk of the file left the in-flight list (C streams' credit).
+        self.after_chunk: Callable[[int], None] | None = None
 
     # -- request order ---------------------------------------------------------------
     @contextmanager
-    def write_arriving(self, ino: int) -> Iterator[int]:
+    def write_arriving(self, ino: int, end: int | None = None) -> Iterator[int]:
         """Mark a write request of `ino` as arrived, from before its first await to
         its end, so that a read arriving after it waits for it (`after_earlier_writes`).
         Yields the request's arrival number: a request that reads as well as
@@ -135,12 +142,14 @@ class FileWrites:
         No object is made per request unless a reader waits: the event list
         is filled by `after_earlier_writes` only.
         """
+        if self.before_change is not None:
+            self.before_change(ino)
         self._arrival += 1
         seq = self._arrival
         arr = self._arrivals.get(ino)
         if arr is None:
             arr = self._arrivals[ino] = ({}, [])
-        arr[0][seq] = None
+        arr[0][seq] = end
         try:
             yield seq
         finally:
@@ -152,6 +161,15 @@ class FileWrites:
                 waiters.clear()
             if not pending and self._arrivals.get(ino) is arr:
                 del self._arrivals[ino]
+
+    def arriving_end(self, ino: int) -> int | None:
+        """The highest end of the unfinished write requests of `ino` (0: none), or None
+        when one of them is not a plain write (no await)."""
+        arr = self._arrivals.get(ino)
+        if arr is None:
+            return 0
+        ends = arr[0].values()
+        return None if None in ends else max(ends, default=0)  # type: ignore[type-var]
 
     def writes_arriving(self, ino: int) -> bool:
         """Whether write requests of `ino` are unfinished (no await: a dict lookup)."""
@@ -258,6 +276,8 @@ class FileWrites:
             if not chunks:
                 del self.inflight[ino]
         chunk.applied.set()
+        if self.after_chunk is not None:
+            self.after_chunk(ino)
 
     async def drain(self, ino: int) -> None:
         """Wait until every in-flight chunk of the file is applied; report a lost chunk
