@@ -5,10 +5,10 @@ file's end), `after_write` offers the file to the data plane: C may then take
 its next sequential WRITEs itself. The engine keeps every decision that is
 policy:
 
-* which files qualify (`refusal`): not inline, nothing buffered, the write
-  ended at the file's visible end, block-aligned, no reserved (fallocated)
-  blocks, no write error waiting for the next fsync, not near a full device
-  (the write gate must see every write then), a writable handle;
+* which files qualify (`refusal`): not inline, nothing buffered, block-aligned,
+  no write error waiting for the next fsync, not evicted, not near a full
+  device (the write gate must see every write then), not in a tenant with a
+  zone cap (its ENOSPC at write(2) is admitted per request, fs/tenantspace.py);
 * the credit: bytes C may take before it hands the file's WRITEs back, each
   admitted like a write request's (quota, the device's user capacity) and
   counted as used (`FileWrites.admitted_bytes`) until they arrive as staged
@@ -121,6 +121,10 @@ class CStreamEngine:
             return "evicted"
         if fs.space_gate.near:
             return "space_low"
+        if fs.state.tenants:
+            tid = fs.tenant_space.tenant_of(inode)
+            if tid and fs.tenant_space.capacity_bytes(tid) is not None:
+                return "tenant_cap"  # its writes stay admitted one by one (issue 45)
         return None
 
     def _admit(self, inode: Inode, nbytes: int) -> bool:
