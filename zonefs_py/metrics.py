@@ -199,6 +199,28 @@ def _dataplane_families(doc: dict[str, Any]) -> Iterator[Metric]:
     yield handed
     yield GaugeMetricFamily("zonefs_c_read_maps", "Files whose read map is published.",
                             value=_num(dp.get("maps_published")))
+    writes = dp.get("writes") or {}
+    if not writes:  # `-o c_writes=off`
+        return
+    yield CounterMetricFamily("zonefs_c_writes", "WRITEs taken by C write streams "
+                              "(DESIGN 4.11; since mount).", value=_num(writes.get("writes_c")))
+    yield CounterMetricFamily("zonefs_c_write_bytes", "Bytes of WRITEs taken in C.",
+                              value=_num(writes.get("writes_c_bytes")))
+    ended = CounterMetricFamily("zonefs_c_write_streams_ended",
+                                "C write streams ended (the next WRITE of the file goes "
+                                "to Python), by reason.", labels=["reason"])
+    for reason, count in sorted((writes.get("streams_ended") or {}).items()):
+        ended.add_metric([reason], _num(count))
+    yield ended
+    refused = CounterMetricFamily("zonefs_c_write_arm_refused",
+                                  "Files the engine did not give a C write stream after a "
+                                  "streaming WRITE, by reason.", labels=["reason"])
+    for reason, count in sorted((writes.get("arm_refused") or {}).items()):
+        refused.add_metric([reason], _num(count))
+    yield refused
+    yield GaugeMetricFamily("zonefs_c_write_staged_bytes",
+                            "Bytes C took and the engine has not taken yet.",
+                            value=_num(writes.get("staged_bytes")))
 
 
 def _zone_families(doc: dict[str, Any]) -> Iterator[Metric]:

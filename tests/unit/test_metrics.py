@@ -82,6 +82,22 @@ def test_c_reads_and_the_reasons_reads_went_to_python() -> None:
     assert not any(name.startswith("zonefs_c_read") for name, _ in samples(render(DOC)))
 
 
+def test_c_writes_and_why_streams_ended() -> None:
+    dp = {"reads_c": 0, "reads_c_bytes": 0, "reads_python": {}, "maps_published": 0,
+          "writes": {"writes_c": 40, "writes_c_bytes": 40 << 20, "staged_bytes": 4096,
+                     "streams_ended": {"no_credit": 2, "other_request": 1},
+                     "arm_refused": {"space_low": 3}}}
+    got = samples(render({**DOC, "dataplane": dp}))
+    assert got[("zonefs_c_writes_total", ())] == 40
+    assert got[("zonefs_c_write_bytes_total", ())] == 40 << 20
+    assert got[("zonefs_c_write_streams_ended_total", (("reason", "no_credit"),))] == 2
+    assert got[("zonefs_c_write_arm_refused_total", (("reason", "space_low"),))] == 3
+    assert got[("zonefs_c_write_staged_bytes", ())] == 4096
+    dp_off = {k: v for k, v in dp.items() if k != "writes"}
+    assert not any(name.startswith("zonefs_c_write")
+                   for name, _ in samples(render({**DOC, "dataplane": dp_off})))
+
+
 def test_write_amplification_before_any_write_is_nan() -> None:
     got = samples(render({**DOC, "write_amplification": None}))
     value = got[("zonefs_write_amplification_ratio", ())]
