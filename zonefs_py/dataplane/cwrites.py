@@ -21,8 +21,9 @@ only door to it:
 The engine still places, checksums and appends every chunk (fs/data/writepipe.py)
 and applies its EXTENT ops in order: this step removes the per-WRITE cost
 (pyfuse3's request object, the payload's copy into `bytes`, a handler task,
-the admission per request), not the per-chunk one. Records are copied into
-`bytes` once (4 MiB at a time) and the C buffer freed at once.
+the admission per request), not the per-chunk one. A record's C buffer is the
+chunk's data as it is (a cffi buffer, freed by the garbage collector's hook
+once no view of it is left), not copied again.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ TAKE_BATCH = 64
 class StagedSink(Protocol):
     """What the engine offers the write streams (fs/handles.py)."""
 
-    def c_staged(self, ino: int, offset: int, data: bytes) -> None: ...
+    def c_staged(self, ino: int, offset: int, data: Any) -> None: ...
 
     def c_stream_ended(self, ino: int, credit_left: int) -> None: ...
 
@@ -117,10 +118,10 @@ class WriteStreams:
                 r = out[i]
                 ino = int(r.ino)
                 if r.mem != ffi.NULL:
-                    try:
-                        data = ffi.buffer(r.mem, r.len)[:]
-                    finally:
-                        lib.zdw_free(r.mem)
+                    # The C buffer itself, freed when the last view of it goes (the
+                    # chunk's, and a reader's of the chunk in flight): no copy.
+                    mem = ffi.gc(r.mem, lib.zdw_free, size=int(r.len))
+                    data = ffi.buffer(mem, r.len)
                     self.absorbed_records += 1
                     self.absorbed_bytes += len(data)
                     sink.c_staged(ino, int(r.file_off), data)
