@@ -1,4 +1,5 @@
-"""C reads (issue 43's dispatcher) through a real FUSE mount on real zoned devices.
+"""C reads (issue 43's dispatcher) and C writes (issue 44's write streams) through a real
+FUSE mount on real zoned devices.
 
 On the emulator the dispatcher reads an image file; here it reads a zoned
 null_blk device and QEMU's NVMe ZNS namespace through the kernel's zoned block
@@ -47,13 +48,14 @@ def _cli(*args: str, timeout: float = 600) -> str:
 class Daemon:
     """`zonefs-py mount -f DEV MNT` in a subprocess, waited for until mounted."""
 
-    def __init__(self, dev: str, mnt: Path, log: Path) -> None:
+    def __init__(self, dev: str, mnt: Path, log: Path, *options: str) -> None:
         mnt.mkdir(exist_ok=True)
         self.mnt = mnt
         self.log = log
+        opts = [arg for opt in options for arg in ("-o", opt)]
         with open(log.with_suffix(".stderr"), "wb") as err:
             self.proc = subprocess.Popen([*ZONEFS, "mount", "-f", dev, str(mnt), "--log-file",
-                                          str(log)], stdin=subprocess.DEVNULL,
+                                          str(log), *opts], stdin=subprocess.DEVNULL,
                                          stdout=subprocess.DEVNULL, stderr=err)
         deadline = time.monotonic() + 300  # the guest runs 20-100x slower
         while not os.path.ismount(mnt):
@@ -130,3 +132,45 @@ def test_c_reads_on_nvme_zns(tmp_path: Path) -> None:
         pytest.skip(NVME_SKIP)
     reset_all_zones(dev)
     _c_reads_on(dev, tmp_path)
+
+
+def _c_writes_on(dev: str, tmp_path: Path) -> None:
+    """A sequential writer without the writeback cache (each write(2) one WRITE, so the
+    dispatcher takes all but the first of them), fsync, O_DIRECT reads, remount,
+    fsck: the staged records go through the pipeline to the zoned device (zone
+    append on NVMe ZNS)."""
+    _cli("mkfs", dev, "--force")
+    data = random.Random(44).randbytes(26 * MiB + 3 * 4096)
+    d = Daemon(dev, tmp_path / "mnt", tmp_path / "daemon.log", "writeback_cache=off")
+    try:
+        fd = os.open(d.mnt / "f", os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            for off in range(0, len(data), MiB):
+                os.pwrite(fd, data[off:off + MiB], off)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        writes = d.dataplane()["writes"]
+        assert writes["writes_c"] >= len(data) // MiB // 2, writes
+        _odirect_reads(d.mnt / "f", data)
+    finally:
+        d.stop()
+    d = Daemon(dev, tmp_path / "mnt", tmp_path / "daemon2.log")
+    try:
+        _odirect_reads(d.mnt / "f", data)
+    finally:
+        d.stop()
+    _cli("fsck", dev, "--quiet")
+
+
+def test_c_writes_on_nullblk(nullblk_factory: NullBlkFactory, tmp_path: Path) -> None:
+    dev = nullblk_factory.create_raw(nr_zones=32, zone_size_mb=8)
+    _c_writes_on(dev, tmp_path)
+
+
+def test_c_writes_on_nvme_zns(tmp_path: Path) -> None:
+    dev = nvme_namespace(*NVME_MAIN)
+    if dev is None:
+        pytest.skip(NVME_SKIP)
+    reset_all_zones(dev)
+    _c_writes_on(dev, tmp_path)
