@@ -348,12 +348,15 @@ def test_users_root_allows_run_tenant_commands(image: Path, mount_factory: Mount
     for d, uid in ((mine, allowed), (theirs, other), (roots, 0)):
         d.mkdir()
         os.chown(d, uid, uid)
-    ok = _as(allowed, "tenant", "add", str(mine), "--max-zones", "3")
+    # A cap well above the kernel's dirty limit for the mount: a tenant whose free
+    # room is below it is refused at write(2) from its first write when the limit
+    # cannot be lowered (the full suite once met that here, DESIGN 3.9a caveats).
+    ok = _as(allowed, "tenant", "add", str(mine), "--max-zones", "12")
     assert ok.returncode == 0, ok.stderr
     ok = _as(allowed, "tenant", "set", str(mine), "--active-zones", "2")
     assert ok.returncode == 0, ok.stderr
     listing = json.loads(zonefs("tenant", "list", str(m.path), "--json").stdout)
-    assert (listing["mine"]["zones_max"], listing["mine"]["active_zones_max"]) == (3, 2)
+    assert (listing["mine"]["zones_max"], listing["mine"]["active_zones_max"]) == (12, 2)
     refused = _as(other, "tenant", "add", str(theirs))
     assert refused.returncode == 1
     assert "Operation not permitted" in refused.stderr
