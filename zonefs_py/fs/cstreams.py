@@ -70,9 +70,10 @@ class CStreamEngine:
 
     # -- arming --------------------------------------------------------------------------
     def after_write(self, inode: Inode, offset: int, nbytes: int, streaming: bool) -> None:
-        """A WRITE of `inode` was served here: arm its stream if it qualifies, at the
-        highest end of the file's writes (the kernel sends a sequential writer's
-        WRITEs in order, several at once: the next one starts there)."""
+        """A WRITE of `inode` was served here: arm its stream if it qualifies, at its
+        end, or, while other writes of the file are in flight, at the highest end
+        of the file's writes (the kernel sends a sequential writer's WRITEs in
+        order, several at once: the next one starts there)."""
         if not streaming or self.streams.closed or inode.ino in self.granted:
             return
         ino = inode.ino
@@ -84,11 +85,15 @@ class CStreamEngine:
             if len(self.high) >= HIGH_KEPT:
                 self.high.clear()
             self.high[ino] = high = end
-        arriving = self.fs.data.writes.arriving_end(ino)
+        writes = self.fs.data.writes
+        arriving = writes.arriving_end(ino)
         why = self.refusal(inode, end)
         if why is None and arriving is None:
             why = "other_changes_in_flight"
-        end = max(high, arriving or 0)
+        if writes.arrivals_of(ino) > 1:
+            # Others of the file in flight: the kernel's writeback, whose WRITEs may
+            # finish out of order; the next one starts past the highest of them.
+            end = max(end, high, arriving or 0)
         if why is None and end % self.fs.data.bs:
             why = "unaligned"
         if why is None and not self._admit(inode, CREDIT_BYTES):

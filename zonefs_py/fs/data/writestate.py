@@ -162,6 +162,11 @@ class FileWrites:
             if not pending and self._arrivals.get(ino) is arr:
                 del self._arrivals[ino]
 
+    def arrivals_of(self, ino: int) -> int:
+        """Unfinished write requests of `ino` (no await)."""
+        arr = self._arrivals.get(ino)
+        return len(arr[0]) if arr is not None else 0
+
     def arriving_end(self, ino: int) -> int | None:
         """The highest end of the unfinished write requests of `ino` (0: none), or None
         when one of them is not a plain write (no await)."""
