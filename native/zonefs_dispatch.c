@@ -55,6 +55,11 @@
  * set up the device is read by pread on the same thread (said once on stderr
  * and in the log; zdp_io_mode()).
  *
+ * Write streams (issue 44, native/zonefs_cwrite.c, DESIGN 4.11): every request
+ * the dispatcher reads passes zdw_request first, which takes a WRITE of a file
+ * with an armed stream, answers the security.capability probe, or queues a
+ * stream's staged bytes (or ends it) before the request is handed on.
+ *
  * Tenants (issue 45): Python gives each published map its file's tenant id
  * (zdp_publish_tenant, 0: none); a READ served from it adds its reply bytes to
  * zdp_tenant_bytes[tenant], which Python reads (zdp_tenant_served) for the

@@ -116,7 +116,14 @@ def test_watch_stops_cleanly_on_ctrl_c(mounted: Mount) -> None:
     assert header.split()[0] == "time"
     assert proc.stdout.readline().strip()
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        # Never leave it running: its pipes and the process would be reported as
+        # unraisable warnings in whichever later test the garbage collector runs in.
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"stat --watch still ran 60 s after SIGINT: {err[-2000:]}")
     assert proc.returncode == 0, err
     assert "Traceback" not in err
 
