@@ -77,15 +77,15 @@ class CStreamEngine:
         if not streaming or self.streams.closed or inode.ino in self.granted:
             return
         ino = inode.ino
+        writes = self.fs.data.writes
         end = offset + nbytes
         high = self.high.get(ino, 0)
-        if high > self.fs.data.writes.visible_size(inode):
+        if high > writes.visible_size(inode):
             high = 0  # truncated since, or another file's (a reused inode number)
         if end > high:
             if len(self.high) >= HIGH_KEPT:
                 self.high.clear()
             self.high[ino] = high = end
-        writes = self.fs.data.writes
         arriving = writes.arriving_end(ino)
         why = self.refusal(inode, end)
         if why is None and arriving is None:
@@ -101,10 +101,9 @@ class CStreamEngine:
         if why is not None:
             self.streams.refuse(why)
             return
-        writes = self.fs.data.writes
         writes.admitted_bytes += CREDIT_BYTES
-        if self.streams.arm(inode.ino, end, CREDIT_BYTES):
-            self.granted[inode.ino] = CREDIT_BYTES
+        if self.streams.arm(ino, end, CREDIT_BYTES):
+            self.granted[ino] = CREDIT_BYTES
         else:
             writes.admitted_bytes -= CREDIT_BYTES
 
@@ -161,7 +160,8 @@ class CStreamEngine:
 
     # -- what C staged ---------------------------------------------------------------------
     def c_staged(self, ino: int, offset: int, data: bytes) -> None:
-        """Bytes C took for file `ino` at `offset`: into the pipeline now (no await)."""
+        """Bytes C took for file `ino` at `offset` (a buffer of whole blocks): into the
+        pipeline now (no await)."""
         fs = self.fs
         writes = fs.data.writes
         n = len(data)
