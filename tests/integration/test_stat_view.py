@@ -109,8 +109,12 @@ def test_watch_shows_the_write_rate(mounted: Mount) -> None:
 
 
 def test_watch_stops_cleanly_on_ctrl_c(mounted: Mount) -> None:
+    # SIGINT at its default in the child: a shell without job control starts
+    # background commands with it ignored, and a Python started so never raises
+    # KeyboardInterrupt (the local CI run, started with `&`, met exactly that).
     proc = subprocess.Popen([*ZONEFS, "stat", str(mounted.path), "--watch", "0.2"], env=env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stdout is not None
     header = proc.stdout.readline()
     assert header.split()[0] == "time"
