@@ -48,7 +48,11 @@ def test_declare_fill_enospc_of_one_tenant_remount(image: Path, mount_factory: M
     a, b = m.path / "ckpt", m.path / "data"
     a.mkdir()
     b.mkdir()
-    zonefs("tenant", "add", str(a), "--min-zones", "1", "--max-zones", "2")
+    # A cap above the write gate's refusal threshold at the kernel's default dirty
+    # limit (about 60 MiB here): with 2 zones the first write was refused in 2 of 35
+    # runs, the limit having followed the device's free space instead of the tenant's
+    # (DESIGN 3.9a, caveats).
+    zonefs("tenant", "add", str(a), "--min-zones", "1", "--max-zones", "6")
     zonefs("tenant", "add", str(b), "--min-zones", "2")
     again = zonefs("tenant", "add", str(a), check=False)
     assert again.returncode == 1
@@ -62,8 +66,8 @@ def test_declare_fill_enospc_of_one_tenant_remount(image: Path, mount_factory: M
     doc = json.loads(zonefs("stat", str(m.path), "--json").stdout)
     ta = doc["tenants"]["ckpt"]
     assert ta["declared"]
-    assert ta["zones_owned"] <= 3  # its cap, and one more its cleaner may take
-    assert 1 <= fit <= 8  # 2 zones of 16 MiB hold at most 8 files of 4 MiB
+    assert ta["zones_owned"] <= 7  # its cap, and one more its cleaner may take
+    assert 1 <= fit <= 24  # 6 zones of 16 MiB hold at most 24 files of 4 MiB
     # The other tenant still writes.
     (b / "shard-0001.tar").write_bytes(os.urandom(8 * MiB))
     with pytest.raises(OSError) as info:
@@ -81,12 +85,12 @@ def test_declare_fill_enospc_of_one_tenant_remount(image: Path, mount_factory: M
     listing = json.loads(zonefs("tenant", "list", str(m.path), "--json").stdout)
     assert set(listing["ckpt"]["zones"]) == zones_a
     assert set(listing["data"]["zones"]) >= zones_b
-    zonefs("tenant", "set", str(a), "--max-zones", "4", "--active-zones", "2")
+    zonefs("tenant", "set", str(a), "--max-zones", "8", "--active-zones", "2")
     (a / "after-raise").write_bytes(os.urandom(4 * MiB))
     zonefs("tenant", "remove", str(b))
     listing = json.loads(zonefs("tenant", "list", str(m.path), "--json").stdout)
     assert set(listing) == {"ckpt"}
-    assert listing["ckpt"]["zones_max"] == 4
+    assert listing["ckpt"]["zones_max"] == 8
     assert listing["ckpt"]["active_zones_max"] == 2
     assert m.unmount() == 0
 
