@@ -105,6 +105,11 @@ class WriteGate:
         #: Sets the kernel's dirty limit for the mount (blocking: run in a worker
         #: thread); returns the bound now in effect, or None if it could not.
         self.set_limit: Callable[[int], int | None] | None = None
+        #: One dirty-limit change at a time, its wanted value computed under it: two
+        #: at once (the run loop's, computed before a tenant's first writer counted,
+        #: and that writer's) landed in either order, and the stale one left the
+        #: limit at the device's figure with the tenant refused from its first write.
+        self._limit_lock = trio.Lock()
         self._warned = False
 
     # -- handles (from the request handlers) -------------------------------------------
@@ -135,6 +140,9 @@ class WriteGate:
                 # yet (it had none), so the threshold is the default limit's.
                 # Lower the limit first; refused only if still near its cap then.
                 await self._apply_limit()
+                if tenant not in self.gate.refusing_tenants and tenant in self.closed_tenants:
+                    # The run loop closed it meanwhile, on a limit this lowered since.
+                    self._open_tenant(tenant)
             if tenant in self.gate.refusing_tenants and tenant not in self.closed_tenants:
                 # Every handle of the tenant, this one with them, before the answer.
                 await self._close_tenants({tenant})
@@ -272,17 +280,19 @@ class WriteGate:
         await self._apply_limit()
 
     async def _apply_limit(self) -> None:
-        """Set the kernel's dirty limit the engine wants, if it is due."""
+        """Set the kernel's dirty limit the engine wants, if it is due (one change at a
+        time, each computed from the figures after the one before it)."""
         gate = self.gate
         assert gate is not None
-        if gate.limit_change_due() and self.set_limit is not None:
-            wanted = gate.wanted_limit_bytes
-            applied = await trio.to_thread.run_sync(self.set_limit, wanted)
-            if applied is None:
-                gate.tunable = False
-                gate.limit_applied(gate.default_limit_bytes)
-            else:
-                gate.limit_applied(applied)
+        async with self._limit_lock:
+            if gate.limit_change_due() and self.set_limit is not None:
+                wanted = gate.wanted_limit_bytes
+                applied = await trio.to_thread.run_sync(self.set_limit, wanted)
+                if applied is None:
+                    gate.tunable = False
+                    gate.limit_applied(gate.default_limit_bytes)
+                else:
+                    gate.limit_applied(applied)
 
     async def _close(self) -> None:
         gate = self.gate
