@@ -54,6 +54,8 @@ length (truncate: size). Usage:
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import concurrent.futures.process
 import contextlib
 import ctypes
 import errno
@@ -536,9 +538,19 @@ def run(directory: Path, seed: int, ops: int, procs: int = 1, max_size: int = 8 
     if procs == 1:
         results = [run_proc(*args[0])]
     else:
-        ctx = multiprocessing.get_context("fork")
-        with ctx.Pool(procs) as pool:
-            results = pool.starmap(run_proc, args)
+        # Spawned, not forked: a fork of a process with threads (pytest's, the
+        # mount's) can inherit a lock held mid-operation and never start, and
+        # multiprocessing.Pool waits forever for a worker that died. An executor
+        # raises BrokenProcessPool for that instead: a failure, never a hang.
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(procs, mp_context=ctx) as pool:
+            futures = [pool.submit(run_proc, *a) for a in args]
+            results = []
+            for f in futures:
+                try:
+                    results.append(f.result())
+                except concurrent.futures.process.BrokenProcessPool as exc:
+                    results.append(f"seed {seed}: a worker process died: {exc}")
     return [r for r in results if r is not None]
 
 
