@@ -106,7 +106,7 @@ class PhysicalLimit(Contender):
     label = "physical limit (fio O_DIRECT on backing file)"
     is_filesystem = False
     unsupported = {w: "no filesystem: raw backing file" for w in (
-        "torch_save", "torch_load", "dataloader_shards", "dataloader_files",
+        "torch_save", "dcp_save", "torch_load", "dataloader_shards", "dataloader_files",
         "meta_create", "meta_stat", "meta_unlink")}
 
     def __init__(self, work_dir: Path) -> None:

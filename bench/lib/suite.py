@@ -60,6 +60,8 @@ WORKLOADS: tuple[Workload, ...] = (
              higher_is_better=False, tools=_FIO),
     Workload("torch_save", "checkpoint write: torch.save via temp + fsync + rename",
              torch_jobs.torch_save, "MiB/s"),
+    Workload("dcp_save", "checkpoint write: torch.distributed.checkpoint save, 2 ranks, "
+             "fsynced", torch_jobs.dcp_save, "MiB/s"),
     Workload("torch_load", "checkpoint restore: torch.load, cold", torch_jobs.torch_load,
              "MiB/s"),
     Workload("dataloader_shards", "dataset: DataLoader epoch, shard files",

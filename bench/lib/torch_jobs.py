@@ -14,8 +14,13 @@ Caveats:
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import shutil
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -86,6 +91,42 @@ def torch_save(contender: Contender, cfg: Config) -> dict[str, object]:
     _fsync_dir(contender.root)
     seconds = time.perf_counter() - start
     size = final.stat().st_size
+    return {"MiB/s": size / MiB / seconds, "seconds": seconds, "_io_bytes": size}
+
+
+def dcp_save(contender: Contender, cfg: Config) -> dict[str, object]:
+    """torch.distributed.checkpoint save of 2 ranks (gloo on 127.0.0.1), each writing
+    half of the checkpoint's bytes to its own file, fsynced (dcp_rank.py); timed from
+    a barrier after both ranks built their tensors to the directory's fsync after a
+    barrier at the end. Torch's import and the ranks' start are not timed."""
+    _require_fs(contender)
+    _torch()
+    world = 2
+    directory = contender.root / "dcp"
+    if directory.exists():
+        shutil.rmtree(directory)
+    with socket.socket() as s:  # a free port for the process group's rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = Path(__file__).with_name("dcp_rank.py")
+    # -P: bench/lib not first on the rank's path (its profile.py is not the stdlib's).
+    procs = [subprocess.Popen([sys.executable, "-P", str(script), str(r), str(world), str(port),
+                               str(directory), str(cfg.torch_bytes)],
+                              stdout=subprocess.PIPE, text=True) for r in range(world)]
+    outs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=600)
+            if p.returncode:
+                raise RuntimeError(f"dcp_save: a rank exited with {p.returncode}")
+            outs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    result = json.loads(outs[0].strip().splitlines()[-1])
+    seconds, size = float(result["seconds"]), int(result["bytes"])
     return {"MiB/s": size / MiB / seconds, "seconds": seconds, "_io_bytes": size}
 
 
