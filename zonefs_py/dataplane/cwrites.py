@@ -6,9 +6,10 @@ staging buffer in C and the WRITE answered there, without pyfuse3, the trio
 thread or a Python object per request. This is its Python side, the engine's
 only door to it:
 
-* `WriteStreams.offer(...)`, from the engine after a streaming WRITE it served
-  (`HandleOps._offer_c_stream` decides whether the file qualifies and admits
-  the credit): arms the file's stream at its end with that credit;
+* `WriteStreams.arm(ino, next_off, credit)`, from the engine after a streaming
+  WRITE it served (`CStreamEngine.after_write`, fs/cstreams.py, decides whether
+  the file qualifies and admits the credit): arms the file's stream there with
+  that credit; `credit` tops it up, `end` ends it before Python changes the file;
 * `WriteStreams.absorb()`: takes what C staged (full buffers, partial ones a
   request of the file asked for, and the end of streams) and hands it to the
   engine (`sink.c_staged`, `sink.c_stream_ended`) in C's order. It runs at the
@@ -45,7 +46,7 @@ TAKE_BATCH = 64
 
 
 class StagedSink(Protocol):
-    """What the engine offers the write streams (fs/handles.py)."""
+    """What the engine offers the write streams (fs/cstreams.py, CStreamEngine)."""
 
     def c_staged(self, ino: int, offset: int, data: Any) -> None: ...
 
