@@ -404,6 +404,7 @@ struct zdp_span {        /* a piece's part of one READ, copied out under zdp_loc
 #define ZDP_MAX_SPANS 256
 #define ZDP_SLOTS 32             /* READs in flight at most */
 #define ZDP_BATCH 64             /* requests read from /dev/fuse per turn at most */
+#define ZDP_BIG_REQUEST (64u << 10)   /* a request this large: submit and reap after it */
 #define ZDP_RING 256             /* SQ entries (device reads in flight at most) */
 #define ZDP_CANCEL_TAG UINT64_MAX   /* user_data of the cancel-all SQE */
 
@@ -986,7 +987,9 @@ static int zdp_handle(void *mem, ssize_t n, int alone)
 /* The dispatcher: each turn reaps finished device reads, reads every request at
  * hand (up to ZDP_BATCH, while a slot is free), takes the READs it can serve and
  * hands every other request on in arrival order at once (not behind device
- * reads), submits the turn's device reads in one io_uring_submit, and sleeps in
+ * reads), submits the turn's device reads in one io_uring_submit (and after
+ * every large request: a READ read before a 1 MiB WRITE does not wait for the
+ * rest of the batch's copies to go to the device or to be answered), and sleeps in
  * poll on /dev/fuse (while a slot is free), the ring's eventfd and the stop fd
  * once /dev/fuse had nothing more (EAGAIN) or there was nothing to do.
  *
@@ -1028,6 +1031,14 @@ static void *zdp_main(void *arg)
             }
             if (zdp_handle(mem, n, 0))
                 mem = NULL;   /* else mem is reused: the slot copied what it needs */
+            if (zdp_uring && (size_t)n > ZDP_BIG_REQUEST
+                    && zdp_sq_inflight + zdp_sq_prepped > 0) {
+                /* A large request (a WRITE: copied here, or staged in C) took time:
+                 * the READs read before it go to the device now, and those whose
+                 * device reads finished are answered, not after the whole batch. */
+                zdp_submit();
+                zdp_reap();
+            }
         }
         if (zdp_uring)
             zdp_submit();

@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
+from cstream_model import ModelStreams, attach_model_streams
 from helpers import CTX, OPTIONS, KiB, MiB, fsck_findings, new_image, read_file, write_file
 
 from zonefs_py import errors
@@ -138,6 +139,79 @@ async def test_every_zone_failing_writes_is_eio_and_consistent(image: Path) -> N
         assert await read_file(fs, b"keep") == keep
         dev.faults.clear()
     assert fsck_findings(image) == []
+
+
+async def _armed_file(fs: ZoneFS, name: bytes, first: bytes) -> tuple[int, int, ModelStreams]:
+    """A file whose C write stream is armed (ModelStreams: the C side modelled) after
+    `first` was written and fsynced through Python; (fh, ino, streams)."""
+    streams = attach_model_streams(fs, credit=3 * MiB)
+    fh, attr = await fs.create(ROOT_INO, name, 0o644, os.O_WRONLY, CTX)
+    fs.forget([(attr.ino, 1)])
+    await fs.write(fh, 0, first)
+    await fs.fsync(fh, False)
+    assert streams.armed(attr.ino), "a whole-chunk write at the end arms the stream"
+    return fh, attr.ino, streams
+
+
+@pytest.mark.expect_log(
+    "zonefs_py.alloc.allocator", "ERROR",
+    "stopped taking writes after a write error")
+@pytest.mark.expect_log("zonefs_py.fs.data.writepipe", "ERROR", "injected write error")
+async def test_write_error_on_bytes_staged_in_c_moves_them_to_another_zone(
+        image: Path) -> None:
+    """Issue 44: a record staged by a C write stream whose append fails is written
+    again elsewhere like any chunk; the fsync after it is acknowledged."""
+    first, staged = data(30, MiB), data(31, 512 * KiB)
+    async with engine(image) as (fs, dev):
+        fh, ino, streams = await _armed_file(fs, b"ckpt", first)
+        try:
+            (zone,) = zones_of(fs, ino)
+            dev.faults.fail_writes(zone, times=1)
+            assert streams.stage(ino, staged)
+            await fs.fsync(fh, False)
+        finally:
+            streams.close()
+            await fs.release(fh)
+        assert not dev.faults.io_armed  # the armed write failed (and only once)
+        assert await read_file(fs, b"ckpt") == first + staged
+    assert fsck_findings(image) == []
+    async with engine(image) as (fs, _dev):
+        assert await read_file(fs, b"ckpt") == first + staged
+
+
+@pytest.mark.expect_log(
+    "zonefs_py.alloc.allocator", "ERROR",
+    "stopped taking writes after a write error")
+@pytest.mark.expect_log("zonefs_py.fs.data.writepipe", "ERROR", "injected write error")
+@pytest.mark.parametrize("reported_by", ["fsync", "close"])
+async def test_bytes_staged_in_c_that_cannot_be_written_fail_the_next_fsync_or_close(
+        image: Path, reported_by: str) -> None:
+    """Issue 44: when no zone takes a record staged by a C write stream (the WRITE
+    was answered already), the file's next fsync, or its close (FLUSH), says EIO;
+    the fsynced bytes before it and other files stay; fsck is clean."""
+    keep, first = data(32, 100 * KiB), data(33, MiB)
+    async with engine(image) as (fs, dev):
+        await write_file(fs, b"keep", keep)
+        fh, ino, streams = await _armed_file(fs, b"ckpt", first)
+        try:
+            sb = fs.sb
+            for z in range(sb.data_first_zone, sb.data_first_zone + sb.data_zone_count):
+                dev.faults.fail_writes(z)
+            assert streams.stage(ino, data(34, 512 * KiB))
+            with pytest.raises(errors.IOFailure):
+                if reported_by == "fsync":
+                    await fs.fsync(fh, False)
+                else:
+                    await fs.flush(fh)
+        finally:
+            streams.close()
+            await fs.release(fh)
+        assert await read_file(fs, b"keep") == keep
+        dev.faults.clear()
+    assert fsck_findings(image) == []
+    async with engine(image) as (fs, _dev):
+        assert (await read_file(fs, b"ckpt"))[:MiB] == first
+        assert await read_file(fs, b"keep") == keep
 
 
 @pytest.mark.expect_log("zonefs_py.fs.data.zonesums", "ERROR", "injected read error")

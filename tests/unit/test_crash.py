@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import trio
 from crashlib import TEST_DISK_VERSION
+from cstream_model import attach_model_streams
 from engine_helpers import (
     CTX,
     SMALL,
@@ -759,7 +760,113 @@ async def tenant_spares(fs: ZoneFS, t: Tracker) -> None:
     await _write_acked(fs, t, "/a/ckpt/s2.distcp", pattern(195, size))
 
 
+async def c_write_stream(fs: ZoneFS, t: Tracker) -> None:
+    """Issue 44's C write streams, the engine's side (the C side is ModelStreams): a
+    file armed after a streaming write, records staged as the dispatcher stages
+    them, fsync; a record staged while an fsync runs (only what came before it is
+    acknowledged by it); an unaligned overwrite through Python, which ends the
+    stream and must land after every staged byte; a re-armed stream cut short by
+    a truncate into its staged bytes; staged bytes never fsynced."""
+    streams = attach_model_streams(fs, credit=3 * MiB)
+    content = bytearray(pattern(200, MiB))
+    t.expect("/ckpt", b"")
+    t.expect("/ckpt", bytes(content))
+    fh, attr = await fs.create(ROOT_INO, b"ckpt", 0o644, os.O_WRONLY, CTX)
+    fs.forget([(attr.ino, 1)])
+    ino = attr.ino
+
+    async def python_write(off: int, data: bytes) -> None:
+        content[off:off + len(data)] = data
+        t.expect("/ckpt", bytes(content))
+        await fs.write(fh, off, data)
+
+    def c_write(seed: int, n: int) -> None:
+        data = pattern(seed, n)
+        content.extend(data)
+        t.expect("/ckpt", bytes(content))
+        assert streams.stage(ino, data), "the model stream refused a record"
+
+    try:
+        await fs.write(fh, 0, bytes(content))
+        assert streams.armed(ino), "a whole-chunk write at the end arms the stream"
+        c_write(201, MiB)
+        c_write(202, 512 * KiB)
+        await fs.fsync(fh, False)
+        t.ack("/ckpt")
+        c_write(203, 256 * KiB)
+        before = len(t.versions["/ckpt"]) - 1
+        async with _one_error(), trio.open_nursery() as nursery:
+            nursery.start_soon(fs.fsync, fh, False)
+            await trio.lowlevel.checkpoint()
+            c_write(204, 256 * KiB)
+        t.acked["/ckpt"] = max(t.acked["/ckpt"], before)
+        await fs.fsync(fh, False)
+        t.ack("/ckpt")
+        await python_write(MiB + 12345, pattern(205, 7000))
+        assert not streams.armed(ino), "Python's own write ends the stream first"
+        await fs.fsync(fh, False)
+        t.ack("/ckpt")
+        await python_write(len(content), pattern(206, MiB))
+        assert streams.armed(ino)
+        c_write(207, 768 * KiB)
+        del content[len(content) - 300 * KiB:]
+        t.expect("/ckpt", bytes(content))
+        await fs.setattr(ino, SetAttrRequest(size=len(content)), CTX)
+        assert not streams.armed(ino), "a truncate ends the stream first"
+        await fs.fsync(fh, False)
+        t.ack("/ckpt")
+        await python_write(len(content), pattern(208, MiB))
+        c_write(209, 512 * KiB)
+    finally:
+        streams.close()
+        await fs.release(fh)
+
+
+async def c_write_during_cleaning(fs: ZoneFS, t: Tracker) -> None:
+    """Records staged by a C write stream (ModelStreams) while the cleaner copies a
+    zone's live files forward and resets it: the stream's bytes and the moved
+    files both survive every cut as acknowledged (issue 44)."""
+    for i in range(4):
+        await _write_acked(fs, t, f"/k{i}", pattern(210 + i, 600 * KiB))
+    t.expect("/k1", None)
+    await fs.unlink(ROOT_INO, b"k1")
+    await fs.sync()
+    t.ack("/k1")
+    victim = fs.cleaner.pick_victim()
+    assert victim is not None, "the scenario must leave a zone worth cleaning"
+    streams = attach_model_streams(fs, credit=3 * MiB)
+    content = bytearray(pattern(215, MiB))
+    t.expect("/ckpt", b"")
+    t.expect("/ckpt", bytes(content))
+    fh, attr = await fs.create(ROOT_INO, b"ckpt", 0o644, os.O_WRONLY, CTX)
+    fs.forget([(attr.ino, 1)])
+    try:
+        await fs.write(fh, 0, bytes(content))
+        assert streams.armed(attr.ino)
+
+        async def clean() -> None:
+            assert await fs.cleaner.clean_zone(victim.zone_idx, throttle=False) > 0
+
+        async with _one_error(), trio.open_nursery() as nursery:
+            nursery.start_soon(clean)
+            for seed in range(216, 220):
+                await trio.lowlevel.checkpoint()
+                data = pattern(seed, 512 * KiB)
+                content.extend(data)
+                t.expect("/ckpt", bytes(content))
+                assert streams.stage(attr.ino, data), "the model stream refused a record"
+        await fs.fsync(fh, False)
+        t.ack("/ckpt")
+        await fs.reclaim.commit_and_reset()
+        assert fs.alloc.zones[victim.zone_idx].reserved == 0, "the cleaned zone was reset"
+    finally:
+        streams.close()
+        await fs.release(fh)
+
+
 SCENARIOS: dict[str, tuple[Scenario, Geometry]] = {
+    "c_write_stream": (c_write_stream, SMALL),
+    "c_write_during_cleaning": (c_write_during_cleaning, SMALL),
     "tenant_lifecycle": (tenant_lifecycle, SMALL),
     "tenant_cleaning": (tenant_cleaning, SMALL),
     "tenant_spares": (tenant_spares, SMALL),

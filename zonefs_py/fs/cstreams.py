@@ -59,6 +59,8 @@ class CStreamEngine:
         self.fs = fs
         #: dataplane.cwrites.WriteStreams.
         self.streams = streams
+        #: Bytes a stream is armed with and topped up to (smaller in crash sweeps).
+        self.credit_bytes = CREDIT_BYTES
         #: ino -> credit bytes admitted and not yet staged nor given back.
         self.granted: dict[int, int] = {}
         #: ino -> the highest end of its streaming writes served here (HIGH_KEPT at most).
@@ -96,16 +98,17 @@ class CStreamEngine:
             end = max(end, high, arriving or 0)
         if why is None and end % self.fs.data.bs:
             why = "unaligned"
-        if why is None and not self._admit(inode, CREDIT_BYTES):
+        credit = self.credit_bytes
+        if why is None and not self._admit(inode, credit):
             why = "space"
         if why is not None:
             self.streams.refuse(why)
             return
-        writes.admitted_bytes += CREDIT_BYTES
-        if self.streams.arm(ino, end, CREDIT_BYTES):
-            self.granted[ino] = CREDIT_BYTES
+        writes.admitted_bytes += credit
+        if self.streams.arm(ino, end, credit):
+            self.granted[ino] = credit
         else:
-            writes.admitted_bytes -= CREDIT_BYTES
+            writes.admitted_bytes -= credit
 
     def refusal(self, inode: Inode, end: int) -> str | None:
         """Why `inode` may not be streamed from `end` in C now, or None."""
@@ -218,17 +221,18 @@ class CStreamEngine:
             fs.wake_background()
 
     def _top_up(self, ino: int) -> None:
-        """Grow the stream's credit back to CREDIT_BYTES while the file has few chunks
+        """Grow the stream's credit back to `credit_bytes` while the file has few chunks
         in flight and the bytes pass admission (no await)."""
         fs = self.fs
         writes = fs.data.writes
         have = self.granted.get(ino)
         inode = fs.state.inodes.get(ino)
-        if have is None or inode is None or have > CREDIT_BYTES - TOPUP_STEP:
+        full = self.credit_bytes
+        if have is None or inode is None or have > full - min(TOPUP_STEP, full // 4):
             return
         if len(writes.inflight.get(ino, ())) > TOPUP_MAX_INFLIGHT:
             return
-        add = CREDIT_BYTES - have
+        add = full - have
         if fs.space_gate.near or not self._admit(inode, add):
             return
         writes.admitted_bytes += add
