@@ -41,17 +41,13 @@
  */
 
 #define ZDW_CHUNK (4u << 20)             /* staging buffer: one record */
+/* A staging buffer's size: a record and room past it, so that a request can be
+ * read straight into the buffer's tail (zdw_land_begin) while up to a request's
+ * size of the record is still free (1 MiB WRITEs at 3 MiB staged). */
+#define ZDW_BUFSZ (ZDW_CHUNK + (16u << 10))
 #define ZDW_STREAMS 64                   /* streams armed at once */
 #define ZDW_MAX_STAGED (128ull << 20)    /* bytes staged and not taken, all streams */
 #define ZDW_FATTR_SIZE (1u << 3)         /* fuse_setattr_in.valid: FATTR_SIZE */
-
-struct zdp_write_in {
-    uint64_t fh, offset;
-    uint32_t size, write_flags;
-    uint64_t lock_owner;
-    uint32_t flags, padding;
-};
-_Static_assert(sizeof(struct zdp_write_in) == 40, "fuse_write_in");
 
 enum {   /* why a stream ended (zdw_stats order; names in dataplane/cwrites.py) */
     ZW_NOT_SEQUENTIAL, ZW_UNALIGNED, ZW_FLAGS, ZW_NO_CREDIT, ZW_STAGED_FULL,
@@ -73,7 +69,7 @@ struct zdw_out {
 
 struct zdw_stream {
     uint64_t ino, next_off, credit;
-    uint8_t *buf;          /* NULL until a WRITE is staged */
+    uint8_t *buf;          /* NULL until a WRITE is staged or lands (ZDW_BUFSZ) */
     uint64_t buf_off;      /* file offset of buf[0] */
     uint32_t buf_len;
     int used;
@@ -88,6 +84,7 @@ static uint64_t zdw_staged;                          /* zdw_lock */
 static int zdw_efd = -1;
 static int zdw_on;                                   /* zdw_lock */
 static int zdw_caps_off;    /* dispatcher only: a security.capability was set */
+static uint64_t zdw_last_ino;   /* zdw_lock: the file of the last WRITE taken */
 
 /* Staging buffers given back by Python (zdw_free), kept for the next record: a
  * buffer freshly allocated each time was memory the kernel faulted in and zeroed
@@ -98,6 +95,13 @@ static int zdw_caps_off;    /* dispatcher only: a security.capability was set */
 static pthread_mutex_t zdw_pool_lock = PTHREAD_MUTEX_INITIALIZER;
 static uint8_t *zdw_pool[ZDW_POOL];                  /* zdw_pool_lock */
 static int zdw_npool;                                /* zdw_pool_lock */
+/* The buffer a read of /dev/fuse may be writing into (zdw_land_begin to
+ * zdw_land_end): pinned, neither freed nor pooled until then. A stream ended
+ * meanwhile hands it to Python (whose zdw_free waits for the pin) or, still
+ * empty, leaves it to zdw_land_end (orphan). */
+static uint8_t *zdw_landing;                         /* zdw_pool_lock */
+static int zdw_landing_orphan;                       /* zdw_pool_lock */
+static pthread_cond_t zdw_landing_cv = PTHREAD_COND_INITIALIZER;
 
 static uint8_t *zdw_buf_get(void)
 {
@@ -106,12 +110,33 @@ static uint8_t *zdw_buf_get(void)
     if (zdw_npool > 0)
         b = zdw_pool[--zdw_npool];
     pthread_mutex_unlock(&zdw_pool_lock);
-    return b != NULL ? b : aligned_alloc(4096, ZDW_CHUNK);
+    return b != NULL ? b : aligned_alloc(4096, ZDW_BUFSZ);
+}
+
+/* Caller holds zdw_pool_lock: keep `b` for the next record, or free it. */
+static void zdw_buf_put_locked(uint8_t *b)
+{
+    if (zdw_npool < ZDW_POOL)
+        zdw_pool[zdw_npool++] = b;
+    else
+        free(b);
+}
+
+/* An empty staging buffer of an ending stream (never waits: zdw_lock may be held). */
+static void zdw_buf_drop(uint8_t *b)
+{
+    pthread_mutex_lock(&zdw_pool_lock);
+    if (b == zdw_landing)
+        zdw_landing_orphan = 1;
+    else
+        zdw_buf_put_locked(b);
+    pthread_mutex_unlock(&zdw_pool_lock);
 }
 
 static uint64_t zdw_served, zdw_served_bytes, zdw_records, zdw_partials, zdw_arms;
 static uint64_t zdw_ended[ZW_NREASONS];
 static uint64_t zdw_caps_probes;
+static uint64_t zdw_in_place;   /* WRITEs whose payload was read into its staging buffer */
 
 static void zdw_append_locked(struct zdw_rec *r)
 {
@@ -149,6 +174,10 @@ static int zdw_push_locked(struct zdw_stream *st)
 static void zdw_end_locked(struct zdw_stream *st, int reason)
 {
     struct zdw_rec *r = st->endrec;
+    if (st->buf != NULL && st->buf_len == 0) {   /* given for a read to land in */
+        zdw_buf_drop(st->buf);
+        st->buf = NULL;
+    }
     if (zdw_push_locked(st) < 0) {
         *r = (struct zdw_rec){NULL, st->ino, st->buf_off, st->buf_len, st->credit, st->buf, 1};
     } else {
@@ -188,7 +217,10 @@ static int zdw_stage_locked(struct zdw_stream *st, uint64_t off, const uint8_t *
             st->buf_len = 0;
         }
         n = ZDW_CHUNK - st->buf_len < size ? ZDW_CHUNK - st->buf_len : size;
-        memcpy(st->buf + st->buf_len, data, n);
+        if (data != st->buf + st->buf_len)   /* else it was read there (zdw_land_begin) */
+            memcpy(st->buf + st->buf_len, data, n);
+        else
+            BUMP(zdw_in_place, 1);
         st->buf_len += n;
         st->next_off += n;
         st->credit -= n;
@@ -235,7 +267,7 @@ static int zdw_caps_probe(const struct zdp_in_header *in, const uint8_t *body, s
  * stream rules of the header comment. `mut`: the inode the request may change
  * (zdp_mutated_ino). */
 static int zdw_request(const struct zdp_in_header *in, const uint8_t *body, size_t blen,
-                       uint64_t mut)
+                       const uint8_t *payload, uint64_t mut)
 {
     struct zdw_stream *st;
     int reason = -1;
@@ -274,13 +306,15 @@ static int zdw_request(const struct zdp_in_header *in, const uint8_t *body, size
             reason = ZW_NO_CREDIT;
         else if (zdw_staged + w->size > ZDW_MAX_STAGED)
             reason = ZW_STAGED_FULL;
-        else if (zdw_stage_locked(st, w->offset, body + sizeof *w, w->size) < 0)
+        else if (zdw_stage_locked(st, w->offset, payload ? payload : body + sizeof *w,
+                                  w->size) < 0)
             reason = ZW_NO_MEMORY;
         if (reason >= 0) {
             zdw_end_locked(st, reason);
             pthread_mutex_unlock(&zdw_lock);
             return 0;
         }
+        zdw_last_ino = st->ino;
         pthread_mutex_unlock(&zdw_lock);
         /* The read map is gone since the stream's first WRITE (Python publishes
          * none while a stream is armed); say so again for the one in between. */
@@ -331,6 +365,49 @@ static int zdw_request(const struct zdp_in_header *in, const uint8_t *body, size
 static void zdw_session_start(void)
 {
     zdw_caps_off = 0;
+}
+
+/* Where the next read of /dev/fuse may put what follows a WRITE's arguments: the
+ * tail of the staging buffer of the stream that took the last WRITE (given one
+ * if it has none), when `want` bytes fit there; NULL otherwise. The buffer is
+ * pinned until zdw_land_end; *ino is the stream's file. Dispatcher only. */
+static uint8_t *zdw_land_begin(size_t want, uint64_t *ino)
+{
+    struct zdw_stream *st;
+    uint8_t *tail = NULL;
+    pthread_mutex_lock(&zdw_lock);
+    st = zdw_find_locked(zdw_last_ino);
+    if (st == NULL) {
+        int i;
+        for (i = 0; i < ZDW_STREAMS && st == NULL; i++)
+            if (zdw_streams[i].used)
+                st = &zdw_streams[i];
+    }
+    if (st != NULL && st->buf == NULL && (st->buf = zdw_buf_get()) != NULL) {
+        st->buf_off = st->next_off;
+        st->buf_len = 0;
+    }
+    if (st != NULL && st->buf != NULL && ZDW_BUFSZ - st->buf_len >= want) {
+        tail = st->buf + st->buf_len;
+        *ino = st->ino;
+        pthread_mutex_lock(&zdw_pool_lock);
+        zdw_landing = st->buf;
+        pthread_mutex_unlock(&zdw_pool_lock);
+    }
+    pthread_mutex_unlock(&zdw_lock);
+    return tail;
+}
+
+/* The read that zdw_land_begin prepared is done with: unpin its buffer. */
+static void zdw_land_end(void)
+{
+    pthread_mutex_lock(&zdw_pool_lock);
+    if (zdw_landing_orphan)
+        zdw_buf_put_locked(zdw_landing);
+    zdw_landing_orphan = 0;
+    zdw_landing = NULL;
+    pthread_cond_broadcast(&zdw_landing_cv);
+    pthread_mutex_unlock(&zdw_pool_lock);
 }
 
 /* ---- Python's side -------------------------------------------------------------- */
@@ -456,12 +533,10 @@ void zdw_free(void *mem)
     if (mem == NULL)
         return;
     pthread_mutex_lock(&zdw_pool_lock);
-    if (zdw_npool < ZDW_POOL) {
-        zdw_pool[zdw_npool++] = mem;
-        mem = NULL;
-    }
+    while (mem == zdw_landing)   /* a read of /dev/fuse may still write past the record */
+        pthread_cond_wait(&zdw_landing_cv, &zdw_pool_lock);
+    zdw_buf_put_locked(mem);
     pthread_mutex_unlock(&zdw_pool_lock);
-    free(mem);
 }
 
 /* End every stream (the serve ends, or C writes are switched off): no WRITE is
@@ -478,7 +553,8 @@ void zdw_close(void)
 }
 
 /* out: served WRITEs, their bytes, records queued, partial flushes, arms, bytes
- * staged now, capability probes answered, then ZW_NREASONS stream ends. */
+ * staged now, capability probes answered, then ZW_NREASONS stream ends, then the
+ * WRITEs read straight into their staging buffer. */
 int zdw_stats(uint64_t *out, int max)
 {
     int i, n = 0;
@@ -496,6 +572,7 @@ int zdw_stats(uint64_t *out, int max)
     PUT(LOAD(zdw_caps_probes));
     for (i = 0; i < ZW_NREASONS; i++)
         PUT(LOAD(zdw_ended[i]));
+    PUT(LOAD(zdw_in_place));
 #undef PUT
     return n < max ? n : max;
 }

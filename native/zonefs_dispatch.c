@@ -109,7 +109,14 @@ struct zdp_open_in {
 struct zdp_copy_in {
     uint64_t fh_in, off_in, nodeid_out, fh_out, off_out, len, flags;
 };
+struct zdp_write_in {
+    uint64_t fh, offset;
+    uint32_t size, write_flags;
+    uint64_t lock_owner;
+    uint32_t flags, padding;
+};
 _Static_assert(sizeof(struct zdp_in_header) == 40, "fuse_in_header");
+_Static_assert(sizeof(struct zdp_write_in) == 40, "fuse_write_in");
 _Static_assert(sizeof(struct zdp_out_header) == 16, "fuse_out_header");
 _Static_assert(sizeof(struct zdp_read_in) == 40, "fuse_read_in");
 
@@ -565,9 +572,17 @@ static void zdp_enqueue(void *mem, size_t size, uint64_t seq);
 static void *zdp_buf_get(void);
 /* The write streams (native/zonefs_cwrite.c, compiled after this file). */
 static int zdw_request(const struct zdp_in_header *in, const uint8_t *body, size_t blen,
+                       const uint8_t *payload,
                        uint64_t mut);
 void zdw_close(void);
 static void zdw_session_start(void);
+static int zdw_nstreams;   /* streams armed (zonefs_cwrite.c; read here as a hint) */
+static uint8_t *zdw_land_begin(size_t want, uint64_t *ino);
+static void zdw_land_end(void);
+/* A WRITE read with its payload left in a stream's staging buffer (zdp_read_one):
+ * the request's buffer and where the payload is (dispatcher only). */
+static const void *zdp_landed_mem;
+static const uint8_t *zdp_landed;
 
 /* Answer a request with -err here, for a request that cannot be handed on (no
  * memory to queue it): every request gets an answer, an error rather than none.
@@ -934,22 +949,55 @@ static void zdp_end(int err)
 }
 
 /* Read one request: 1 read (into *mem, size *n), 0 none now (EAGAIN), -1 the
- * session ended (zdp_end called). */
+ * session ended (zdp_end called).
+ *
+ * While C write streams are armed, the read lands in two pieces (readv): the
+ * header and the WRITE arguments into *mem, the rest straight into the tail of
+ * the last stream's staging buffer (zdw_land_begin), so that a WRITE C takes
+ * costs no copy on this thread. Anything else read that way (another file's
+ * WRITE, a request with a longer body) is copied back behind its header at
+ * once; a WRITE of the stream's file is left there for zdp_handle
+ * (zdp_landed), and the buffer stays pinned until then. */
 static int zdp_read_one(void **mem, ssize_t *n)
 {
+    const size_t head = sizeof(struct zdp_in_header) + sizeof(struct zdp_write_in);
     for (;;) {
+        uint8_t *land = NULL;
+        uint64_t land_ino = 0;
         if (*mem == NULL && (*mem = zdp_buf_get()) == NULL) {
             zdp_end(-ENOMEM);
             return -1;
         }
-        *n = read(zdp_fd, *mem, ZDP_BUFSZ);
+        if (__atomic_load_n(&zdw_nstreams, __ATOMIC_RELAXED) > 0)
+            land = zdw_land_begin(ZDP_BUFSZ - head, &land_ino);
+        if (land != NULL) {
+            struct iovec iov[2] = {{*mem, head}, {land, ZDP_BUFSZ - head}};
+            *n = readv(zdp_fd, iov, 2);
+        } else {
+            *n = read(zdp_fd, *mem, ZDP_BUFSZ);
+        }
         if (*n >= 0) {
             if ((size_t)*n < sizeof(struct zdp_in_header)) {
+                if (land != NULL)
+                    zdw_land_end();
                 zdp_end(-EIO);
                 return -1;
             }
+            if (land != NULL) {
+                const struct zdp_in_header *in = *mem;
+                if ((size_t)*n > head && in->opcode == ZOP_WRITE && in->nodeid == land_ino) {
+                    zdp_landed_mem = *mem;
+                    zdp_landed = land;
+                } else {
+                    if ((size_t)*n > head)
+                        memcpy((uint8_t *)*mem + head, land, (size_t)*n - head);
+                    zdw_land_end();
+                }
+            }
             return 1;
         }
+        if (land != NULL)
+            zdw_land_end();
         if (errno == EAGAIN)
             return 0;
         if (errno == EINTR || errno == ENOENT)   /* ENOENT: interrupted before we read it */
@@ -968,8 +1016,21 @@ static int zdp_handle(void *mem, ssize_t n, int alone)
     uint64_t t0 = zdp_now_ns(), seq = ++zdp_seq, ino;
     const uint8_t *body = (uint8_t *)mem + sizeof *in;
     size_t blen = (size_t)n - sizeof *in;
+    const uint8_t *payload = NULL;
+    int staged;
     ino = zdp_mutated_ino(in, body, blen);
-    if (zdw_request(in, body, blen, ino))   /* a WRITE staged, a probe answered */
+    if (zdp_landed_mem == mem) {   /* its payload is in a staging buffer (zdp_read_one) */
+        payload = zdp_landed;
+        zdp_landed_mem = NULL;
+    }
+    staged = zdw_request(in, body, blen, payload, ino);   /* a WRITE staged, a probe answered */
+    if (payload != NULL) {
+        if (!staged)   /* handed on: the payload goes back behind its arguments */
+            memcpy((uint8_t *)mem + sizeof *in + sizeof(struct zdp_write_in), payload,
+                   (size_t)n - sizeof *in - sizeof(struct zdp_write_in));
+        zdw_land_end();
+    }
+    if (staged)
         return 0;
     if (in->opcode == ZOP_READ && blen >= sizeof(struct zdp_read_in)
             && zdp_take_read(in, (const void *)body, t0, seq, alone))

@@ -206,6 +206,9 @@ def _dataplane_families(doc: dict[str, Any]) -> Iterator[Metric]:
                               "(DESIGN 4.11; since mount).", value=_num(writes.get("writes_c")))
     yield CounterMetricFamily("zonefs_c_write_bytes", "Bytes of WRITEs taken in C.",
                               value=_num(writes.get("writes_c_bytes")))
+    yield CounterMetricFamily("zonefs_c_writes_in_place", "WRITEs taken in C whose payload "
+                              "was read from /dev/fuse straight into its staging buffer.",
+                              value=_num(writes.get("writes_c_in_place")))
     ended = CounterMetricFamily("zonefs_c_write_streams_ended",
                                 "C write streams ended (the next WRITE of the file goes "
                                 "to Python), by reason.", labels=["reason"])

@@ -198,11 +198,9 @@ async def test_bytes_staged_in_c_that_cannot_be_written_fail_the_next_fsync_or_c
             for z in range(sb.data_first_zone, sb.data_first_zone + sb.data_zone_count):
                 dev.faults.fail_writes(z)
             assert streams.stage(ino, data(34, 512 * KiB))
+            report = fs.fsync(fh, False) if reported_by == "fsync" else fs.flush(fh)
             with pytest.raises(errors.IOFailure):
-                if reported_by == "fsync":
-                    await fs.fsync(fh, False)
-                else:
-                    await fs.flush(fh)
+                await report
         finally:
             streams.close()
             await fs.release(fh)

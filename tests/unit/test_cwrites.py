@@ -14,6 +14,7 @@ import errno
 import select
 import socket
 import struct
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -270,3 +271,129 @@ def test_nothing_is_taken_for_a_file_without_a_stream(streams: tuple[Dispatcher,
     d.send(_write(1, INO, 0, _blocks(1, 1)))
     assert d.handed()[:2] == (OP_WRITE, 1)
     assert _take() == []
+
+
+def _handed_whole(d: Dispatcher) -> bytes:
+    """The next request handed on, all of it (Dispatcher.handed keeps 4 KiB)."""
+    out = ext.ffi.new("uint8_t[]", (1 << 20) + 8192)
+    seq = ext.ffi.new("uint64_t *")
+    while True:
+        n = ext.lib.zdp_test_take(out, len(out), seq)
+        if n > 0:
+            return ext.ffi.buffer(out, n)[:]
+        assert n == 0, "the session ended"
+        assert select.select([ext.lib.zdp_test_qfd()], [], [], 10)[0], "nothing handed on"
+
+
+def test_requests_read_into_a_staging_buffer_reach_python_whole(
+        streams: tuple[Dispatcher, int]) -> None:
+    """While a stream is armed, what follows a request's first 80 bytes is read into
+    the stream's staging buffer (zdp_read_one): the stream's WRITEs stay there
+    (no copy), and anything handed on gets its bytes back behind its header: another
+    file's WRITE, a long GETXATTR name, a WRITE of the file that ends the stream."""
+    d, _efd = streams
+    d.sock.setsockopt(socket.SOL_SOCKET, SO_SNDBUFFORCE, 8 << 20)
+    before = c_stats()["writes_c_in_place"]
+    assert ext.lib.zdw_arm(INO, 0, 2 * CHUNK) == 0
+    mib = 1 << 20
+    first = _blocks(256, 1)
+    d.send(_write(1, INO, 0, first))
+    _staged_reply(d, 1, mib)
+    other = _write(2, INO + 1, 0, _blocks(256, 7))
+    d.send(other)
+    assert _handed_whole(d) == other
+    name = _getxattr(3, INO, b"user." + b"n" * 200)
+    d.send(name)
+    assert _handed_whole(d) == name
+    second = _blocks(200, 3)
+    d.send(_write(4, INO, mib, second))
+    _staged_reply(d, 4, len(second))
+    gap = _write(5, INO, 3 * mib, _blocks(256, 5))
+    d.send(gap)
+    assert _handed_whole(d) == gap
+    # (the GETXATTR of the file queued what was staged before it)
+    assert _take() == [("data", INO, 0, first, 0, ""), ("data", INO, mib, second, 0, ""),
+                       ("end", INO, 0, b"", 2 * CHUNK - mib - len(second), "not_sequential")]
+    assert c_stats()["writes_c_in_place"] - before == 2
+
+
+def test_a_stream_ended_with_an_empty_buffer_gives_it_back(
+        streams: tuple[Dispatcher, int]) -> None:
+    """A stream is given a staging buffer before its next WRITE arrives (for the read
+    to land in); ended before one does, it queues no data, only its end."""
+    d, _efd = streams
+    assert ext.lib.zdw_arm(INO, 0, 16 * BS) == 0
+    d.send(_write(1, INO, 0, _blocks(2, 1)))
+    _staged_reply(d, 1, 2 * BS)
+    d.send(_req(OP_GETATTR, 2, INO))  # the staged bytes go: the stream's buffer with them
+    assert d.handed()[:2] == (OP_GETATTR, 2)
+    d.send(_req(OP_GETATTR, 3, INO + 1))  # a read with the stream armed: a new buffer
+    assert d.handed()[:2] == (OP_GETATTR, 3)
+    assert ext.lib.zdw_end(INO) == 0
+    assert _take() == [("data", INO, 0, _blocks(2, 1), 0, ""),
+                       ("end", INO, 0, b"", 14 * BS, "python_change")]
+
+
+def _handed_now() -> bytes | None:
+    out = ext.ffi.new("uint8_t[]", 64 << 10)
+    seq = ext.ffi.new("uint64_t *")
+    n = ext.lib.zdp_test_take(out, len(out), seq)
+    return ext.ffi.buffer(out, n)[:] if n > 0 else None
+
+
+def test_streams_ended_and_freed_by_python_while_requests_land(
+        streams: tuple[Dispatcher, int]) -> None:
+    """Python ends streams, arms them again and frees what it took on its own thread
+    while the dispatcher reads WRITEs into their buffers (the pin of zdw_land_begin,
+    an empty buffer orphaned mid-read): every WRITE is answered in C or handed on,
+    and the staged and handed bytes together are the file, each block once."""
+    d, _efd = streams
+    blocks = 3000
+    content = {i: _blocks(1, i) for i in range(blocks)}
+    got: dict[int, bytes] = {}
+    stop = threading.Event()
+    handed = 0
+    before = c_stats()["writes_c_in_place"]
+
+    def python_side() -> None:
+        # the engine's calls, racing the dispatcher (zdw_end empties a stream whose
+        # buffer a read may be landing in; zdw_take + zdw_free give buffers back)
+        while not stop.is_set():
+            ext.lib.zdw_end(INO)
+            for kind, _ino, off, data, _c, _r in _take():
+                if kind == "data":
+                    for k in range(0, len(data), BS):
+                        got[(off + k) // BS] = data[k:k + BS]
+
+    t = threading.Thread(target=python_side)
+    t.start()
+    try:
+        for i in range(blocks):
+            ext.lib.zdw_arm(INO, i * BS, 64 * BS)  # refused while armed: fine
+            d.send(_write(i + 1, INO, i * BS, content[i]))
+            while True:
+                r, _w, _x = select.select([d.sock, ext.lib.zdp_test_qfd()], [], [], 10)
+                assert r, f"WRITE {i} got no answer and was not handed on"
+                if d.sock in r:
+                    _staged_reply(d, i + 1, BS)
+                    break
+                req = _handed_now()
+                if req is not None:
+                    _len, opcode, unique = IN_HDR.unpack_from(req)[:3]
+                    assert (opcode, unique) == (OP_WRITE, i + 1)
+                    got[i] = req[IN_HDR.size + WRITE_IN.size:]
+                    handed += 1
+                    break
+    finally:
+        stop.set()
+        t.join()
+    ext.lib.zdw_end(INO)
+    for kind, _ino, off, data, _c, _r in _take():
+        if kind == "data":
+            for k in range(0, len(data), BS):
+                got[(off + k) // BS] = data[k:k + BS]
+    assert got == content
+    in_place = c_stats()["writes_c_in_place"] - before
+    print(f"{in_place} WRITEs read into a staging buffer, {handed} handed on")
+    assert in_place > 0, "no WRITE was read into a staging buffer"
+    assert handed > 0, "Python never ended a stream before a WRITE of it"

@@ -159,7 +159,7 @@ def c_stats() -> dict[str, Any]:
     ext = fuseext.extension()
     if ext is None:
         return {}
-    n = 7 + len(END_REASONS)
+    n = 7 + len(END_REASONS) + 1
     raw = ext.ffi.new("uint64_t[]", n)
     got = ext.lib.zdw_stats(raw, n)
     v = [int(raw[i]) for i in range(got)]
@@ -172,7 +172,9 @@ def c_stats() -> dict[str, Any]:
         "streams_armed": arms,
         "staged_bytes": staged,
         "caps_probes_c": probes,
-        "streams_ended": dict(zip(END_REASONS, v[7:], strict=True)),
+        "streams_ended": dict(zip(END_REASONS, v[7:7 + len(END_REASONS)], strict=True)),
+        # of writes_c: read from /dev/fuse straight into the staging buffer (no copy)
+        "writes_c_in_place": v[7 + len(END_REASONS)],
     }
 
 
