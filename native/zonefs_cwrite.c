@@ -5,9 +5,10 @@
  * shard, fio) gets a *stream*, armed by Python after a WRITE it served
  * (zdw_arm: the offset the next WRITE must start at, and a credit of bytes
  * that passed Python's space, quota and tenant admission). While a stream is
- * armed the dispatcher takes that file's WRITEs itself: the payload is copied
- * from the request into the stream's staging buffer (4 MiB, 4096-aligned) and
- * the WRITE answered at once, as Python answers a buffered WRITE (DESIGN 3.6:
+ * armed the dispatcher takes that file's WRITEs itself: the payload is read
+ * into the stream's staging buffer (4 MiB of record, 4096-aligned; straight
+ * from /dev/fuse when it lands there, zdw_land_begin, else copied) and the
+ * WRITE answered at once, as Python answers a buffered WRITE (DESIGN 3.6:
  * a WRITE is not durable until fsync). Full buffers, and the partial one when
  * Python must see the file's bytes, become *records* on one FIFO list that
  * Python takes (zdw_take) and hands to the engine's write pipeline, which

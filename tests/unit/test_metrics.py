@@ -85,11 +85,13 @@ def test_c_reads_and_the_reasons_reads_went_to_python() -> None:
 def test_c_writes_and_why_streams_ended() -> None:
     dp = {"reads_c": 0, "reads_c_bytes": 0, "reads_python": {}, "maps_published": 0,
           "writes": {"writes_c": 40, "writes_c_bytes": 40 << 20, "staged_bytes": 4096,
+                     "writes_c_in_place": 39,
                      "streams_ended": {"no_credit": 2, "other_request": 1},
                      "arm_refused": {"space_low": 3}}}
     got = samples(render({**DOC, "dataplane": dp}))
     assert got[("zonefs_c_writes_total", ())] == 40
     assert got[("zonefs_c_write_bytes_total", ())] == 40 << 20
+    assert got[("zonefs_c_writes_in_place_total", ())] == 39
     assert got[("zonefs_c_write_streams_ended_total", (("reason", "no_credit"),))] == 2
     assert got[("zonefs_c_write_arm_refused_total", (("reason", "space_low"),))] == 3
     assert got[("zonefs_c_write_staged_bytes", ())] == 4096
