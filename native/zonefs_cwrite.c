@@ -371,8 +371,8 @@ static void zdw_session_start(void)
 /* Where the next read of /dev/fuse may put what follows a WRITE's arguments: the
  * tail of the staging buffer of the stream that took the last WRITE (given one
  * if it has none), when `want` bytes fit there; NULL otherwise. The buffer is
- * pinned until zdw_land_end; *ino is the stream's file. Dispatcher only. */
-static uint8_t *zdw_land_begin(size_t want, uint64_t *ino)
+ * pinned until zdw_land_end. Dispatcher only. */
+static uint8_t *zdw_land_begin(size_t want)
 {
     struct zdw_stream *st;
     uint8_t *tail = NULL;
@@ -390,7 +390,6 @@ static uint8_t *zdw_land_begin(size_t want, uint64_t *ino)
     }
     if (st != NULL && st->buf != NULL && ZDW_BUFSZ - st->buf_len >= want) {
         tail = st->buf + st->buf_len;
-        *ino = st->ino;
         pthread_mutex_lock(&zdw_pool_lock);
         zdw_landing = st->buf;
         pthread_mutex_unlock(&zdw_pool_lock);

@@ -577,7 +577,7 @@ static int zdw_request(const struct zdp_in_header *in, const uint8_t *body, size
 void zdw_close(void);
 static void zdw_session_start(void);
 static int zdw_nstreams;   /* streams armed (zonefs_cwrite.c; read here as a hint) */
-static uint8_t *zdw_land_begin(size_t want, uint64_t *ino);
+static uint8_t *zdw_land_begin(size_t want);
 static void zdw_land_end(void);
 /* A WRITE read with its payload left in a stream's staging buffer (zdp_read_one):
  * the request's buffer and where the payload is (dispatcher only). */
@@ -954,22 +954,22 @@ static void zdp_end(int err)
  * While C write streams are armed, the read lands in two pieces (readv): the
  * header and the WRITE arguments into *mem, the rest straight into the tail of
  * the last stream's staging buffer (zdw_land_begin), so that a WRITE C takes
- * costs no copy on this thread. Anything else read that way (another file's
- * WRITE, a request with a longer body) is copied back behind its header at
- * once; a WRITE of the stream's file is left there for zdp_handle
- * (zdp_landed), and the buffer stays pinned until then. */
+ * for that file costs no copy on this thread. Any other request with a longer
+ * body read that way is copied back behind its header at once; a WRITE is left
+ * there for zdp_handle (zdp_landed), with the buffer pinned until then: staged
+ * in place, or copied once into its own stream's buffer (another file's), or
+ * copied back if it is handed on. */
 static int zdp_read_one(void **mem, ssize_t *n)
 {
     const size_t head = sizeof(struct zdp_in_header) + sizeof(struct zdp_write_in);
     for (;;) {
         uint8_t *land = NULL;
-        uint64_t land_ino = 0;
         if (*mem == NULL && (*mem = zdp_buf_get()) == NULL) {
             zdp_end(-ENOMEM);
             return -1;
         }
         if (__atomic_load_n(&zdw_nstreams, __ATOMIC_RELAXED) > 0)
-            land = zdw_land_begin(ZDP_BUFSZ - head, &land_ino);
+            land = zdw_land_begin(ZDP_BUFSZ - head);
         if (land != NULL) {
             struct iovec iov[2] = {{*mem, head}, {land, ZDP_BUFSZ - head}};
             *n = readv(zdp_fd, iov, 2);
@@ -985,7 +985,7 @@ static int zdp_read_one(void **mem, ssize_t *n)
             }
             if (land != NULL) {
                 const struct zdp_in_header *in = *mem;
-                if ((size_t)*n > head && in->opcode == ZOP_WRITE && in->nodeid == land_ino) {
+                if ((size_t)*n > head && in->opcode == ZOP_WRITE) {
                     zdp_landed_mem = *mem;
                     zdp_landed = land;
                 } else {

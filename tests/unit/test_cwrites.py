@@ -397,3 +397,30 @@ def test_streams_ended_and_freed_by_python_while_requests_land(
     print(f"{in_place} WRITEs read into a staging buffer, {handed} handed on")
     assert in_place > 0, "no WRITE was read into a staging buffer"
     assert handed > 0, "Python never ended a stream before a WRITE of it"
+
+
+def test_two_streams_written_in_turn_keep_their_own_bytes(
+        streams: tuple[Dispatcher, int]) -> None:
+    """Two files' WRITEs in turn (two ranks' shards): each is read into the tail of
+    the buffer of the stream that took the last WRITE, the other file's, and
+    staged from there into its own; both files come out whole and in order."""
+    d, _efd = streams
+    a, b = INO, INO + 1
+    assert ext.lib.zdw_arm(a, 0, 64 * BS) == 0
+    assert ext.lib.zdw_arm(b, 0, 64 * BS) == 0
+    want: dict[int, bytes] = {a: b"", b: b""}
+    for i in range(12):
+        for ino in (a, b):
+            data = _blocks(2, 7 * i + ino)
+            d.send(_write(100 + 2 * i + (ino - a), ino, len(want[ino]), data))
+            _staged_reply(d, 100 + 2 * i + (ino - a), len(data))
+            want[ino] += data
+    for u, ino in enumerate((a, b)):
+        d.send(_req(OP_GETATTR, 200 + u, ino))
+        assert d.handed()[:2] == (OP_GETATTR, 200 + u)
+    got: dict[int, bytes] = {a: b"", b: b""}
+    for kind, ino, off, data, _c, _r in _take():
+        assert kind == "data"
+        assert off == len(got[ino])
+        got[ino] += data
+    assert got == want
