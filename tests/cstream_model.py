@@ -11,6 +11,9 @@ engine's side of C writes on the emulator's hooks. Importable as
 
 from __future__ import annotations
 
+import os
+
+from zonefs_py.fs.api import ROOT_INO, Ctx
 from zonefs_py.fs.cstreams import CStreamEngine
 from zonefs_py.fs.filesystem import ZoneFS
 
@@ -85,3 +88,21 @@ def attach_model_streams(fs: ZoneFS, credit: int) -> ModelStreams:
     fs.data.writes.before_change = engine.before_change
     fs.data.writes.after_chunk = engine.after_chunk
     return streams
+
+
+async def create_armed(fs: ZoneFS, name: bytes, first: bytes, ctx: Ctx, *,
+                       credit: int) -> tuple[ModelStreams, int, int]:
+    """Model streams wired in, then root's `name` created and `first` (a chunk or
+    more) written to it through Python, which arms its stream; (streams, fh, ino).
+    The handle is released again if the write fails (a power cut in a sweep)."""
+    streams = attach_model_streams(fs, credit)
+    fh, attr = await fs.create(ROOT_INO, name, 0o644, os.O_WRONLY, ctx)
+    fs.forget([(attr.ino, 1)])
+    try:
+        await fs.write(fh, 0, first)
+    except BaseException:
+        streams.close()
+        await fs.release(fh)
+        raise
+    assert streams.armed(attr.ino), "a whole-chunk write at the end arms the stream"
+    return streams, fh, attr.ino

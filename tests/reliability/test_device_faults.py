@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
-from cstream_model import ModelStreams, attach_model_streams
+from cstream_model import ModelStreams, create_armed
 from helpers import CTX, OPTIONS, KiB, MiB, fsck_findings, new_image, read_file, write_file
 
 from zonefs_py import errors
@@ -144,13 +144,9 @@ async def test_every_zone_failing_writes_is_eio_and_consistent(image: Path) -> N
 async def _armed_file(fs: ZoneFS, name: bytes, first: bytes) -> tuple[int, int, ModelStreams]:
     """A file whose C write stream is armed (ModelStreams: the C side modelled) after
     `first` was written and fsynced through Python; (fh, ino, streams)."""
-    streams = attach_model_streams(fs, credit=3 * MiB)
-    fh, attr = await fs.create(ROOT_INO, name, 0o644, os.O_WRONLY, CTX)
-    fs.forget([(attr.ino, 1)])
-    await fs.write(fh, 0, first)
+    streams, fh, ino = await create_armed(fs, name, first, CTX, credit=3 * MiB)
     await fs.fsync(fh, False)
-    assert streams.armed(attr.ino), "a whole-chunk write at the end arms the stream"
-    return fh, attr.ino, streams
+    return fh, ino, streams
 
 
 @pytest.mark.expect_log(

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import trio
 from crashlib import TEST_DISK_VERSION
-from cstream_model import attach_model_streams
+from cstream_model import create_armed
 from engine_helpers import (
     CTX,
     SMALL,
@@ -767,13 +767,10 @@ async def c_write_stream(fs: ZoneFS, t: Tracker) -> None:
     acknowledged by it); an unaligned overwrite through Python, which ends the
     stream and must land after every staged byte; a re-armed stream cut short by
     a truncate into its staged bytes; staged bytes never fsynced."""
-    streams = attach_model_streams(fs, credit=3 * MiB)
     content = bytearray(pattern(200, MiB))
     t.expect("/ckpt", b"")
     t.expect("/ckpt", bytes(content))
-    fh, attr = await fs.create(ROOT_INO, b"ckpt", 0o644, os.O_WRONLY, CTX)
-    fs.forget([(attr.ino, 1)])
-    ino = attr.ino
+    streams, fh, ino = await create_armed(fs, b"ckpt", bytes(content), CTX, credit=3 * MiB)
 
     async def python_write(off: int, data: bytes) -> None:
         content[off:off + len(data)] = data
@@ -787,8 +784,6 @@ async def c_write_stream(fs: ZoneFS, t: Tracker) -> None:
         assert streams.stage(ino, data), "the model stream refused a record"
 
     try:
-        await fs.write(fh, 0, bytes(content))
-        assert streams.armed(ino), "a whole-chunk write at the end arms the stream"
         c_write(201, MiB)
         c_write(202, 512 * KiB)
         await fs.fsync(fh, False)
@@ -834,16 +829,11 @@ async def c_write_during_cleaning(fs: ZoneFS, t: Tracker) -> None:
     t.ack("/k1")
     victim = fs.cleaner.pick_victim()
     assert victim is not None, "the scenario must leave a zone worth cleaning"
-    streams = attach_model_streams(fs, credit=3 * MiB)
     content = bytearray(pattern(215, MiB))
     t.expect("/ckpt", b"")
     t.expect("/ckpt", bytes(content))
-    fh, attr = await fs.create(ROOT_INO, b"ckpt", 0o644, os.O_WRONLY, CTX)
-    fs.forget([(attr.ino, 1)])
+    streams, fh, ino = await create_armed(fs, b"ckpt", bytes(content), CTX, credit=3 * MiB)
     try:
-        await fs.write(fh, 0, bytes(content))
-        assert streams.armed(attr.ino)
-
         async def clean() -> None:
             assert await fs.cleaner.clean_zone(victim.zone_idx, throttle=False) > 0
 
@@ -854,7 +844,7 @@ async def c_write_during_cleaning(fs: ZoneFS, t: Tracker) -> None:
                 data = pattern(seed, 512 * KiB)
                 content.extend(data)
                 t.expect("/ckpt", bytes(content))
-                assert streams.stage(attr.ino, data), "the model stream refused a record"
+                assert streams.stage(ino, data), "the model stream refused a record"
         await fs.fsync(fh, False)
         t.ack("/ckpt")
         await fs.reclaim.commit_and_reset()
