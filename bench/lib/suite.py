@@ -21,7 +21,7 @@ from typing import Any
 
 from . import profile, torch_jobs, tree, workloads
 from .contenders import Contender
-from .util import BenchError, summarize
+from .util import BenchError, prewarm_memory, summarize
 from .workloads import Config, SkipWorkload
 
 
@@ -119,6 +119,7 @@ def _run_one(workload: Workload, contender: Contender, cfg: Config) -> dict[str,
     reason = contender.unsupported.get(workload.name)
     if reason:
         return {"_skipped": reason}
+    prewarm_memory(cfg.prewarm_gib)
     stats_before = contender.fs_stats() if cfg.zonefs_stats else None
     cpu_before = contender.daemon_cpu_s()
     started = time.perf_counter()

@@ -60,6 +60,9 @@ class Config:
     paced_read_iops: int = 0
     #: `--profile DIR`: py-spy flame graphs of the FUSE servers per workload (bench/lib/profile.py).
     profile_dir: str = ""
+    #: `--prewarm-gib N`: fresh memory touched right before each workload
+    #: (bench/lib/util.py `prewarm_memory`); 0 = none.
+    prewarm_gib: float = 0.0
 
     @classmethod
     def full(cls) -> Config:
